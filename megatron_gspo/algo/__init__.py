@@ -1,0 +1,39 @@
+"""Pure numerics of the RL update: advantages, policy losses, importance correction, log-probs.
+
+Functions of tensors only (torch and torch.distributed; process groups are passed in
+explicitly). Nothing here imports Megatron, so all of it is testable on CPU.
+"""
+
+from megatron_gspo.algo.advantages import group_advantages, token_advantages
+from megatron_gspo.algo.correction import tis_sequence_weights, tis_token_weights
+from megatron_gspo.algo.logprobs import vocab_parallel_logprobs
+from megatron_gspo.algo.losses import (
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    PolicyLossFn,
+    PolicyLossInputs,
+    cp_seq_sum,
+    grpo_loss,
+    gspo_loss,
+    gspo_token_loss,
+    identity_seq_sum,
+    policy_loss,
+)
+
+__all__ = [
+    "POLICY_LOSSES",
+    "PolicyLossConfig",
+    "PolicyLossFn",
+    "PolicyLossInputs",
+    "cp_seq_sum",
+    "group_advantages",
+    "grpo_loss",
+    "gspo_loss",
+    "gspo_token_loss",
+    "identity_seq_sum",
+    "policy_loss",
+    "tis_sequence_weights",
+    "tis_token_weights",
+    "token_advantages",
+    "vocab_parallel_logprobs",
+]
