@@ -12,17 +12,20 @@ under it; `field_docs()` reads them back for `--help`-style listings), and every
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import difflib
-import inspect
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from megatron_gspo.config_io import (
+    ConfigError,
+    apply_override,
+    build_dataclass,
+    field_docs,
+    require,
+)
 
 __all__ = [
     "CheckpointConfig",
@@ -46,8 +49,8 @@ __all__ = [
 
 Algorithm = Literal["gspo", "gspo_token", "grpo"]
 
-# Paper defaults (Zheng et al. 2025, arXiv 2507.18071, section 5.1): sequence-level ratios live in a
-# band two orders of magnitude narrower than GRPO's token-level ones.
+# The GSPO paper's settings (Zheng et al. 2025, arXiv 2507.18071): sequence-level ratios live in
+# a band two orders of magnitude narrower than GRPO's token-level ones.
 DEFAULT_EPS: dict[str, tuple[float, float]] = {
     "gspo": (3e-4, 4e-4),
     "gspo_token": (3e-4, 4e-4),
@@ -55,13 +58,7 @@ DEFAULT_EPS: dict[str, tuple[float, float]] = {
 }
 
 
-class ConfigError(ValueError):
-    """An invalid configuration; the message names the key to change."""
-
-
-def _require(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
+_require = require
 
 
 def _positive(section: str, **values: float | int | None) -> None:
@@ -175,11 +172,11 @@ class ParallelConfig:
             "parallel.cp (or the number of ranks)",
         )
         dp = world_size // model_grid
-        _require(
-            self.dp is None or self.dp == dp,
-            f"parallel.tp*pp*cp*dp = {model_grid}*{self.dp} = {model_grid * self.dp} != world "
-            f"size {world_size}; change parallel.dp (to {dp} or null)",
-        )
+        if self.dp is not None and self.dp != dp:
+            raise ConfigError(
+                f"parallel.tp*pp*cp*dp = {model_grid}*{self.dp} = {model_grid * self.dp} != world "
+                f"size {world_size}; change parallel.dp (to {dp} or null)"
+            )
         if num_experts is None:
             _require(
                 self.ep == 1 and self.etp in (None, 1, self.tp),
@@ -264,14 +261,14 @@ class GspoConfig:
     """The policy-gradient algorithm (GSPO: arXiv 2507.18071; GRPO: arXiv 2402.03300)."""
 
     algorithm: Algorithm = "gspo"
-    """gspo (sequence-level ratio), gspo_token (per-token advantages, GSPO paper eq. 7-8) or
+    """gspo (sequence-level ratio), gspo_token (per-token advantages, GSPO paper) or
     grpo (token-level ratio baseline)."""
     eps_low: float | None = None
     """Lower clip range: ratios below 1 - eps_low are clipped. None: 3e-4 for gspo/gspo_token,
-    0.2 for grpo (GSPO paper section 5.1)."""
+    0.2 for grpo (the GSPO paper's settings)."""
     eps_high: float | None = None
     """Upper clip range: ratios above 1 + eps_high are clipped. None: 4e-4 for gspo/gspo_token,
-    0.27 for grpo (GSPO paper section 5.1)."""
+    0.27 for grpo (the GSPO paper's settings)."""
     group_size: int = 8
     """G: responses sampled per prompt (advantages are relative within a group)."""
     prompts_per_rollout: int = 32
@@ -570,155 +567,13 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------
-# dict -> dataclasses, with typed coercion and "did you mean" on unknown keys
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check / convert one YAML value against a field type; raise ConfigError naming `key`."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        errors = []
-        for arm in typing.get_args(tp):
-            if arm is type(None):
-                continue
-            try:
-                return _coerce(value, arm, key)
-            except ConfigError as e:
-                errors.append(_type_name(arm))
-                last = e
-        if len(errors) == 1:
-            raise last
-        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(errors)}; change {key}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        _require(
-            value in allowed,
-            f"{key}={value!r} is not one of {' | '.join(map(str, allowed))}; change {key}",
-        )
-        return value
-    if origin is list:
-        _require(isinstance(value, list), f"{key}={value!r} must be a list; change {key}")
-        (item_tp,) = typing.get_args(tp)
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        _require(isinstance(value, dict), f"{key} must be a mapping, got {value!r}")
-        return _build(tp, value, key)
-    if tp is bool:
-        _require(isinstance(value, bool), f"{key}={value!r} must be true or false; change {key}")
-        return value
-    if tp is int:
-        _require(
-            isinstance(value, int) and not isinstance(value, bool),
-            f"{key}={value!r} must be an integer; change {key}",
-        )
-        return value
-    if tp is float:
-        # YAML 1.1 reads "3e-4" (no dot, unsigned exponent) as a string; accept it as a float.
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        _require(
-            isinstance(value, int | float) and not isinstance(value, bool),
-            f"{key}={value!r} must be a number; change {key}",
-        )
-        return float(value)
-    if tp is str:
-        _require(isinstance(value, str), f"{key}={value!r} must be a string; change {key}")
-        return value
-    raise TypeError(f"unsupported config field type {tp!r} at {key}")  # a bug in this module
-
-
-def _suggest(name: str, options: list[str], prefix: str = "") -> str:
-    """A "did you mean" hint naming the full dotted key of the closest valid field."""
-    dot = f"{prefix}." if prefix else ""
-    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    if close:
-        return f"; did you mean {dot + close[0]!r}?"
-    return f"; valid keys under {prefix or 'the top level'}: {', '.join(options)}"
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else str(name)
-        if name not in fields:
-            raise ConfigError(
-                f"unknown config key {key!r}" + _suggest(str(name), list(fields), prefix)
-            )
-        kwargs[name] = _coerce(value, hints[name], key)
-    for name, f in fields.items():
-        if (
-            name not in kwargs
-            and f.default is dataclasses.MISSING
-            and f.default_factory is dataclasses.MISSING
-        ):
-            key = f"{prefix}.{name}" if prefix else name
-            raise ConfigError(f"missing required config key {key!r}; set {key}")
-    return cls(**kwargs)
+# loading, overrides, dumping
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a `Config` from a nested dict (e.g. parsed YAML)."""
     _require(isinstance(data, dict), f"the config must be a mapping, got {type(data).__name__}")
-    return _build(Config, data)
-
-
-def _apply_override(data: dict[str, Any], override: str) -> None:
-    """Apply one `a.b=c` override to the raw nested dict, resolving the path against Config."""
-    path, sep, text = override.partition("=")
-    _require(bool(sep and path), f"override {override!r} is not of the form section.key=value")
-    parts = path.strip().split(".")
-    cls: Any = Config
-    node = data
-    for depth, part in enumerate(parts):
-        where = ".".join(parts[:depth])
-        _require(
-            dataclasses.is_dataclass(cls),
-            f"override {override!r}: {where} is not a section; it has no key {part!r}",
-        )
-        names = [f.name for f in dataclasses.fields(cls)]
-        if part not in names:
-            full = ".".join(parts[: depth + 1])
-            raise ConfigError(
-                f"unknown config key {full!r} in --set {override}" + _suggest(part, names, where)
-            )
-        tp = _hints(cls)[part]
-        if depth < len(parts) - 1:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node, cls = child, tp
-    text = text.strip()
-    value = yaml.safe_load(text) if text else ""
-    # A string field keeps the literal text: `--set model.hf_path=007` must not become 7.
-    if _accepts_str_only(tp) and not isinstance(value, str) and value is not None:
-        value = text
-    node[parts[-1]] = value
-
-
-def _accepts_str_only(tp: Any) -> bool:
-    arms = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
-    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
-        arms = [tp]
-    return all(a is str for a in arms)
+    return build_dataclass(Config, data)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -734,7 +589,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         )
         data = loaded or {}
     for ov in overrides:
-        _apply_override(data, ov)
+        apply_override(Config, data, ov)
     return config_from_dict(data)
 
 
@@ -744,23 +599,6 @@ def dump_config(cfg: Config, path: str | Path | None = None) -> str:
     if path is not None:
         Path(path).write_text(text)
     return text
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """Map each field of a config dataclass to its docstring (the string literal under it)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
 
 
 def parse_cli(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
@@ -783,7 +621,10 @@ def parse_cli(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace
 
 
 def _main(argv: list[str] | None = None) -> None:
-    cfg, _ = parse_cli(argv)
+    try:
+        cfg, _ = parse_cli(argv)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
     print(dump_config(cfg), end="")
 
 

@@ -1,0 +1,190 @@
+"""Generic YAML <-> nested-dataclass machinery behind `megatron_gspo.config`.
+
+Knows nothing about the sections themselves: typed coercion of YAML values against field
+annotations, "did you mean" hints on unknown keys (difflib), `a.b=c` overrides resolved against
+the dataclass tree, and field docstrings read back from the source.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+__all__ = ["ConfigError", "apply_override", "build_dataclass", "field_docs", "require"]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the key to change."""
+
+
+def require(ok: bool, msg: str) -> None:
+    """Raise `ConfigError(msg)` unless `ok`."""
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check / convert one YAML value against a field type; raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        errors = []
+        for arm in typing.get_args(tp):
+            if arm is type(None):
+                continue
+            try:
+                return _coerce(value, arm, key)
+            except ConfigError as e:
+                errors.append(_type_name(arm))
+                last = e
+        if len(errors) == 1:
+            raise last
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(errors)}; change {key}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        require(
+            value in allowed,
+            f"{key}={value!r} is not one of {' | '.join(map(str, allowed))}; change {key}",
+        )
+        return value
+    if origin is list:
+        require(isinstance(value, list), f"{key}={value!r} must be a list; change {key}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        require(isinstance(value, dict), f"{key} must be a mapping, got {value!r}")
+        return build_dataclass(tp, value, key)
+    if tp is bool:
+        require(isinstance(value, bool), f"{key}={value!r} must be true or false; change {key}")
+        return value
+    if tp is int:
+        require(
+            isinstance(value, int) and not isinstance(value, bool),
+            f"{key}={value!r} must be an integer; change {key}",
+        )
+        return value
+    if tp is float:
+        # YAML 1.1 reads "3e-4" (no dot, unsigned exponent) as a string; accept it as a float.
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        require(
+            isinstance(value, int | float) and not isinstance(value, bool),
+            f"{key}={value!r} must be a number; change {key}",
+        )
+        return float(value)
+    if tp is str:
+        require(isinstance(value, str), f"{key}={value!r} must be a string; change {key}")
+        return value
+    raise TypeError(f"unsupported config field type {tp!r} at {key}")  # a bug in this module
+
+
+def _suggest(name: str, options: list[str], prefix: str = "") -> str:
+    """A "did you mean" hint naming the full dotted key of the closest valid field."""
+    dot = f"{prefix}." if prefix else ""
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    if close:
+        return f"; did you mean {dot + close[0]!r}?"
+    return f"; valid keys under {prefix or 'the top level'}: {', '.join(options)}"
+
+
+def build_dataclass(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields:
+            raise ConfigError(
+                f"unknown config key {key!r}" + _suggest(str(name), list(fields), prefix)
+            )
+        kwargs[name] = _coerce(value, hints[name], key)
+    for name, f in fields.items():
+        if (
+            name not in kwargs
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ):
+            key = f"{prefix}.{name}" if prefix else name
+            raise ConfigError(f"missing required config key {key!r}; set {key}")
+    return cls(**kwargs)
+
+
+def apply_override(root: type, data: dict[str, Any], override: str) -> None:
+    """Apply one `a.b=c` override to the raw nested dict `data`, resolving the path against the
+    dataclass `root` (unknown keys fail here, with a suggestion)."""
+    path, sep, text = override.partition("=")
+    require(bool(sep and path), f"override {override!r} is not of the form section.key=value")
+    parts = path.strip().split(".")
+    cls: Any = root
+    node = data
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth])
+        require(
+            dataclasses.is_dataclass(cls),
+            f"override {override!r}: {where} is not a section; it has no key {part!r}",
+        )
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            full = ".".join(parts[: depth + 1])
+            raise ConfigError(
+                f"unknown config key {full!r} in --set {override}" + _suggest(part, names, where)
+            )
+        tp = _hints(cls)[part]
+        if depth < len(parts) - 1:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node, cls = child, tp
+    text = text.strip()
+    value = yaml.safe_load(text) if text else ""
+    # A string field keeps the literal text: `--set model.hf_path=007` must not become 7.
+    if _accepts_str_only(tp) and not isinstance(value, str) and value is not None:
+        value = text
+    node[parts[-1]] = value
+
+
+def _accepts_str_only(tp: Any) -> bool:
+    arms = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        arms = [tp]
+    return all(a is str for a in arms)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Map each field of a config dataclass to its docstring (the string literal under it)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
