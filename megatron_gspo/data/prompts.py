@@ -1,0 +1,310 @@
+"""Prompt datasets: JSONL records, chat-template rendering, and a resumable shuffled loader.
+
+Each JSONL line is an object with a prompt string (`prompt_key`) or a chat message list
+(`messages_key`: [{"role": ..., "content": ...}, ...]), plus a ground-truth answer
+(`answer_key`); every other field is kept in `PromptRecord.meta` for the reward.
+
+The order of epoch `e` is a pure function of (seed, e, number of prompts), and the loader's
+position is two integers, so a resumed run sees exactly the prompts an uninterrupted one would:
+
+    loader = PromptLoader(dataset, prompts_per_rollout=32, seed=0)
+    batch = loader.next_batch()          # list[PromptRecord]
+    state = loader.state_dict()          # save with the checkpoint
+    loader.load_state_dict(state)        # ... and continue from there
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DatasetError",
+    "PromptDataset",
+    "PromptLoader",
+    "PromptRecord",
+    "epoch_order",
+    "load_prompt_jsonl",
+    "render_prompt",
+]
+
+
+class DatasetError(ValueError):
+    """A malformed dataset file; the message names the file and line."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PromptRecord:
+    """One prompt of the dataset."""
+
+    index: int
+    """Position in the file (0-based, counting records, not blank lines)."""
+    prompt: str | None = None
+    """Plain prompt text (None when the record is a chat)."""
+    messages: list[dict[str, str]] | None = None
+    """Chat messages (None when the record is plain text)."""
+    answer: Any = None
+    """Ground truth handed to the reward function."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Every other field of the JSONL object."""
+
+    def chat(self, system_prompt: str | None = None) -> list[dict[str, str]]:
+        """The record as a message list (a plain prompt becomes one user message)."""
+        msgs = list(self.messages) if self.messages is not None else []
+        if self.messages is None:
+            msgs = [{"role": "user", "content": self.prompt or ""}]
+        if system_prompt is not None and not (msgs and msgs[0].get("role") == "system"):
+            msgs.insert(0, {"role": "system", "content": system_prompt})
+        return msgs
+
+
+def _check_messages(msgs: Any, where: str, key: str) -> list[dict[str, str]]:
+    if not isinstance(msgs, list) or not msgs:
+        raise DatasetError(f"{where}: {key!r} must be a non-empty list of messages")
+    for i, m in enumerate(msgs):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise DatasetError(
+                f"{where}: {key}[{i}] must be an object with string 'role' and 'content', "
+                f"got {m!r:.80}"
+            )
+    return msgs
+
+
+def load_prompt_jsonl(
+    path: str | Path,
+    *,
+    prompt_key: str = "prompt",
+    messages_key: str = "messages",
+    answer_key: str = "answer",
+    require_answer: bool = True,
+) -> list[PromptRecord]:
+    """Read a JSONL prompt file; blank lines are skipped, anything malformed raises
+    `DatasetError` naming `file:line`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such prompt file (data.train_path)")
+    records: list[PromptRecord] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            prompt, messages = obj.pop(prompt_key, None), obj.pop(messages_key, None)
+            if prompt is None and messages is None:
+                raise DatasetError(
+                    f"{where}: neither {prompt_key!r} nor {messages_key!r} is present "
+                    f"(keys: {sorted(obj)}); set data.prompt_key / data.messages_key"
+                )
+            if prompt is not None and not isinstance(prompt, str):
+                raise DatasetError(f"{where}: {prompt_key!r} must be a string")
+            if prompt is None:
+                messages = _check_messages(messages, where, messages_key)
+            else:
+                messages = None  # a plain prompt wins when a record has both
+            if answer_key not in obj and require_answer:
+                raise DatasetError(
+                    f"{where}: no answer field {answer_key!r} (keys: {sorted(obj)}); "
+                    "set data.answer_key"
+                )
+            answer = obj.pop(answer_key, None)
+            records.append(
+                PromptRecord(
+                    index=len(records), prompt=prompt, messages=messages, answer=answer, meta=obj
+                )
+            )
+    if not records:
+        raise DatasetError(f"{path}: the file holds no prompts")
+    return records
+
+
+def render_prompt(
+    record: PromptRecord,
+    tokenizer: Any = None,
+    *,
+    chat_template: bool = True,
+    system_prompt: str | None = None,
+) -> str:
+    """The text sent to the engine.
+
+    With `chat_template` and a tokenizer that has one: `apply_chat_template` with the
+    generation prompt. Otherwise plain text: the prompt itself, or for a chat the messages as
+    "role: content" lines followed by "assistant: ".
+    """
+    if chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            record.chat(system_prompt), tokenize=False, add_generation_prompt=True
+        )
+    if record.messages is None:
+        return record.prompt or ""
+    lines = [f"{m['role']}: {m['content']}" for m in record.chat(system_prompt)]
+    return "\n".join(lines) + "\nassistant: "
+
+
+class PromptDataset(Sequence[PromptRecord]):
+    """Records plus the rendering / tokenisation policy of the run."""
+
+    def __init__(
+        self,
+        records: list[PromptRecord],
+        tokenizer: Any = None,
+        *,
+        chat_template: bool = True,
+        system_prompt: str | None = None,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
+        self.records = records
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+        self.max_prompt_tokens = max_prompt_tokens
+        if max_prompt_tokens is not None:
+            if tokenizer is None:
+                raise ValueError("max_prompt_tokens needs a tokenizer")
+            for r in records:
+                n = len(self.encode(r))
+                if n > max_prompt_tokens:
+                    raise DatasetError(
+                        f"prompt {r.index} has {n} tokens > data.max_prompt_tokens="
+                        f"{max_prompt_tokens}; raise data.max_prompt_tokens or shorten it"
+                    )
+
+    @classmethod
+    def from_config(cls, data_cfg: Any, tokenizer: Any = None) -> PromptDataset:
+        """Build from a `megatron_gspo.config.DataConfig`."""
+        records = load_prompt_jsonl(
+            data_cfg.train_path,
+            prompt_key=data_cfg.prompt_key,
+            messages_key=data_cfg.messages_key,
+            answer_key=data_cfg.answer_key,
+        )
+        return cls(
+            records,
+            tokenizer,
+            chat_template=data_cfg.chat_template,
+            system_prompt=data_cfg.system_prompt,
+            max_prompt_tokens=data_cfg.max_prompt_tokens,
+        )
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> PromptRecord:  # type: ignore[override]
+        return self.records[i]
+
+    def render(self, record: PromptRecord) -> str:
+        """Prompt text for the engine (see `render_prompt`)."""
+        return render_prompt(
+            record,
+            self.tokenizer,
+            chat_template=self.chat_template,
+            system_prompt=self.system_prompt,
+        )
+
+    def encode(self, record: PromptRecord) -> list[int]:
+        """Prompt token ids. A chat-templated text carries its own special tokens, so only plain
+        text gets the tokenizer's (e.g. BOS)."""
+        if self.tokenizer is None:
+            raise ValueError("PromptDataset.encode needs a tokenizer")
+        templated = self.chat_template and getattr(self.tokenizer, "chat_template", None)
+        ids = self.tokenizer(self.render(record), add_special_tokens=not templated)["input_ids"]
+        return list(ids)
+
+
+def epoch_order(num_items: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The permutation used for one epoch: a function of (num_items, seed, epoch) only.
+
+    `random.Random` seeded by a string is stable across Python processes and versions
+    (it hashes with SHA-512, not the salted `hash()`).
+    """
+    order = list(range(num_items))
+    if shuffle:
+        random.Random(f"megatron-gspo:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+class PromptLoader:
+    """Endless batches of P prompts, reshuffled each epoch; a batch may span an epoch boundary
+    (nothing is dropped). The position is (epoch, offset into that epoch's order)."""
+
+    def __init__(
+        self,
+        dataset: Sequence[PromptRecord],
+        prompts_per_rollout: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        if prompts_per_rollout < 1:
+            raise ValueError(f"prompts_per_rollout={prompts_per_rollout} must be >= 1")
+        if len(dataset) == 0:
+            raise ValueError("the prompt dataset is empty")
+        self.dataset = dataset
+        self.prompts_per_rollout = prompts_per_rollout
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.offset = 0
+        self._order = epoch_order(len(dataset), seed, 0, shuffle)
+
+    def next_indices(self) -> list[int]:
+        """Dataset indices of the next batch; advances the position."""
+        out: list[int] = []
+        while len(out) < self.prompts_per_rollout:
+            if self.offset == len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
+            take = min(self.prompts_per_rollout - len(out), len(self._order) - self.offset)
+            out.extend(self._order[self.offset : self.offset + take])
+            self.offset += take
+        return out
+
+    def next_batch(self) -> list[PromptRecord]:
+        """The next P records."""
+        return [self.dataset[i] for i in self.next_indices()]
+
+    def __iter__(self) -> Iterator[list[PromptRecord]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, plus what it is only valid for (checked on load)."""
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_prompts": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position; refuses a different dataset size, seed or shuffle,
+        since the saved offset would then point into a different order."""
+        for key, mine in (
+            ("num_prompts", len(self.dataset)),
+            ("seed", self.seed),
+            ("shuffle", self.shuffle),
+        ):
+            if state[key] != mine:
+                raise ValueError(
+                    f"cannot resume the prompt loader: checkpoint has {key}={state[key]}, this "
+                    f"run has {mine} (data.train_path / data.seed / data.shuffle changed?)"
+                )
+        if not 0 <= state["offset"] <= state["num_prompts"] or state["epoch"] < 0:
+            raise ValueError(f"corrupt prompt loader state {state}")
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)

@@ -1,0 +1,290 @@
+"""Reward functions by name, scored in a pool of worker processes with a per-call timeout.
+
+A reward function has the signature
+
+    fn(prompt: str, response: str, answer: Any) -> float
+
+and is named by `reward.kind`: "math" (`math_answer.math_reward`), "toy" (`toy.toy_reward`) or
+"package.module:function" for a user function. `RewardPool` keeps `num_workers` subprocesses
+alive between steps, hands each one call at a time, and kills a worker whose call runs past
+`timeout_s` (that call scores 0 and counts in `reward/timeouts`; a fresh worker replaces it), so
+neither an endless loop nor a C extension stuck without checking signals can hang the trainer.
+A call that raises, crashes its worker or returns a non-finite / non-numeric value scores 0 and
+counts in `reward/failures`.
+
+Workers are plain `python -m megatron_gspo.rewards.worker` subprocesses speaking JSON lines
+(not multiprocessing): they never fork the trainer (threads, CUDA, process groups) and never
+re-import its `__main__`. Answers must therefore be JSON-serialisable, as JSONL answers are.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import selectors
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RewardBatch", "RewardFn", "RewardPool", "build_reward_pool", "load_reward_fn"]
+
+RewardFn = Callable[[str, str, Any], float]
+
+_BUILTIN = {
+    "math": "megatron_gspo.rewards.math_answer:math_reward",
+    "toy": "megatron_gspo.rewards.toy:toy_reward",
+}
+_MAX_ERRORS_KEPT = 8
+_STARTUP_TIMEOUT_S = 120.0  # a worker importing a heavy user module on a loaded machine
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Resolve "math", "toy" or "package.module:function" to the callable."""
+    target = _BUILTIN.get(spec, spec)
+    module_name, sep, attr = target.partition(":")
+    if not (sep and module_name and attr):
+        raise ValueError(f'reward.kind={spec!r} is not math, toy or "module:function"')
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward.kind={spec!r}: cannot import {module_name!r} ({e})") from e
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ValueError(f"reward.kind={spec!r}: {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"reward.kind={spec!r}: {attr!r} is not callable")
+    return fn  # type: ignore[return-value]
+
+
+def call_reward(fn: RewardFn, prompt: str, response: str, answer: Any) -> tuple[float, str | None]:
+    """One guarded call: (reward, None) or (0.0, error message)."""
+    try:
+        value = fn(prompt, response, answer)
+        reward = float(value)  # bool and numpy scalars pass; None / strings fail here
+    except Exception as e:  # a user function's bug costs one sample, not the run
+        return 0.0, f"{type(e).__name__}: {e}"[:300]
+    if not math.isfinite(reward):
+        return 0.0, f"non-finite reward {reward}"
+    return reward, None
+
+
+@dataclass(kw_only=True)
+class RewardBatch:
+    """Rewards of one batch, in input order, and what went wrong."""
+
+    rewards: list[float]
+    """One reward per response (0.0 for timeouts and failures)."""
+    timeouts: int = 0
+    """Calls killed at the timeout."""
+    failures: int = 0
+    """Calls that raised, crashed their worker, or returned a non-finite / non-number."""
+    errors: list[str] = field(default_factory=list)
+    """The first few failure messages, for the log."""
+    time_s: float = 0.0
+    """Wall time of the batch."""
+
+    def metrics(self) -> dict[str, float]:
+        """Counters for the metrics sink."""
+        return {
+            "reward/timeouts": float(self.timeouts),
+            "reward/failures": float(self.failures),
+            "reward/time_s": self.time_s,
+        }
+
+
+class _Worker:
+    """One `python -m megatron_gspo.rewards.worker SPEC` subprocess."""
+
+    def __init__(self, spec: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_gspo.rewards.worker", spec],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
+        self.task: int | None = None
+        self.started = 0.0
+        self.ready = False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the worker has imported the reward function (not part of any call's
+        timeout: importing e.g. sympy takes seconds)."""
+        assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            line = self.proc.stdout.readline() if sel.select(timeout=timeout_s) else ""
+        if not line.strip() or not json.loads(line).get("ready"):
+            self.kill()
+            raise RuntimeError(
+                f"reward worker for {self.proc.args[-1]!r} did not start within {timeout_s} s "
+                "(its stderr above says why)"
+            )
+        self.ready = True
+
+    def send(self, task: int, prompt: str, response: str, answer: Any) -> None:
+        self.task, self.started = task, time.monotonic()
+        msg = {"id": task, "prompt": prompt, "response": response, "answer": answer}
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
+class RewardPool:
+    """Score batches with `reward.kind` in worker processes (or in-process when num_workers=0,
+    which enforces no timeout). Use as a context manager, or call `close()`."""
+
+    def __init__(self, spec: str, *, num_workers: int = 2, timeout_s: float = 10.0) -> None:
+        if num_workers < 0 or timeout_s <= 0:
+            raise ValueError(
+                f"need num_workers >= 0 and timeout_s > 0, got {num_workers}, {timeout_s}"
+            )
+        # Resolve here so a typo fails at start-up, not as a stream of zero rewards.
+        self.fn = load_reward_fn(spec)
+        self.spec = spec
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        # The workers see the trainer's import path, so a user module found here is found there.
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        self._workers: list[_Worker] = []
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self.spec, self._env)
+
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]
+    ) -> RewardBatch:
+        """Rewards for aligned lists of prompts, responses and answers."""
+        if not len(prompts) == len(responses) == len(answers):
+            raise ValueError(
+                f"prompts/responses/answers lengths differ: "
+                f"{len(prompts)}/{len(responses)}/{len(answers)}"
+            )
+        t0 = time.monotonic()
+        batch = RewardBatch(rewards=[0.0] * len(prompts))
+        if self.num_workers == 0:
+            for i, item in enumerate(zip(prompts, responses, answers)):
+                reward, error = call_reward(self.fn, *item)
+                self._record(batch, i, reward, error)
+        elif len(prompts):
+            self._score_in_workers(batch, prompts, responses, answers)
+        batch.time_s = time.monotonic() - t0
+        return batch
+
+    __call__ = score
+
+    @staticmethod
+    def _record(batch: RewardBatch, i: int, reward: float, error: str | None) -> None:
+        batch.rewards[i] = reward
+        if error is not None:
+            batch.failures += 1
+            if len(batch.errors) < _MAX_ERRORS_KEPT:
+                batch.errors.append(f"sample {i}: {error}")
+
+    def _score_in_workers(self, batch, prompts, responses, answers) -> None:
+        while len(self._workers) < self.num_workers:
+            self._workers.append(self._spawn())
+        for w in self._workers:
+            if not w.ready:
+                w.wait_ready(_STARTUP_TIMEOUT_S)
+        pending = deque(range(len(prompts)))
+        idle = list(self._workers)
+        busy: dict[int, _Worker] = {}  # stdout fd -> worker
+        sel = selectors.DefaultSelector()
+        try:
+            while pending or busy:
+                while idle and pending:
+                    w, i = idle.pop(), pending.popleft()
+                    if not w.ready:  # a replacement for a killed worker
+                        w.wait_ready(_STARTUP_TIMEOUT_S)
+                    try:
+                        w.send(i, prompts[i], responses[i], answers[i])
+                    except (BrokenPipeError, OSError):  # died while idle: replace, retry
+                        idle.append(self._replace(w))
+                        pending.appendleft(i)
+                        continue
+                    except TypeError as e:  # the answer is not JSON-serialisable
+                        w.task = None
+                        idle.append(w)
+                        self._record(batch, i, 0.0, f"cannot send to worker: {e}")
+                        continue
+                    busy[w.proc.stdout.fileno()] = w
+                    sel.register(w.proc.stdout, selectors.EVENT_READ)
+                if not busy:
+                    continue
+                now = time.monotonic()
+                wait = min(w.started + self.timeout_s for w in busy.values()) - now
+                for key, _ in sel.select(timeout=max(0.0, wait)):
+                    w = busy.pop(key.fd)
+                    sel.unregister(key.fileobj)
+                    line = w.proc.stdout.readline()
+                    if not line:  # the worker died mid-call (os._exit, segfault, OOM kill)
+                        self._record(batch, w.task, 0.0, "reward worker exited during the call")
+                        idle.append(self._replace(w))
+                        continue
+                    reply = json.loads(line)
+                    self._record(batch, reply["id"], reply["reward"], reply["error"])
+                    w.task = None
+                    idle.append(w)
+                now = time.monotonic()
+                for fd, w in list(busy.items()):
+                    if now - w.started >= self.timeout_s:
+                        del busy[fd]
+                        sel.unregister(w.proc.stdout)
+                        batch.rewards[w.task] = 0.0
+                        batch.timeouts += 1
+                        idle.append(self._replace(w))
+        finally:
+            sel.close()
+
+    def _replace(self, w: _Worker) -> _Worker:
+        w.kill()
+        new = self._spawn()
+        self._workers[self._workers.index(w)] = new
+        return new
+
+    def close(self) -> None:
+        """Stop the workers (they also exit on their own when the trainer's pipes close)."""
+        for w in self._workers:
+            w.kill()
+        self._workers = []
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def build_reward_pool(reward_cfg: Any) -> RewardPool:
+    """A pool from a `megatron_gspo.config.RewardConfig`."""
+    return RewardPool(
+        reward_cfg.kind, num_workers=reward_cfg.num_workers, timeout_s=reward_cfg.timeout_s
+    )

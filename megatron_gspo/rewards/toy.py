@@ -1,0 +1,37 @@
+"""Reward of the built-in toy task (see `megatron_gspo.data.toy`): exact answer 1, partial credit
+otherwise, so that even a random tiny model gets a small reward that varies inside a group.
+
+    reward = 1                                      if the response equals the answer
+           = 0.5 * position_match + 0.25 * digit_fraction + 0.25 * length_score   otherwise
+
+    position_match = #{i : response[i] == answer[i]} / max(len(answer), len(response))
+    digit_fraction = share of response characters that are ASCII digits
+    length_score   = max(0, 1 - |len(response) - len(answer)| / len(answer))
+
+A non-exact response scores strictly below 1: equal length and every position matching would
+make it exact. The response is cut at the first "</s>" (in case the engine decodes special tokens)
+and stripped of surrounding whitespace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["toy_reward"]
+
+_DIGITS = frozenset("0123456789")
+W_MATCH, W_DIGITS, W_LENGTH = 0.5, 0.25, 0.25
+
+
+def toy_reward(prompt: str, response: str, answer: Any) -> float:
+    """Score one toy-task response against its answer (a digit string)."""
+    target = str(answer)
+    text = str(response).split("</s>", 1)[0].strip()
+    if text == target:
+        return 1.0
+    if not text or not target:
+        return 0.0
+    match = sum(a == b for a, b in zip(text, target)) / max(len(target), len(text))
+    digits = sum(c in _DIGITS for c in text) / len(text)
+    length = max(0.0, 1.0 - abs(len(text) - len(target)) / len(target))
+    return W_MATCH * match + W_DIGITS * digits + W_LENGTH * length

@@ -1,0 +1,119 @@
+"""Plot metrics from a run's metrics.jsonl against the step, to a PNG.
+
+    python tools/plot_metrics.py runs/tiny/metrics.jsonl --out reward.png
+    python tools/plot_metrics.py runs/tiny/metrics.jsonl --keys reward/mean,policy/loss --smooth 5
+
+One panel per key (default: the reward mean and the clip fractions that are present). Repeated
+steps (a resumed run appends) keep their last value; non-finite values are left as gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+DEFAULT_KEYS = (
+    "reward/mean",
+    "policy/clip_frac",
+    "policy/clip_frac_low",
+    "policy/clip_frac_high",
+)
+
+
+def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
+    """step -> {key: value}; a later line for the same step replaces the earlier one."""
+    rows: dict[int, dict[str, float]] = {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                # The last line of a run killed mid-write may be cut; anything else is an error.
+                print(f"{path}:{lineno}: skipping an unreadable line", file=sys.stderr)
+                continue
+            rows[int(row["step"])] = row
+    return dict(sorted(rows.items()))
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    if window <= 1:
+        return values
+    out = []
+    for i in range(len(values)):
+        win = [v for v in values[max(0, i - window + 1) : i + 1] if math.isfinite(v)]
+        out.append(sum(win) / len(win) if win else float("nan"))
+    return out
+
+
+def plot(
+    rows: dict[int, dict[str, float]],
+    keys: list[str],
+    out: str | Path,
+    *,
+    smooth: int = 1,
+    title: str | None = None,
+) -> Path:
+    """Draw one panel per key (vs step) and save a PNG; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; also safe under pytest on a headless machine
+    import matplotlib.pyplot as plt
+
+    if not keys:
+        raise ValueError("no keys to plot")
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.4 * len(keys)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        steps = [s for s, r in rows.items() if key in r]
+        values = [float(rows[s][key]) if rows[s][key] is not None else math.nan for s in steps]
+        ax.plot(steps, values, lw=1, alpha=0.4 if smooth > 1 else 1.0, label=key)
+        if smooth > 1:
+            ax.plot(steps, _smooth(values, smooth), lw=1.8, label=f"{key} (mean of {smooth})")
+        ax.set_ylabel(key.split("/")[-1])
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    axes[-1, 0].set_xlabel("step")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("metrics", help="metrics.jsonl written by the trainer")
+    p.add_argument(
+        "--keys", help=f"comma-separated keys (default: those of {DEFAULT_KEYS} present)"
+    )
+    p.add_argument("--out", default="metrics.png", help="PNG to write")
+    p.add_argument("--smooth", type=int, default=1, help="also draw a running mean of N steps")
+    p.add_argument("--title", help="figure title")
+    args = p.parse_args(argv)
+    rows = read_metrics(args.metrics)
+    if not rows:
+        p.error(f"{args.metrics} holds no metrics")
+    present = {k for r in rows.values() for k in r}
+    if args.keys:
+        keys = [k.strip() for k in args.keys.split(",") if k.strip()]
+        missing = [k for k in keys if k not in present]
+        if missing:
+            p.error(f"keys not in {args.metrics}: {missing}; present: {sorted(present)}")
+    else:
+        keys = [k for k in DEFAULT_KEYS if k in present]
+        if not keys:
+            p.error(f"none of {DEFAULT_KEYS} in {args.metrics}; pass --keys")
+    out = plot(rows, keys, args.out, smooth=args.smooth, title=args.title)
+    print(f"wrote {out} ({len(rows)} steps, keys: {', '.join(keys)})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
