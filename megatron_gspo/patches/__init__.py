@@ -1,0 +1,30 @@
+"""Version-pinned runtime fixes to upstream libraries.
+
+Each fix is a `Patch`: why it exists, which upstream versions it was written and tested against,
+when to delete it, an `apply()` and a `check()` that fails loudly if an upgrade breaks the
+assumption the fix rests on. Nothing here runs on import; callers apply fixes explicitly:
+
+    from megatron_gspo.patches import apply_cpu_runtime
+    apply_cpu_runtime()          # before building megatron-core models on a machine with no GPU
+
+`python -m megatron_gspo.patches` prints the manifest (also kept in `patches/README.md`).
+"""
+
+from __future__ import annotations
+
+from megatron_gspo.patches.base import Patch, PatchError
+from megatron_gspo.patches.bridge import BRIDGE_PATCHES, apply_bridge_imports
+from megatron_gspo.patches.cpu_runtime import CPU_PATCHES, apply_cpu_runtime, cpu_runtime_active
+
+ALL_PATCHES: tuple[Patch, ...] = (*CPU_PATCHES, *BRIDGE_PATCHES)
+
+__all__ = [
+    "ALL_PATCHES",
+    "BRIDGE_PATCHES",
+    "CPU_PATCHES",
+    "Patch",
+    "PatchError",
+    "apply_bridge_imports",
+    "apply_cpu_runtime",
+    "cpu_runtime_active",
+]
