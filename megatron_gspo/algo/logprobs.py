@@ -125,13 +125,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 # -p * (g_lp + g_H (log p + H)), built in place in the log p buffer.
                 coef = logq.add_(entropy[rows, None]).mul_(grad_entropy[rows, None].to(dtype))
                 grad = p.mul_(coef.add_(g)).neg_()
-                del coef
+                del coef, p
             else:
                 grad = logq.exp_().mul_(-g)
             # onehot(target) * g_lp, on the shard that owns the target column only.
             src = torch.where(owned[rows], g_lp[rows], 0).unsqueeze(1)
             grad.scatter_add_(1, local[rows, None], src)
             grad_logits[rows] = grad.mul_(inv_t)
+            # Free this chunk's buffers before the next chunk allocates its own.
+            del logq, grad
         return (grad_logits, *nones)
 
 
