@@ -6,10 +6,11 @@ otherwise, so that even a random tiny model gets a small reward that varies insi
 
     position_match = #{i : response[i] == answer[i]} / max(len(answer), len(response))
     digit_fraction = share of response characters that are ASCII digits
-    length_score   = max(0, 1 - |len(response) - len(answer)| / len(answer))
+    length_score   = min(len(response), len(answer)) / max(len(response), len(answer))
 
 A non-exact response scores strictly below 1: equal length and every position matching would
-make it exact. The response is cut at the first "</s>" (in case the engine decodes special tokens)
+make it exact. The length term decays smoothly (not to 0 at twice the length), so a random model,
+whose responses run to max_new_tokens, still sees a gradient towards stopping at the right length. The response is cut at the first "</s>" (in case the engine decodes special tokens)
 and stripped of surrounding whitespace.
 """
 
@@ -33,5 +34,5 @@ def toy_reward(prompt: str, response: str, answer: Any) -> float:
         return 0.0
     match = sum(a == b for a, b in zip(text, target)) / max(len(target), len(text))
     digits = sum(c in _DIGITS for c in text) / len(text)
-    length = max(0.0, 1.0 - abs(len(text) - len(target)) / len(target))
+    length = min(len(text), len(target)) / max(len(text), len(target))
     return W_MATCH * match + W_DIGITS * digits + W_LENGTH * length
