@@ -297,10 +297,13 @@ class GspoConfig:
         if self.eps_high is None:
             self.eps_high = hi
         _require(
-            0 < self.eps_low < 1,
-            f"gspo.eps_low={self.eps_low} must be in (0, 1); change gspo.eps_low",
+            0 <= self.eps_low < 1,
+            f"gspo.eps_low={self.eps_low} must be in [0, 1); change gspo.eps_low",
         )
-        _positive("gspo", eps_high=self.eps_high, mismatch_cap=self.mismatch_cap)
+        _require(
+            self.eps_high >= 0, f"gspo.eps_high={self.eps_high} must be >= 0; change gspo.eps_high"
+        )
+        _positive("gspo", mismatch_cap=self.mismatch_cap)
         _positive("gspo", log_ratio_clamp=self.log_ratio_clamp, adv_eps=self.adv_eps)
         _require(
             self.group_size >= 2,
@@ -321,6 +324,12 @@ class GspoConfig:
             self.mismatch_correction == "none" or self.pi_old == "recompute",
             f"gspo.mismatch_correction={self.mismatch_correction} compares a recomputed pi_old "
             "with the engine; set gspo.pi_old=recompute or gspo.mismatch_correction=none",
+        )
+        _require(
+            not (self.mismatch_correction == "token" and self.algorithm == "gspo"),
+            "gspo.mismatch_correction=token needs per-token loss terms, which "
+            "gspo.algorithm=gspo does not have; use gspo.mismatch_correction=sequence or "
+            "gspo.algorithm=gspo_token",
         )
 
     @property

@@ -141,7 +141,7 @@ VALIDATION = [
     (["optim.min_lr=1"], "optim.min_lr=1.0 exceeds optim.lr"),
     (["optim.warmup_steps=-1"], "change optim.warmup_steps"),
     (["gspo.eps_low=1.5"], "change gspo.eps_low"),
-    (["gspo.eps_high=0"], "change gspo.eps_high"),
+    (["gspo.eps_high=-0.1"], "change gspo.eps_high"),
     (["gspo.group_size=1"], "change gspo.group_size"),
     (["gspo.prompts_per_rollout=0"], "change gspo.prompts_per_rollout"),
     (
@@ -149,6 +149,10 @@ VALIDATION = [
         "change gspo.mini_batches_per_rollout",
     ),
     (["gspo.mismatch_correction=token"], "set gspo.pi_old=recompute"),
+    (
+        ["gspo.mismatch_correction=token", "gspo.pi_old=recompute"],
+        "use gspo.mismatch_correction=sequence or gspo.algorithm=gspo_token",
+    ),
     (["gspo.log_ratio_clamp=0"], "change gspo.log_ratio_clamp"),
     (["gspo.mismatch_cap=0"], "change gspo.mismatch_cap"),
     (["rollout.engines=[]"], "rollout.engines is an empty list"),
@@ -190,6 +194,8 @@ def test_valid_edge_cases_pass():
     cfg("parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true")
     cfg("reward.kind=my.pkg.rewards:score", "reward.num_workers=0")
     cfg("rollout.top_k=20", "rollout.top_p=1.0", "checkpoint.dir=/c", "checkpoint.resume=true")
+    cfg("gspo.eps_low=0", "gspo.eps_high=0")  # allowed by the loss: a zero-width band
+    cfg("gspo.pi_old=recompute", "gspo.mismatch_correction=token", "gspo.algorithm=grpo")
 
 
 WORLD = dict(num_layers=4, num_heads=4, num_kv_heads=2, num_experts=8)
@@ -269,3 +275,29 @@ def test_parse_cli(tmp_path):
         ["--set", BASE[0], "--set", BASE[1], "--set", "checkpoint.dir=/c", "--resume"]
     )
     assert c.checkpoint.resume is True and args.config is None
+
+
+@pytest.mark.parametrize("algorithm", ["gspo", "gspo_token", "grpo"])
+def test_gspo_section_agrees_with_the_loss_config(algorithm):
+    # Guards against the two defaults tables drifting apart (the loss owns its own copy).
+    from megatron_gspo.algo.losses import PolicyLossConfig
+
+    g = cfg(f"gspo.algorithm={algorithm}").gspo
+    loss = PolicyLossConfig(kind=algorithm)
+    assert (g.eps_low, g.eps_high, g.log_ratio_clamp) == (
+        loss.eps_low,
+        loss.eps_high,
+        loss.log_ratio_clamp,
+    )
+    mode = "sequence" if algorithm == "gspo" else "token"
+    g = cfg(
+        f"gspo.algorithm={algorithm}", "gspo.pi_old=recompute", f"gspo.mismatch_correction={mode}"
+    ).gspo
+    PolicyLossConfig(
+        kind=g.algorithm,
+        eps_low=g.eps_low,
+        eps_high=g.eps_high,
+        log_ratio_clamp=g.log_ratio_clamp,
+        tis_mode=g.mismatch_correction,
+        tis_cap=g.mismatch_cap,
+    )
