@@ -43,6 +43,10 @@ def test_tokenizer_is_character_level(toy_tokenizer):
 def test_saved_tokenizer_loads_with_autotokenizer(tmp_path, toy_tokenizer):
     from transformers import AutoTokenizer
 
+    from megatron_gspo.testing.tiny import tiny_qwen3_moe_config
+
+    # Next to the tiny model's config.json (model_type qwen3_moe), as the demo lays it out.
+    tiny_qwen3_moe_config().save_pretrained(tmp_path / "tiny")
     save_toy_tokenizer(tmp_path / "tiny")
     loaded = AutoTokenizer.from_pretrained(tmp_path / "tiny")
     text = "cpy 0912="
