@@ -62,7 +62,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         num_tok, vp = logits.shape
         dtype = _compute_dtype(logits)
-        local = target - vocab_start
+        local = target.long() - vocab_start
         owned = (local >= 0) & (local < vp)
         local = torch.where(owned, local, 0)  # any in-range column; masked out by `owned`
         logp = torch.empty(num_tok, dtype=dtype, device=logits.device)

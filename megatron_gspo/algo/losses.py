@@ -40,6 +40,20 @@ them by SUM over any set of ranks/micro-batches and report sum / count. Per-toke
 this shard's tokens. Per-sequence metrics (GSPO clip fractions and ratios, sequence log-ratios,
 response length, sequence-level TIS) count every sequence with >= 1 response token once PER
 CONTEXT-PARALLEL RANK, so both sum and count scale by the CP size and the ratio is unaffected.
+
+    policy/clip_frac_low|_high|      clipping ACTIVE (gradient zeroed): ratio < 1 - eps_low with
+      clip_frac                      A < 0 | ratio > 1 + eps_high with A > 0 | either; per
+                                     sequence (gspo) or per token (gspo_token, grpo)
+    policy/ratio, policy/ratio_sq    the ratio and its square, same unit (std = sqrt(E[r^2]-E[r]^2))
+    policy/abs_log_ratio             per token |logp - old_logp|
+    policy/seq_log_ratio[_abs]       per sequence clamped mean log(pi_theta / pi_old) (and |.|)
+    mismatch/abs_logp_diff           per token |logp - logp_engine|, logp_engine = rollout_logp if
+                                     given, else old_logp (pure mismatch on the first mini-batch)
+    mismatch/seq_log_ratio_abs       per sequence |mean_t (logp - logp_engine)|: vs the clip band
+    mismatch/old_rollout_abs_diff    per token |old_logp - rollout_logp| (only with rollout_logp)
+    policy/entropy                   per token (only with entropy)
+    policy/response_length           per sequence |y_i|
+    tis/weight, tis/clip_frac        TIS weight and how often the cap bit (tis_mode != "none")
 """
 
 from __future__ import annotations
@@ -235,10 +249,12 @@ def _sequence_stats(
     batch: PolicyLossInputs, cfg: PolicyLossConfig, seq_sum: SeqSum, *, grad: bool
 ) -> _SeqStats:
     mask = batch.mask.bool()
-    zero = torch.zeros((), dtype=batch.logp.dtype, device=batch.logp.device)
+    # At least float32: token counts and log-ratio sums in bf16 would be off past 256 tokens.
+    dtype = torch.promote_types(batch.logp.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=batch.logp.device)
     # torch.where (not multiplication by the mask) so inf/NaN at masked positions gives 0
     # values and 0 gradients.
-    logp = torch.where(mask, batch.logp, zero)
+    logp = torch.where(mask, batch.logp.to(dtype), zero)
     old = torch.where(mask, batch.old_logp.detach().to(logp.dtype), zero)
     lr = logp - old if grad else (logp - old).detach()
     cols = [lr, mask.to(logp.dtype)]

@@ -219,9 +219,9 @@ def test_context_parallel_hook(kind: str, tis: str) -> None:
     split, split_grads = _cp_shards(seqs, cfg, halves)
     torch.testing.assert_close(split, whole, **TIGHT)
     _assert_grads(split_grads, whole_grads)
-    if kind != "grpo":  # GRPO is token-additive; GSPO needs the full-sequence sums
-        bad, _ = _cp_shards(seqs, cfg, halves, seq_sum_mode="none")
-        assert not torch.allclose(bad, whole, **TIGHT)
+    # Planted bug: no reduction (each shard sees its partial sums: s_i and |y_i| are wrong).
+    bad, _ = _cp_shards(seqs, cfg, halves, seq_sum_mode="none")
+    assert not torch.allclose(bad, whole, rtol=1e-6, atol=1e-8)
 
 
 def test_garbage_inputs_stay_finite() -> None:
@@ -286,3 +286,21 @@ def test_input_validation() -> None:
         policy_loss(inputs, PolicyLossConfig(kind="grpo", tis_mode="token"), denominator=2)
     with pytest.raises(ValueError, match="denominator"):
         policy_loss(inputs, PolicyLossConfig(), denominator=0)
+
+
+def test_low_precision_logp_counts_exactly() -> None:
+    """bf16 log-probs: sums and counts run in float32 (bf16 cannot count past 256)."""
+    x = torch.randn(600, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    inputs = PolicyLossInputs(
+        logp=x.requires_grad_(True),
+        old_logp=x.detach().float() - 1e-4,
+        advantages=torch.tensor([1.0, -1.0]),
+        seq_index=torch.arange(600) // 300,
+        mask=torch.ones(600, dtype=torch.bool),
+        num_seqs=2,
+    )
+    loss, metrics = policy_loss(inputs, PolicyLossConfig(kind="gspo"), denominator=2)
+    loss.backward()
+    assert metrics["policy/response_length"].tolist() == [600.0, 2.0]
+    assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    assert torch.isfinite(loss)
