@@ -9,6 +9,7 @@ from megatron_gspo.data.prompts import (
     load_prompt_jsonl,
     render_prompt,
 )
+from megatron_gspo.data.toy import build_toy_tokenizer, save_toy_tokenizer, write_toy_dataset
 
 __all__ = [
     "DatasetError",
@@ -17,5 +18,8 @@ __all__ = [
     "PromptRecord",
     "epoch_order",
     "load_prompt_jsonl",
+    "build_toy_tokenizer",
     "render_prompt",
+    "save_toy_tokenizer",
+    "write_toy_dataset",
 ]
