@@ -265,7 +265,8 @@ class GspoConfig:
     grpo (token-level ratio baseline)."""
     eps_low: float | None = None
     """Lower clip range: ratios below 1 - eps_low are clipped. None: 3e-4 for gspo/gspo_token,
-    0.2 for grpo (the GSPO paper's settings)."""
+    0.2 for grpo (the GSPO paper's settings). Resolved at load time, so a dumped config
+    carries the number."""
     eps_high: float | None = None
     """Upper clip range: ratios above 1 + eps_high are clipped. None: 4e-4 for gspo/gspo_token,
     0.27 for grpo (the GSPO paper's settings)."""
