@@ -1,0 +1,27 @@
+"""Rollout: the `RolloutEngine` interface, the SGLang HTTP client and the embedded CPU engine.
+
+This package knows SGLang and nothing of Megatron. Importing it is cheap: SGLang's modules are
+imported only by the functions that need them (weight payloads, validation, the embedded
+engine).
+"""
+
+from megatron_gspo.rollout.engine import EngineError, RolloutEngine
+from megatron_gspo.rollout.types import (
+    RolloutResult,
+    RolloutStats,
+    Sample,
+    SampleValidationError,
+    SamplingParams,
+    abs_logp_diff,
+)
+
+__all__ = [
+    "EngineError",
+    "RolloutEngine",
+    "RolloutResult",
+    "RolloutStats",
+    "Sample",
+    "SampleValidationError",
+    "SamplingParams",
+    "abs_logp_diff",
+]

@@ -1,0 +1,58 @@
+"""The trainer's side of SGLang's weight-update process group (torch only, no SGLang import).
+
+SGLang's engines join with `sglang.srt.utils.init_custom_process_group`: a TCP rendezvous
+whose store is wrapped in `PrefixStore(group_name, ...)`, then a process group built outside
+the default group. The trainer (rank 0) must build its group the same way or the two sides
+never meet; this mirrors that construction so the trainer need not import SGLang.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def init_weight_update_group(
+    *,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int = 0,
+    group_name: str = "weight_update_group",
+    backend: str = "nccl",
+    timeout_s: float = 600.0,
+) -> dist.ProcessGroup:
+    """Join the weight-update group as `rank` (0 = the trainer); engines use ranks 1..N."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    init_method = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    # Private torch API, as in SGLang: it is the only way to build a group that does not
+    # need (or disturb) the default process group the trainer already has.
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        store,
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:
+    """Tear the group down (call after the engines were asked to leave it)."""
+    dist.destroy_process_group(pg)
