@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
@@ -56,3 +57,24 @@ def init_weight_update_group(
 def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:
     """Tear the group down (call after the engines were asked to leave it)."""
     dist.destroy_process_group(pg)
+
+
+def flatten_for_broadcast(named_tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The uint8 buffer SGLang's `FlattenedTensorBucket` builds, without importing SGLang.
+
+    Broadcast it after `update_weights_from_distributed(..., flattened_bucket=True)` with the
+    same names/dtypes/shapes in the same order. The receiver views each tensor at its byte
+    offset, so every offset must be a multiple of that tensor's item size: put wide dtypes
+    first (e.g. fp32 before bf16 before fp8) or keep one dtype per bucket.
+    """
+    if not named_tensors:
+        raise ValueError("cannot broadcast an empty bucket")
+    offset = 0
+    for name, t in named_tensors:
+        if offset % t.element_size():
+            raise ValueError(
+                f"{name}: byte offset {offset} is not a multiple of its item size "
+                f"{t.element_size()}; order the bucket by decreasing item size"
+            )
+        offset += t.numel() * t.element_size()
+    return torch.cat([t.contiguous().flatten().view(torch.uint8) for _, t in named_tensors])

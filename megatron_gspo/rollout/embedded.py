@@ -379,7 +379,8 @@ class EmbeddedTokenizerManager:
         import hashlib
 
         if obj.action != "checksum":
-            return False, f"embedded engine supports action='checksum' only, got {obj.action}", None, None
+            msg = f"embedded engine supports action='checksum' only, got {obj.action}"
+            return False, msg, None, None
         info = self.policy.checksums(obj.skip_tensor_list)
         info["parallelism_info"] = [
             dict(role="target", tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0,

@@ -1,0 +1,230 @@
+"""Start N rollout servers (SGLang or the embedded CPU engine) and optionally `sglang-router`.
+
+Command lines are built from `LaunchConfig` (tested against SGLang's own argument parser),
+each server runs in its own process group so shutdown reaches its children (SGLang forks a
+scheduler and a detokenizer per server), and `wait_healthy` polls `/health_generate`, which
+makes the server run a one-token generation, so "healthy" means "can generate".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LaunchConfig:
+    """Rollout servers of one job; flags map 1:1 to `sglang.launch_server` options."""
+
+    model_path: str
+    """HF checkpoint directory (the engine loads it once; later weights arrive by sync)."""
+    num_engines: int = 1
+    """Independent servers (data parallelism; each gets `tp_size` GPUs)."""
+    backend: str = "sglang"
+    """`sglang` (real server, needs a GPU) or `embedded` (the CPU engine of this package)."""
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    """Engine i listens on `base_port + i`."""
+    tp_size: int = 1
+    ep_size: int = 1
+    dtype: str = "bfloat16"
+    """Activation/weight dtype (`--dtype`)."""
+    quantization: str | None = None
+    """`fp8` for FP8 weights; block-FP8 checkpoints are detected without it."""
+    kv_cache_dtype: str = "auto"
+    """`--kv-cache-dtype` (auto, fp8_e4m3, fp8_e5m2, bf16, ...)."""
+    mem_fraction_static: float | None = None
+    colocated: bool = False
+    """Trainer shares the GPUs: adds `--enable-memory-saver` so memory can be released."""
+    weights_cpu_backup: bool = False
+    """`--enable-weights-cpu-backup`: keep weights across release/resume."""
+    deterministic: bool = False
+    """`--enable-deterministic-inference` (batch-invariant kernels, ~1.3x slower)."""
+    weight_version: str = "default"
+    extra_args: tuple[str, ...] = ()
+    """Further `sglang.launch_server` flags, passed through verbatim."""
+    router: bool = False
+    """Also start `sglang_router.launch_router` in front of the engines."""
+    router_port: int = 29999
+    router_policy: str = "round_robin"
+    startup_timeout_s: float = 900.0
+    log_dir: str | None = None
+    """Where each process writes `<name>.log`; None inherits the parent's stdout/stderr."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("sglang", "embedded"):
+            raise ValueError("LaunchConfig.backend must be 'sglang' or 'embedded'")
+        if self.num_engines < 1:
+            raise ValueError("LaunchConfig.num_engines must be >= 1")
+
+    def engine_url(self, i: int) -> str:
+        return f"http://{self.host}:{self.base_port + i}"
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [self.engine_url(i) for i in range(self.num_engines)]
+
+    @property
+    def router_url(self) -> str | None:
+        return f"http://{self.host}:{self.router_port}" if self.router else None
+
+
+def engine_command(cfg: LaunchConfig, i: int, python: str = sys.executable) -> list[str]:
+    """The command line of engine `i`."""
+    port = str(cfg.base_port + i)
+    if cfg.backend == "embedded":
+        cmd = [python, "-m", "megatron_gspo.rollout.embedded", "--model-path", cfg.model_path]
+        cmd += ["--port", port, "--weight-version", cfg.weight_version]
+        return cmd + list(cfg.extra_args)
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
+    cmd += ["--host", cfg.host, "--port", port]
+    cmd += ["--tp-size", str(cfg.tp_size), "--base-gpu-id", str(i * cfg.tp_size)]
+    if cfg.ep_size > 1:
+        cmd += ["--ep-size", str(cfg.ep_size)]
+    cmd += ["--dtype", cfg.dtype, "--kv-cache-dtype", cfg.kv_cache_dtype]
+    # Token ids in, token ids out: no tokenizer round trip that could change the ids.
+    cmd += ["--skip-tokenizer-init", "--weight-version", cfg.weight_version]
+    if cfg.quantization:
+        cmd += ["--quantization", cfg.quantization]
+    if cfg.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if cfg.colocated:
+        cmd += ["--enable-memory-saver"]
+    if cfg.weights_cpu_backup:
+        cmd += ["--enable-weights-cpu-backup"]
+    if cfg.deterministic:
+        cmd += ["--enable-deterministic-inference"]
+    return cmd + list(cfg.extra_args)
+
+
+def router_command(cfg: LaunchConfig, python: str = sys.executable) -> list[str]:
+    """The `sglang-router` command line (round robin over the engines by default)."""
+    return [
+        python,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.router_port),
+        "--policy",
+        cfg.router_policy,
+        "--worker-urls",
+        *cfg.engine_urls,
+    ]
+
+
+def _get(url: str, timeout: float) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+class ServerGroup:
+    """The processes of one `LaunchConfig`; a context manager that always shuts them down."""
+
+    def __init__(self, cfg: LaunchConfig, *, env: dict[str, str] | None = None) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.engines: list[subprocess.Popen] = []
+        self.router: subprocess.Popen | None = None
+        self._logs: list = []
+
+    def _spawn(self, cmd: list[str], name: str) -> subprocess.Popen:
+        env = dict(os.environ if self.env is None else self.env)
+        # The embedded engine must import this package even from an uninstalled checkout.
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        out = None
+        if self.cfg.log_dir:
+            Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
+            out = open(Path(self.cfg.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
+            self._logs.append(out)
+        return subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,  # own process group: killpg reaches forked children
+        )  # fmt: skip
+
+    def start(self, *, wait: bool = True) -> ServerGroup:
+        """Spawn the engines (and router); by default wait until all are healthy."""
+        for i in range(self.cfg.num_engines):
+            self.engines.append(self._spawn(engine_command(self.cfg, i), f"engine{i}"))
+        if wait:
+            self.wait_healthy(self.cfg.engine_urls)
+        if self.cfg.router:
+            self.router = self._spawn(router_command(self.cfg), "router")
+            if wait:
+                self.wait_healthy([self.cfg.router_url], route="/health")
+        return self
+
+    def wait_healthy(
+        self,
+        urls: Sequence[str],
+        *,
+        route: str = "/health_generate",
+        timeout_s: float | None = None,
+    ) -> None:
+        """Poll until every URL answers 200, failing fast if a process died."""
+        deadline = time.monotonic() + (timeout_s or self.cfg.startup_timeout_s)
+        pending = list(urls)
+        while pending:
+            for p in [*self.engines, *([self.router] if self.router else [])]:
+                if p.poll() is not None:
+                    raise RuntimeError(f"rollout process {p.args[:4]} exited with {p.returncode}")
+            pending = [u for u in pending if _get(u + route, timeout=30) != 200]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout servers not healthy: {pending}")
+            time.sleep(0.5)
+
+    def kill_engine(self, i: int) -> None:
+        """SIGKILL engine `i` and its children (tests: an engine dying mid-batch)."""
+        _killpg(self.engines[i], signal.SIGKILL)
+
+    def shutdown(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM every process group, then SIGKILL what is left; leaves no orphans."""
+        procs = [*([self.router] if self.router else []), *self.engines]
+        for p in procs:
+            _killpg(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _killpg(p, signal.SIGKILL)
+            p.wait()
+        for f in self._logs:
+            f.close()
+
+    def __enter__(self) -> ServerGroup:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _killpg(p: subprocess.Popen, sig: int) -> None:
+    # The process group may hold children even after the leader exited, so signal the group.
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def launch(cfg: LaunchConfig, *, env: dict[str, str] | None = None) -> ServerGroup:
+    """Start the servers of `cfg` and wait until they can generate."""
+    return ServerGroup(cfg, env=env).start()

@@ -1,0 +1,508 @@
+"""`SGLangClient`: the `RolloutEngine` for SGLang servers (and the embedded engine) over HTTP.
+
+Generation: the (prompt, sample) pairs of one call are expanded client-side, each with its own
+rid and seed, and sent as batched `/generate` requests of at most `max_batch_per_request`
+entries, concurrently over the engines (least-loaded first, at most
+`max_inflight_per_engine` requests per engine) or through one `sglang-router` URL. A request
+that fails with a connection error, a timeout or a 5xx is re-sent, after an exponential
+backoff, to another engine; the failed engine rests for `engine_cooldown_s`. A request is
+accounted only when its whole response arrived, so a dead engine loses no sample and
+duplicates none. A 4xx is never retried: it raises `EngineError` carrying SGLang's message.
+
+Control calls (weights, memory, pause, abort, cache) go to every engine directly: the router
+does not proxy them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import aiohttp
+import torch
+
+from megatron_gspo.rollout import sglang_protocol as proto
+from megatron_gspo.rollout.engine import EngineError, RolloutEngine
+from megatron_gspo.rollout.types import (
+    RolloutResult,
+    RolloutStats,
+    Sample,
+    SampleValidationError,
+    SamplingParams,
+    build_sample,
+)
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ClientConfig:
+    """How the client reaches its engines."""
+
+    engine_urls: list[str]
+    """Base URL of every engine (`http://host:port`); control calls go to each of them."""
+    router_url: str | None = None
+    """If set, `/generate` goes through this `sglang-router` instead of client-side balancing."""
+    engine_tp_sizes: list[int] | None = None
+    """TP size of each engine (ranks in the weight-update group); default 1 each."""
+    max_batch_per_request: int = 64
+    """Most (prompt, sample) entries in one `/generate` request."""
+    max_inflight_per_engine: int = 4
+    """Most concurrent `/generate` requests per engine."""
+    request_timeout_s: float = 1800.0
+    """Total timeout of one `/generate` request."""
+    control_timeout_s: float = 600.0
+    """Total timeout of one control call (weight updates can be slow)."""
+    connect_timeout_s: float = 10.0
+    max_retries: int = 6
+    """Re-sends of one `/generate` request before giving up."""
+    backoff_s: float = 0.2
+    """First retry delay; doubles per retry, capped at `backoff_max_s`."""
+    backoff_max_s: float = 10.0
+    engine_cooldown_s: float = 5.0
+    """How long an engine that failed is skipped."""
+    use_native_n: bool = False
+    """Use SGLang's `n` instead of client-side expansion (unseeded sampling only)."""
+    validate_requests: bool = False
+    """Check every body with SGLang's own request classes before sending (tests, debugging)."""
+    api_key: str | None = None
+    """Bearer token if the servers run with `--api-key` / `--admin-api-key`."""
+
+    def __post_init__(self) -> None:
+        if not self.engine_urls:
+            raise ValueError("ClientConfig.engine_urls must list at least one engine")
+        self.engine_urls = [u.rstrip("/") for u in self.engine_urls]
+        if self.engine_tp_sizes is None:
+            self.engine_tp_sizes = [1] * len(self.engine_urls)
+        if len(self.engine_tp_sizes) != len(self.engine_urls):
+            raise ValueError("ClientConfig.engine_tp_sizes needs one entry per engine_urls")
+
+
+@dataclasses.dataclass(slots=True)
+class _Entry:
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    sampling: dict[str, Any]
+    rid: str
+
+
+class _Target:
+    """One place `/generate` requests can go (an engine, or the router)."""
+
+    def __init__(self, url: str, limit: int) -> None:
+        self.url = url
+        self.sem = asyncio.Semaphore(limit)
+        self.inflight = 0
+        self.down_until = 0.0
+
+
+class SGLangClient(RolloutEngine):
+    """`RolloutEngine` over SGLang's HTTP API (real servers or the embedded engine)."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self._calls = itertools.count()
+        self._updates = itertools.count(1)
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-client")
+
+    # ---- HTTP plumbing ---------------------------------------------------------------------
+    def _session(self, timeout_s: float) -> aiohttp.ClientSession:
+        headers = {}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self.config.connect_timeout_s)
+        return aiohttp.ClientSession(timeout=timeout, headers=headers)
+
+    @staticmethod
+    async def _request(
+        session: aiohttp.ClientSession, method: str, url: str, body: Any = None
+    ) -> tuple[int, bytes]:
+        async with session.request(method, url, json=body) as resp:
+            return resp.status, await resp.read()
+
+    def _validate(self, route: str, body: dict[str, Any]) -> None:
+        if not self.config.validate_requests:
+            return
+        if route == "/generate":
+            proto.validate_generate_body(body)
+        elif proto.ROUTES[route][1] is not None:
+            proto.validate_control_body(route, body)
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, n: int = 1
+    ) -> RolloutResult:
+        """Blocking `agenerate`."""
+        return asyncio.run(self.agenerate(prompts, sampling, n=n))
+
+    async def agenerate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, n: int = 1
+    ) -> RolloutResult:
+        """Generate `n` samples for each prompt; see `RolloutEngine.generate`."""
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        tic = time.perf_counter()
+        call = f"{uuid.uuid4().hex[:8]}-{next(self._calls)}"
+        native_n = self.config.use_native_n and n > 1
+        if native_n and sampling.seed is not None:
+            raise ValueError("use_native_n gives all n samples one seed; unset seed or the flag")
+        entries = [
+            _Entry(
+                pi,
+                sj,
+                list(map(int, p)),
+                sampling.to_sglang(seed=sampling.sample_seed(pi, sj)),
+                f"{call}-p{pi}-s{sj}",
+            )
+            for pi, p in enumerate(prompts)
+            for sj in range(1 if native_n else n)
+        ]
+        per_req = max(1, self.config.max_batch_per_request // (n if native_n else 1))
+        chunks = [entries[i : i + per_req] for i in range(0, len(entries), per_req)]
+        urls = [self.config.router_url] if self.config.router_url else self.config.engine_urls
+        targets = [_Target(u, self.config.max_inflight_per_engine) for u in urls]
+        stats = RolloutStats()
+        async with self._session(self.config.request_timeout_s) as session:
+            results = await asyncio.gather(
+                *(
+                    self._send_chunk(session, targets, c, n if native_n else 1, stats)
+                    for c in chunks
+                )
+            )
+        samples: dict[tuple[int, int], Sample] = {}
+        for chunk_samples in results:
+            for s in chunk_samples:
+                if s.key in samples:  # cannot happen by construction; guard the invariant
+                    raise AssertionError(f"duplicate sample {s.key}")
+                samples[s.key] = s
+        ordered = [samples[k] for k in sorted(samples)]
+        stats.num_samples = len(ordered)
+        stats.num_truncated = sum(s.finish_reason == "length" for s in ordered)
+        stats.num_aborted = sum(s.finish_reason == "abort" for s in ordered)
+        stats.num_masked_logprobs = sum(len(s.logprobs) - s.num_valid_logprobs for s in ordered)
+        stats.wall_s = time.perf_counter() - tic
+        return RolloutResult(samples=ordered, stats=stats)
+
+    def _pick(self, targets: list[_Target]) -> _Target | None:
+        now = time.monotonic()
+        up = [t for t in targets if t.down_until <= now]
+        if not up:
+            return None
+        # Least loaded first; ties go to the earliest in the list rotation.
+        return min(up, key=lambda t: t.inflight)
+
+    async def _send_chunk(
+        self,
+        session: aiohttp.ClientSession,
+        targets: list[_Target],
+        chunk: list[_Entry],
+        n: int,
+        stats: RolloutStats,
+    ) -> list[Sample]:
+        if n > 1:
+            body = proto.generate_body_native_n([e.prompt for e in chunk], chunk[0].sampling, n)
+        else:
+            body = proto.generate_body(
+                [e.prompt for e in chunk], [e.sampling for e in chunk], [e.rid for e in chunk]
+            )
+        self._validate("/generate", body)
+        cfg = self.config
+        last_error = "no engine available"
+        for attempt in range(cfg.max_retries + 1):
+            if attempt:
+                stats.num_retries += 1
+                await asyncio.sleep(min(cfg.backoff_s * 2 ** (attempt - 1), cfg.backoff_max_s))
+            target = self._pick(targets)
+            if target is None:
+                soonest = min(t.down_until for t in targets) - time.monotonic()
+                await asyncio.sleep(max(0.0, min(soonest, cfg.backoff_max_s)))
+                target = self._pick(targets) or targets[0]
+            target.inflight += 1
+            try:
+                async with target.sem:
+                    status, raw = await self._request(
+                        session, "POST", target.url + "/generate", body
+                    )
+            except _RETRYABLE as e:
+                last_error = f"{target.url}/generate: {type(e).__name__}: {e}"
+                logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
+                target.down_until = time.monotonic() + cfg.engine_cooldown_s
+                continue
+            finally:
+                target.inflight -= 1
+            if status >= 500:
+                last_error = f"{target.url}/generate: HTTP {status}: {proto.error_message(raw)}"
+                logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
+                target.down_until = time.monotonic() + cfg.engine_cooldown_s
+                continue
+            if status >= 400:
+                raise EngineError(
+                    f"{target.url}/generate refused the request: HTTP {status}: "
+                    f"{proto.error_message(raw)}",
+                    status=status,
+                    url=target.url,
+                )
+            stats.requests_per_engine[target.url] += 1
+            return self._to_samples(chunk, n, json.loads(raw), target.url, stats)
+        raise EngineError(
+            f"/generate failed after {cfg.max_retries + 1} attempts: {last_error}", url=None
+        )
+
+    def _to_samples(
+        self, chunk: list[_Entry], n: int, payload: Any, url: str, stats: RolloutStats
+    ) -> list[Sample]:
+        items = proto.as_response_list(payload)
+        if len(items) != len(chunk) * n:
+            raise EngineError(f"{url}: {len(items)} responses for {len(chunk) * n} requests")
+        if n == 1:
+            by_rid = {it.get("meta_info", {}).get("id"): it for it in items}
+            if set(by_rid) == {e.rid for e in chunk}:
+                items = [by_rid[e.rid] for e in chunk]
+        out = []
+        for k, item in enumerate(items):
+            if self.config.validate_requests:
+                proto.validate_generate_response(item)
+            entry = chunk[k // n]
+            meta = item.get("meta_info", {})
+            try:
+                out.append(
+                    build_sample(
+                        prompt_ids=entry.prompt,
+                        output_ids=item.get("output_ids") or [],
+                        token_logprobs=meta.get("output_token_logprobs") or [],
+                        finish_reason=meta.get("finish_reason"),
+                        weight_version=meta.get("weight_version"),
+                        engine_id=url,
+                        prompt_index=entry.prompt_index,
+                        sample_index=k % n if n > 1 else entry.sample_index,
+                        meta={
+                            "rid": meta.get("id"),
+                            "prompt_tokens": meta.get("prompt_tokens"),
+                            "e2e_latency": meta.get("e2e_latency"),
+                        },
+                    )
+                )
+            except SampleValidationError as e:
+                logger.warning("dropping sample: %s", e)
+                stats.num_rejected += 1
+        return out
+
+    # ---- control plane -------------------------------------------------------------------
+    async def _acontrol(
+        self,
+        route: str,
+        body: dict[str, Any] | None = None,
+        *,
+        method: str = "POST",
+        urls: Sequence[str] | None = None,
+        retries: int = 0,
+        ok_statuses: tuple[int, ...] = (200,),
+    ) -> dict[str, tuple[int, bytes]]:
+        if body is not None:
+            self._validate(route, body)
+        urls = list(urls or self.config.engine_urls)
+
+        async def one(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
+            for attempt in range(retries + 1):
+                try:
+                    return await self._request(session, method, url + route, body)
+                except _RETRYABLE as e:
+                    if attempt == retries:
+                        return 599, f"{type(e).__name__}: {e}".encode()
+                    await asyncio.sleep(self.config.backoff_s * 2**attempt)
+            raise AssertionError
+
+        async with self._session(self.config.control_timeout_s) as session:
+            got = await asyncio.gather(*(one(session, u) for u in urls))
+        return dict(zip(urls, got))
+
+    def _control(self, route: str, body: dict[str, Any] | None = None, **kw: Any):
+        """Call `route` on every engine; raise `EngineError` naming each failing engine."""
+        ok_statuses = kw.pop("ok_statuses", (200,))
+        res = asyncio.run(self._acontrol(route, body, **kw))
+        bad = {u: r for u, r in res.items() if r[0] not in ok_statuses}
+        if bad:
+            detail = "; ".join(
+                f"{u}: HTTP {s}: {proto.error_message(raw)}" for u, (s, raw) in bad.items()
+            )
+            status = next(iter(bad.values()))[0]
+            raise EngineError(f"{route} failed: {detail}", status=status)
+        return res
+
+    def _in_thread(self, route: str, bodies: dict[str, dict[str, Any]]) -> Future[None]:
+        """Run per-engine calls in a worker thread (the caller must act on the group meanwhile)."""
+
+        def run() -> None:
+            async def all_engines() -> dict[str, tuple[int, bytes]]:
+                async with self._session(self.config.control_timeout_s) as session:
+                    got = await asyncio.gather(
+                        *(self._request(session, "POST", u + route, b) for u, b in bodies.items())
+                    )
+                return dict(zip(bodies, got))
+
+            for b in bodies.values():
+                self._validate(route, b)
+            res = asyncio.run(all_engines())
+            bad = {u: r for u, r in res.items() if r[0] != 200}
+            if bad:
+                raise EngineError(
+                    f"{route} failed: "
+                    + "; ".join(
+                        f"{u}: HTTP {s}: {proto.error_message(raw)}" for u, (s, raw) in bad.items()
+                    ),
+                    status=next(iter(bad.values()))[0],
+                )
+
+        return self._pool.submit(run)
+
+    def _version(self, weight_version: str | None) -> str:
+        return weight_version if weight_version is not None else f"update-{next(self._updates)}"
+
+    def begin_weight_update(self) -> None:
+        self._control("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._control("/end_weight_update", {})
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        version = self._version(weight_version)
+        payloads, bucket = proto.serialize_flattened_bucket(named_tensors)
+        bodies = {
+            url: {
+                "serialized_named_tensors": payloads * tp,
+                "load_format": "flattened_bucket",
+                "flush_cache": flush_cache,
+                "weight_version": version,
+            }
+            for url, tp in zip(self.config.engine_urls, self.config.engine_tp_sizes)
+        }
+        # The payload is a handle onto `bucket`'s memory: keep it alive until every engine
+        # answered (result() below), as SGLang requires.
+        self._in_thread("/update_weights_from_tensor", bodies).result()
+        del bucket
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> Future[None]:
+        world = 1 + sum(self.config.engine_tp_sizes)
+        offsets = itertools.accumulate([1] + self.config.engine_tp_sizes[:-1])
+        bodies = {
+            url: {
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": off,
+                "world_size": world,
+                "group_name": group_name,
+                "backend": backend,
+            }
+            for url, off in zip(self.config.engine_urls, offsets)
+        }
+        return self._in_thread("/init_weights_update_group", bodies)
+
+    @property
+    def weight_update_world_size(self) -> int:
+        """World size of the weight-update group (trainer + every engine rank)."""
+        return 1 + sum(self.config.engine_tp_sizes)
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype | str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        flattened_bucket: bool = True,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> Future[None]:
+        body = {
+            "names": list(names),
+            "dtypes": [proto.dtype_name(d) for d in dtypes],
+            "shapes": [list(map(int, s)) for s in shapes],
+            "group_name": group_name,
+            "load_format": "flattened_bucket" if flattened_bucket else None,
+            "flush_cache": flush_cache,
+            "weight_version": self._version(weight_version),
+        }
+        return self._in_thread(
+            "/update_weights_from_distributed", {u: body for u in self.config.engine_urls}
+        )
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self._control("/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weights_from_disk(self, path: str, *, weight_version: str | None = None) -> None:
+        body = {"model_path": str(path), "weight_version": self._version(weight_version)}
+        self._control("/update_weights_from_disk", body)
+
+    def weight_version(self) -> dict[str, str]:
+        res = self._control("/model_info", method="GET", retries=2)
+        return {u: json.loads(raw)["weight_version"] for u, (_, raw) in res.items()}
+
+    def weights_checksum(self) -> dict[str, dict[str, Any]]:
+        res = self._control("/weights_checker", {"action": "checksum"})
+        return {u: json.loads(raw) for u, (_, raw) in res.items()}
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, Any]:
+        """SGLang's `/get_weights_by_name` on every engine (fp32 nested lists, truncated)."""
+        body = {"name": name, "truncate_size": truncate_size}
+        res = self._control("/get_weights_by_name", body)
+        return {u: json.loads(raw) for u, (_, raw) in res.items()}
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        self._control("/release_memory_occupation", {"tags": list(tags) if tags else None})
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self._control("/resume_memory_occupation", {"tags": list(tags) if tags else None})
+
+    def flush_cache(self) -> None:
+        self._control("/flush_cache", retries=2)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self._control("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._control("/continue_generation", {})
+
+    def abort(self, rid: str | None = None) -> None:
+        body = {"abort_all": True} if rid is None else {"rid": rid}
+        self._control("/abort_request", body)
+
+    def health(self) -> dict[str, bool]:
+        res = asyncio.run(self._acontrol("/health_generate", method="GET"))
+        return {u: s == 200 for u, (s, _) in res.items()}
+
+    def close(self) -> None:
+        """Release the client's worker threads."""
+        self._pool.shutdown(wait=False)
+
+
+def requests_per_engine(results: Sequence[RolloutResult]) -> Counter:
+    """Sum of `/generate` requests each engine answered over several calls."""
+    total: Counter = Counter()
+    for r in results:
+        total.update(r.stats.requests_per_engine)
+    return total
