@@ -1,0 +1,45 @@
+"""Per-tensor integrity check of a weight sync: sender and engine checksum the same bytes.
+
+The checksum is the one SGLang's `/weights_checker` computes per tensor (sha256 of the raw
+bytes, first 8 bytes), taken from `megatron_gspo.rollout.sglang_protocol` so that the trainer
+and every engine implementing `RolloutEngine.weights_checksum()` agree bit for bit. It is
+computed on the host (a device->host copy on GPU) and costs about one memcpy plus sha256 per
+byte, which is why `WeightSyncConfig.verify_every` can thin it out.
+
+Engines report checksums of what they HOLD: the comparison is meaningful when the engine keeps
+the tensors in the dtype they were sent in and under their HF names (the embedded engine with a
+matching dtype). SGLang itself fuses q/k/v and gate/up into internal names, so its per-tensor
+checksums cannot be compared name by name; see the module docstring of `sync.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from megatron_gspo.rollout.sglang_protocol import tensor_checksum
+
+
+class WeightIntegrityError(RuntimeError):
+    """A tensor the engine holds differs from the one the trainer sent (the name is in the text)."""
+
+
+def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """`{name: checksum}` of tensors as sent."""
+    return {name: tensor_checksum(t) for name, t in named}
+
+
+def compare_checksums(sent: dict[str, str], received: dict[str, str], engine: str = "") -> None:
+    """Raise `WeightIntegrityError` naming every tensor that is missing or differs (first 5)."""
+    where = f" on engine {engine}" if engine else ""
+    bad = []
+    for name, digest in sent.items():
+        got = received.get(name)
+        if got is None:
+            bad.append(f"{name!r} was sent but is missing{where}")
+        elif got != digest:
+            bad.append(f"{name!r} differs{where}: sent {digest}, engine holds {got}")
+    if bad:
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise WeightIntegrityError("weight sync checksum mismatch: " + "; ".join(bad[:5]) + more)

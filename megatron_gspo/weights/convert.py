@@ -1,0 +1,282 @@
+"""HF checkpoint <-> megatron-core distributed checkpoint (`torch_dist`), at any parallel layout.
+
+Both directions run on every rank of a `torchrun` job (gloo on CPU, nccl on GPU) and use
+megatron-bridge's model mappings (Qwen3-MoE, Qwen3, Llama-style, ...):
+
+* `hf_to_megatron`: build the model for the layout, load the HF safetensors through the bridge,
+  and save `sharded_state_dict()` with `megatron.core.dist_checkpointing.save`. Sharded keys
+  are global (layer offsets, expert ids, TP slices), so the checkpoint can be loaded at any
+  other layout (resharding is dist_checkpointing's job).
+* `megatron_to_hf`: build the model for the (possibly different) layout, load the checkpoint,
+  and write HF safetensors shards from the bridge's export on rank 0, in the original HF dtype.
+
+The Megatron checkpoint directory also holds `hf_config/` (config.json, tokenizer and
+generation files of the source) and `mgspo_conversion.json`, so the reverse conversion needs
+nothing but the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_gspo.megatron.model import (
+    Layout,
+    build_model,
+    init_megatron,
+    load_bridge,
+    make_provider,
+    quiet_megatron,
+)
+from megatron_gspo.weights import hf_io
+
+HF_CONFIG_DIR = "hf_config"
+META_FILE = "mgspo_conversion.json"
+DEFAULT_SHARD_BYTES = 4 * 1024**3
+
+
+class ConversionError(RuntimeError):
+    """A conversion cannot proceed (bad layout, missing tensor, existing output, ...)."""
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _say(msg: str) -> None:
+    if _rank() == 0:
+        print(f"[convert] {msg}", flush=True)
+
+
+def validate_layout(layout: Layout, hf_config: Any, world_size: int) -> None:
+    """Raise `ConversionError` with the flag to change if `layout` cannot hold this model."""
+    model_par = layout.tp * layout.pp * layout.cp
+    problems = []
+    if world_size % model_par:
+        problems.append(f"world size {world_size} is not a multiple of tp*pp*cp = {model_par}")
+    etp = layout.etp if layout.etp is not None else layout.tp
+    if world_size % (etp * layout.ep * layout.pp):
+        problems.append(
+            f"world size {world_size} is not a multiple of etp*ep*pp = "
+            f"{etp * layout.ep * layout.pp}"
+        )
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv = getattr(hf_config, "num_key_value_heads", heads)
+    if heads and heads % layout.tp:
+        problems.append(f"--tp {layout.tp} does not divide num_attention_heads={heads}")
+    if kv and kv % layout.tp:
+        problems.append(f"--tp {layout.tp} does not divide num_key_value_heads={kv}")
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    stages = layout.pp * (layout.vpp or 1)
+    if layers and layers % stages:
+        problems.append(f"pp*vpp = {stages} does not divide num_hidden_layers={layers}")
+    experts = getattr(hf_config, "num_experts", None) or getattr(
+        hf_config, "n_routed_experts", None
+    )
+    if layout.ep > 1 and not experts:
+        problems.append(f"--ep {layout.ep} on a dense model (no experts)")
+    if experts and experts % layout.ep:
+        problems.append(f"--ep {layout.ep} does not divide num_experts={experts}")
+    if problems:
+        raise ConversionError(f"layout {layout.name()} does not fit: " + "; ".join(problems))
+
+
+def _prepare_output(out_dir: Path, force: bool) -> None:
+    """Refuse a non-empty output unless `force`; rank 0 clears it, everyone waits."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not force:
+            raise ConversionError(f"{out_dir} exists and is not empty; pass --force to overwrite")
+        _barrier()  # nobody may still be reading it
+        if _rank() == 0:
+            shutil.rmtree(out_dir)
+    _barrier()
+    if _rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    _barrier()
+
+
+def _sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
+    # One entry per virtual pipeline chunk, as Megatron-LM's own checkpoints nest them; the
+    # ShardedTensor keys inside are global, so the nesting does not constrain resharding.
+    if len(model) == 1:
+        return {"model": model[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(model)}
+
+
+def _hf_dtype(hf_config: Any) -> torch.dtype:
+    name = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(name, torch.dtype):
+        return name
+    if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    return torch.float32
+
+
+def config_bridge(config_dir: str | Path) -> Any:
+    """An `AutoBridge` from a config directory alone (no weights: they come from Megatron)."""
+    from transformers import AutoConfig
+
+    from megatron_gspo.patches import apply_bridge_imports
+
+    apply_bridge_imports()
+    from megatron.bridge import AutoBridge
+
+    return AutoBridge.from_hf_config(AutoConfig.from_pretrained(str(config_dir)))
+
+
+def build_for_layout(
+    bridge: Any, layout: Layout, dtype: torch.dtype | None
+) -> list[torch.nn.Module]:
+    """Parallel state + model chunks (no weights loaded) for `layout`."""
+    validate_layout(layout, hf_io.hf_config_of(bridge), _world())
+    init_megatron(layout)
+    return build_model(make_provider(bridge, layout, dtype=dtype))
+
+
+def hf_to_megatron(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    layout: Layout,
+    *,
+    dtype: torch.dtype | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Convert a HF checkpoint into a `torch_dist` Megatron checkpoint (collective).
+
+    dtype: parameter dtype of the Megatron model (default: fp32 on CPU, bf16 on GPU).
+    Returns the metadata written to `mgspo_conversion.json`.
+    """
+    from megatron.core import dist_checkpointing
+
+    quiet_megatron()
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise ConversionError(f"{hf_dir} is not a HF checkpoint (no config.json)")
+    if not list(hf_dir.glob("*.safetensors")):
+        raise ConversionError(f"{hf_dir} has no *.safetensors weights")
+    _prepare_output(out_dir, force)
+    bridge = load_bridge(hf_dir)
+    model = build_for_layout(bridge, layout, dtype)
+    _say(f"loading {hf_dir} into a {layout.name()} model on {_world()} ranks")
+    try:
+        bridge.load_hf_weights(model)
+    except KeyError as e:
+        raise ConversionError(
+            f"{hf_dir} lacks tensor {e.args[0]!r} (a truncated checkpoint, "
+            "or a model the bridge maps differently?)"
+        ) from e
+    _say(f"saving torch_dist checkpoint to {out_dir}")
+    dist_checkpointing.save(_sharded_state_dict(model), str(out_dir))
+    meta = {
+        "format": "torch_dist",
+        "source": str(hf_dir.resolve()),
+        "layout": {
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "vpp": layout.vpp,
+            "cp": layout.cp,
+            "ep": layout.ep,
+            "etp": layout.etp,
+        },
+        "world_size": _world(),
+        "param_dtype": str(next(model[0].parameters()).dtype).removeprefix("torch."),
+        "hf_dtype": str(_hf_dtype(hf_io.hf_config_of(bridge))).removeprefix("torch."),
+    }
+    if _rank() == 0:
+        cfg_dir = out_dir / HF_CONFIG_DIR
+        cfg_dir.mkdir(exist_ok=True)
+        shutil.copy2(hf_dir / "config.json", cfg_dir / "config.json")
+        hf_io.copy_side_files(hf_dir, cfg_dir)
+        (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    _barrier()
+    _say("done")
+    return meta
+
+
+def load_megatron(
+    ckpt_dir: str | Path, layout: Layout, *, dtype: torch.dtype | None = None
+) -> tuple[Any, list[torch.nn.Module]]:
+    """(bridge, model chunks for `layout`) with weights from a `hf_to_megatron` checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    quiet_megatron()
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / META_FILE).is_file() or not (ckpt_dir / HF_CONFIG_DIR).is_dir():
+        raise ConversionError(f"{ckpt_dir} is not a checkpoint written by convert_hf_to_megatron")
+    meta = json.loads((ckpt_dir / META_FILE).read_text())
+    bridge = config_bridge(ckpt_dir / HF_CONFIG_DIR)
+    if dtype is None and meta.get("param_dtype"):
+        dtype = getattr(torch, meta["param_dtype"])
+    model = build_for_layout(bridge, layout, dtype)
+    try:
+        state = dist_checkpointing.load(_sharded_state_dict(model), str(ckpt_dir))
+    except Exception as e:  # megatron raises CheckpointingException / KeyError with key lists
+        raise ConversionError(
+            f"cannot load {ckpt_dir} at layout {layout.name()}: {type(e).__name__}: {e}"
+        ) from e
+    for i, m in enumerate(model):
+        sd = state["model"] if len(model) == 1 else state[f"model{i}"]
+        missing, unexpected = m.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ConversionError(
+                f"{ckpt_dir}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+    return bridge, model
+
+
+def megatron_to_hf(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    layout: Layout,
+    *,
+    force: bool = False,
+    hf_dtype: torch.dtype | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> dict[str, Any]:
+    """Convert a `torch_dist` checkpoint (written at any layout) to a HF directory (collective).
+
+    hf_dtype: dtype of the written weights (default: the source HF checkpoint's dtype).
+    """
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    _prepare_output(out_dir, force)
+    bridge, model = load_megatron(ckpt_dir, layout)
+    hf_config = hf_io.hf_config_of(bridge)
+    hf_dtype = hf_dtype or _hf_dtype(hf_config)
+    _say(f"exporting to {out_dir} as {hf_dtype}")
+    writer = hf_io.ShardWriter(out_dir) if _rank() == 0 else None
+    shard: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    show = _rank() == 0
+    for name, t in bridge.export_hf_weights(model, cpu=True, show_progress=show):
+        if writer is None:
+            continue  # other ranks only take part in the gathers
+        t = t.detach().to(hf_dtype).clone()
+        if shard and size + t.numel() * t.element_size() > shard_bytes:
+            writer.write(shard)
+            shard, size = [], 0
+        shard.append((name, t))
+        size += t.numel() * t.element_size()
+    if writer is not None:
+        if shard:
+            writer.write(shard)
+        writer.close()
+        src = ckpt_dir / HF_CONFIG_DIR
+        shutil.copy2(src / "config.json", out_dir / "config.json")
+        hf_io.copy_side_files(src, out_dir)
+    _barrier()
+    _say("done")
+    return {"tensors": 0 if writer is None else len(writer.weight_map)}

@@ -1,0 +1,165 @@
+"""Blockwise FP8 (e4m3) quantise-on-send, in the layout of FP8 Qwen3 / DeepSeek-V3 checkpoints.
+
+A weight `W [N, K]` is cut into 128x128 blocks; each block gets one fp32 scale
+`s = amax(|block|) / 448` and is stored as `q = round_e4m3(W / s)`. The scales are published as
+`<module>.weight_scale_inv` with shape `[ceil(N/128), ceil(K/128)]`, and dequantisation is
+`W ~= q * s` (the "inverse" in the name is historical: it is the multiplier of `q`).
+Only decoder linear weights are quantised; norms, the MoE router, embeddings and lm_head stay
+BF16, as in the published FP8 checkpoints.
+
+Shape legend: N rows (output features), K columns (input features), B = 128 block edge,
+Nb = ceil(N/B), Kb = ceil(K/B).
+
+Error bound (what `check_dequantised` enforces per block): e4m3 has 3 mantissa bits, so
+round-to-nearest of a normal value has relative error <= 2^-4; values below the smallest normal
+(2^-6 in scaled units) are rounded on a fixed grid of 2^-9, i.e. absolute error <= 2^-10 * s.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+E4M3_MAX = 448.0
+BLOCK = 128
+REL_BOUND = 2.0**-4
+"""Half an ulp of a 3-bit mantissa: the worst relative rounding error of a normal e4m3 value."""
+SUBNORMAL_ABS_BOUND = 2.0**-10
+"""Half the subnormal spacing (2^-9) of e4m3, in units of the block scale."""
+SCALE_SUFFIX = "_scale_inv"
+
+# Decoder linear weights (attention q/k/v/o, dense/shared/expert gate/up/down, MLA projections).
+# `mlp.gate.weight` (the router) and `shared_expert_gate.weight` do not end in `_proj.weight`.
+_QUANTISED = re.compile(r"\.layers\.\d+\..*_proj\.weight$")
+
+
+def is_quantised_name(name: str, tensor: torch.Tensor | None = None) -> bool:
+    """Whether an HF weight is sent as block FP8 (2-D decoder linear weights only)."""
+    return bool(_QUANTISED.search(name)) and (tensor is None or tensor.dim() == 2)
+
+
+def scale_name(name: str) -> str:
+    """`...q_proj.weight` -> `...q_proj.weight_scale_inv` (the FP8 Qwen3 checkpoint name)."""
+    return name + SCALE_SUFFIX
+
+
+def scale_shape(shape: tuple[int, ...] | torch.Size, block: int = BLOCK) -> tuple[int, int]:
+    """Shape of the per-block scale of a `[N, K]` weight: `[ceil(N/B), ceil(K/B)]`."""
+    n, k = shape
+    return math.ceil(n / block), math.ceil(k / block)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """[N, K] -> zero-padded [Nb, B, Kb, B] (fp32)."""
+    n, k = x.shape
+    nb, kb = scale_shape(x.shape, block)
+    padded = x.new_zeros((nb * block, kb * block), dtype=torch.float32)
+    padded[:n, :k] = x
+    return padded.view(nb, block, kb, block)
+
+
+def quantise_blockwise(
+    x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise `x [N, K]` to e4m3 with one scale per `block x block` tile.
+
+    Returns `(q [N, K] float8_e4m3fn, scale_inv [Nb, Kb] float32)` with `x ~= q * scale_inv`.
+    pow2_scale: round scales up to a power of two (what DeepGEMM's UE8M0 layout requires).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"block FP8 needs a 2-D weight, got shape {tuple(x.shape)}")
+    n, k = x.shape
+    xb = _blocks(x, block)
+    # An all-zero block would give scale 0 and 0/0; any positive scale represents it exactly.
+    amax = xb.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [Nb, Kb]
+    scale = amax / E4M3_MAX
+    if pow2_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (xb / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = q.view(-1, q.size(2) * block)[:n, :k].contiguous()
+    return q, scale.contiguous()
+
+
+def dequantise_blockwise(
+    q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
+) -> torch.Tensor:
+    """`q [N, K] e4m3` * per-block `scale_inv [Nb, Kb]` -> fp32 `[N, K]`."""
+    n, k = q.shape
+    qb = _blocks(q.float(), block)
+    return (qb * scale_inv[:, None, :, None]).view(qb.size(0) * block, -1)[:n, :k]
+
+
+def block_error_ratio(
+    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
+) -> torch.Tensor:
+    """Per block, the worst `|deq - x| / bound` with bound = 2^-4 |x| + 2^-10 s  ([Nb, Kb]).
+
+    A value <= 1 everywhere means every element is within e4m3's rounding bound.
+    """
+    xf = x.float()
+    err = _blocks((dequantise_blockwise(q, scale_inv, block) - xf).abs(), block)
+    bound = REL_BOUND * _blocks(xf.abs(), block) + SUBNORMAL_ABS_BOUND * scale_inv[:, None, :, None]
+    # fp32 rounding of x / s and q * s adds a few ulps on top of the e4m3 rounding.
+    bound = bound * (1 + 1e-5) + 1e-30
+    return (err / bound).amax(dim=(1, 3))
+
+
+def block_relative_error(
+    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
+) -> torch.Tensor:
+    """Per block, `max |deq - x| / max |x|` ([Nb, Kb]); <= 2^-4 for e4m3 (reported in metrics)."""
+    xf = x.float()
+    err = _blocks((dequantise_blockwise(q, scale_inv, block) - xf).abs(), block).amax(dim=(1, 3))
+    amax = _blocks(xf.abs(), block).amax(dim=(1, 3)).clamp(min=1e-30)
+    return err / amax
+
+
+def check_dequantised(
+    name: str, x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
+) -> float:
+    """Raise if any element of `q * scale_inv` is outside e4m3's bound; return the worst ratio."""
+    expected = scale_shape(x.shape, block)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"{name}: scale shape {tuple(scale_inv.shape)} != {expected}")
+    ratio = block_error_ratio(x, q, scale_inv, block)
+    worst = float(ratio.max())
+    if not worst <= 1.0:
+        bad = divmod(int(ratio.argmax()), ratio.size(1))
+        raise ValueError(
+            f"{name}: FP8 dequantisation error {worst:.3f}x the e4m3 bound in block {bad}"
+        )
+    return worst
+
+
+def quantisation_config(block: int = BLOCK, not_converted: list[str] | None = None) -> dict:
+    """The `quantization_config` of an FP8 block checkpoint's config.json (SGLang reads it)."""
+    cfg: dict = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    if not_converted:
+        cfg["modules_to_not_convert"] = sorted(not_converted)
+    return cfg
+
+
+def quantise_named(
+    name: str,
+    tensor: torch.Tensor,
+    *,
+    block: int = BLOCK,
+    pow2_scale: bool = False,
+    other_dtype: torch.dtype = torch.bfloat16,
+    check: bool = False,
+) -> list[tuple[str, torch.Tensor]]:
+    """What FP8 rollout sends for one HF tensor: `[(name, q), (name_scale_inv, s)]` for a
+    decoder linear weight, `[(name, tensor in other_dtype)]` for everything else."""
+    if not is_quantised_name(name, tensor):
+        return [(name, tensor.to(other_dtype))]
+    q, s = quantise_blockwise(tensor, block, pow2_scale=pow2_scale)
+    if check:
+        check_dequantised(name, tensor, q, s, block)
+    return [(name, q), (scale_name(name), s)]

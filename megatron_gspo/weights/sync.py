@@ -1,0 +1,286 @@
+"""`WeightSync`: push the trainer's weights to the rollout engines once per step, verified.
+
+Every trainer rank calls `sync.push(model)` (the bridge's gathers are collectives); rank 0
+(`sender_rank`) buckets the HF-named tensors, optionally quantises them to block FP8, sends
+them with the configured transport, then checks, when due:
+
+* integrity: the per-tensor checksum of every tensor as sent equals what each engine reports
+  through `RolloutEngine.weights_checksum()` (a mismatch raises `WeightIntegrityError` naming
+  the tensor). This needs engines that keep HF names and the sent dtype (the embedded engine
+  with a matching dtype); SGLang fuses q/k/v and gate/up internally, so with real SGLang set
+  `verify_every=0` and rely on its `/weights_checker` for engine-internal consistency.
+* version: each engine reports the new version (`RolloutEngine.weight_version()`), which
+  rollouts then carry.
+
+The outcome is broadcast from the sender so that every rank returns or raises together.
+
+    sync = WeightSync(bridge, engine, WeightSyncConfig(transport="tensor", fp8=True))
+    for step in ...:
+        train_step(...)
+        report = sync.push(model)   # all ranks; report.version == sync.version
+    sync.close()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from megatron_gspo.rollout.engine import RolloutEngine
+from megatron_gspo.rollout.sglang_protocol import tensor_checksum
+from megatron_gspo.weights import fp8 as fp8_lib
+from megatron_gspo.weights import hf_io
+from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
+from megatron_gspo.weights.stream import Bucket, StreamStats, is_sender, model_buckets
+from megatron_gspo.weights.transports import (
+    DiskTransport,
+    DistributedTransport,
+    TensorTransport,
+    Transport,
+)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed (transport error or wrong engine version)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    """How trainer weights reach the rollout engines."""
+
+    transport: Literal["tensor", "distributed", "disk"] = "tensor"
+    """tensor: colocated (same node, IPC); distributed: a process group with the engines;
+    disk: a HF checkpoint directory per version (`disk_dir`) that engines reload."""
+    bucket_mb: float = 512.0
+    """Upper bound of one bucket in MiB (a single larger tensor is sent alone)."""
+    dtype: str | None = None
+    """Send dtype ("bfloat16", "float32"); None keeps the trainer's. Match the engine's dtype."""
+    fp8: bool = False
+    """Blockwise FP8 (e4m3, 128x128, `weight_scale_inv`) for decoder linear weights; the
+    rest go as `dtype` or bf16. The engines must serve an FP8 block checkpoint config."""
+    fp8_check: bool = True
+    """Dequantise every FP8 weight on the sender and check the e4m3 error bound per block."""
+    verify_every: int = 1
+    """Compare per-tensor checksums with the engines every N syncs (0 = never)."""
+    check_version: bool = True
+    """Require every engine to report the new weight version after a sync."""
+    sender_rank: int = 0
+    """Global trainer rank that keeps and sends the buckets."""
+    disk_dir: str | None = None
+    """Root directory of the disk transport (must be visible to the engines)."""
+    disk_keep: int = 2
+    """Versions kept on disk."""
+    master_address: str = "127.0.0.1"
+    """Address of the sender for the distributed transport's rendezvous."""
+    group_name: str = "weight_update_group"
+    backend: str | None = None
+    """Distributed transport backend; None: nccl with CUDA, gloo otherwise."""
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("tensor", "distributed", "disk"):
+            raise ValueError(f"weights.transport={self.transport!r}: tensor|distributed|disk")
+        if self.transport == "disk" and not self.disk_dir:
+            raise ValueError("weights.transport=disk needs weights.disk_dir")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"weights.bucket_mb={self.bucket_mb} must be > 0")
+        if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"weights.dtype={self.dtype!r} is not a torch dtype name")
+        if self.verify_every < 0:
+            raise ValueError("weights.verify_every must be >= 0")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 1024**2)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return None if self.dtype is None else getattr(torch, self.dtype)
+
+
+@dataclass(slots=True)
+class SyncReport:
+    """What one `push` did (identical on every rank)."""
+
+    version: int
+    seconds: float = 0.0
+    verified: bool = False
+    stats: StreamStats = field(default_factory=StreamStats)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.stats.bytes_sent / 1e9 / max(self.seconds, 1e-9)
+
+
+def _with_last(buckets: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
+    """Yield (bucket, is_last) with one bucket of lookahead."""
+    prev = None
+    for b in buckets:
+        if prev is not None:
+            yield prev, False
+        prev = b
+    if prev is not None:
+        yield prev, True
+
+
+class WeightSync:
+    """Owns the transport, the version counter and the checks; see the module docstring."""
+
+    def __init__(
+        self,
+        bridge: Any,
+        engines: RolloutEngine | Sequence[RolloutEngine],
+        config: WeightSyncConfig | None = None,
+        *,
+        initial_version: int = 0,
+    ) -> None:
+        self.bridge = bridge
+        self.engines = [engines] if isinstance(engines, RolloutEngine) else list(engines)
+        self.config = config or WeightSyncConfig()
+        self.version = initial_version
+        self.sender = is_sender(self.config.sender_rank)
+        self.transport: Transport | None = self._make_transport() if self.sender else None
+        self._ready = False
+
+    def _make_transport(self) -> Transport:
+        cfg = self.config
+        if cfg.transport == "tensor":
+            return TensorTransport(self.engines)
+        if cfg.transport == "distributed":
+            return DistributedTransport(
+                self.engines,
+                master_address=cfg.master_address,
+                group_name=cfg.group_name,
+                backend=cfg.backend,
+                timeout_s=cfg.timeout_s,
+            )
+        qcfg = None
+        if cfg.fp8:
+            n_layers = int(getattr(hf_io.hf_config_of(self.bridge), "num_hidden_layers", 0))
+            qcfg = fp8_lib.quantisation_config(
+                not_converted=["lm_head", *(f"model.layers.{i}.mlp.gate" for i in range(n_layers))]
+            )
+        return DiskTransport(
+            self.engines,
+            root=Path(cfg.disk_dir or "."),
+            hf_config=hf_io.hf_config_of(self.bridge),
+            source_dir=hf_io.hf_source_dir(self.bridge),
+            dtype=torch.bfloat16 if cfg.fp8 else cfg.torch_dtype,
+            quantization_config=qcfg,
+            keep=cfg.disk_keep,
+        )
+
+    def _send_on_cpu(self) -> bool:
+        # Disk writes and gloo need host tensors; colocated IPC and nccl want device tensors.
+        if not torch.cuda.is_available():
+            return True
+        return self.config.transport == "disk" or (
+            self.config.transport == "distributed" and self.config.backend == "gloo"
+        )
+
+    def push(self, model: list[torch.nn.Module]) -> SyncReport:
+        """Send the current weights as version `self.version + 1` (collective: every rank)."""
+        cfg = self.config
+        self.version += 1
+        version = str(self.version)
+        report = SyncReport(version=self.version)
+        verify = cfg.verify_every > 0 and self.version % cfg.verify_every == 0
+        sent_sums: dict[str, str] = {}
+        on_tensor = (lambda n, t: sent_sums.__setitem__(n, tensor_checksum(t))) if verify else None
+        error: BaseException | None = None
+        start = time.perf_counter()
+        try:
+            if self.sender and not self._ready:
+                self.transport.setup()
+                self._ready = True
+            if self.sender:
+                self.transport.begin(version)
+        except BaseException as e:  # noqa: BLE001 - reported on every rank below
+            error = e
+        buckets = model_buckets(
+            self.bridge,
+            model,
+            bucket_bytes=cfg.bucket_bytes,
+            sender_rank=cfg.sender_rank,
+            cpu=self._send_on_cpu(),
+            dtype=cfg.torch_dtype,
+            use_fp8=cfg.fp8,
+            fp8_check=cfg.fp8_check,
+            stats=report.stats,
+            on_tensor=on_tensor,
+        )
+        for bucket, last in _with_last(buckets):
+            if error is not None:
+                continue  # keep iterating: the other ranks are inside the same collectives
+            try:
+                self.transport.send(bucket, version=version, last=last)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        if self.sender and error is None:
+            try:
+                self.transport.finish(version)
+                if verify:
+                    self._verify(sent_sums)
+                    report.verified = True
+                if cfg.check_version:
+                    self._check_version(version)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        if self.sender and error is not None and self.transport is not None:
+            self.transport.abort()
+        report.seconds = time.perf_counter() - start
+        return self._agree(report, error)
+
+    def _verify(self, sent: dict[str, str]) -> None:
+        for engine in self.engines:
+            for engine_id, info in engine.weights_checksum().items():
+                compare_checksums(sent, info.get("checksums", {}), engine_id)
+
+    def _check_version(self, version: str) -> None:
+        for engine in self.engines:
+            for engine_id, served in engine.weight_version().items():
+                if served != version:
+                    raise WeightSyncError(
+                        f"engine {engine_id} serves weight version {served!r} after a sync "
+                        f"to {version!r}"
+                    )
+
+    def _agree(self, report: SyncReport, error: BaseException | None) -> SyncReport:
+        """Broadcast the sender's outcome so every rank returns or raises the same way."""
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            payload = [(report, None if error is None else (type(error).__name__, str(error)))]
+            src = self.config.sender_rank
+            torch.distributed.broadcast_object_list(payload, src=src)
+            report, err = payload[0]
+            if err is not None and error is None:
+                kind, msg = err
+                cls = WeightIntegrityError if kind == "WeightIntegrityError" else WeightSyncError
+                raise cls(f"weight sync v{report.version} failed on rank {src}: {msg}")
+        if error is not None:
+            if isinstance(error, WeightIntegrityError | WeightSyncError):
+                raise error
+            raise WeightSyncError(f"weight sync v{report.version} failed: {error}") from error
+        return report
+
+    def close(self) -> None:
+        """Release the transport (leave process groups). Call on every rank."""
+        if self.transport is not None and self._ready:
+            self.transport.close()
+        self._ready = False
+
+
+def make_weight_sync(
+    bridge: Any,
+    engines: RolloutEngine | Sequence[RolloutEngine],
+    transport: str = "tensor",
+    *,
+    fp8: bool = False,
+    **kwargs: Any,
+) -> WeightSync:
+    """`WeightSync(bridge, engines, WeightSyncConfig(transport=..., fp8=..., **kwargs))`."""
+    return WeightSync(bridge, engines, WeightSyncConfig(transport=transport, fp8=fp8, **kwargs))

@@ -1,0 +1,261 @@
+"""How buckets reach the engines: tensor (colocated), distributed (a process group), disk.
+
+Each transport runs on the sender rank only and talks to engines only through the
+`RolloutEngine` interface; `WeightSync` drives `begin -> send* -> finish` once per sync.
+
+* `tensor`: `engine.update_weights_from_tensor(bucket)` inside a weight-update session; the
+  engine wraps each bucket in SGLang's `FlattenedTensorBucket` and `MultiprocessingSerializer`
+  payload (shared memory on CPU, a CUDA IPC handle on GPU: same node only).
+* `distributed`: the trainer is rank 0 of a separate process group per engine pool
+  (`init_weights_update_group`); per bucket it announces names/dtypes/shapes
+  (`update_weights_from_distributed`, flattened-bucket format) and broadcasts ONE uint8 buffer
+  laid out exactly like `FlattenedTensorBucket` (tensors' bytes concatenated in order).
+  nccl on GPU, gloo on CPU.
+* `disk`: a HF checkpoint directory per version (one safetensors shard per bucket, index,
+  config.json with the FP8 `quantization_config` when quantised, tokenizer files), then
+  `update_weights_from_disk(path)`; older versions beyond `keep` are deleted.
+"""
+
+from __future__ import annotations
+
+import abc
+import shutil
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_gspo.rollout.engine import RolloutEngine
+from megatron_gspo.weights import hf_io
+from megatron_gspo.weights.stream import Bucket
+
+
+class Transport(abc.ABC):
+    """One way of moving buckets to engines. Methods run on the sender rank only."""
+
+    name: str = ""
+
+    def __init__(self, engines: Sequence[RolloutEngine]) -> None:
+        self.engines = list(engines)
+
+    def setup(self) -> None:
+        """One-time connection work (the distributed transport's process groups)."""
+        return None
+
+    @abc.abstractmethod
+    def begin(self, version: str) -> None:
+        """Start a sync that publishes `version`."""
+
+    @abc.abstractmethod
+    def send(self, bucket: Bucket, *, version: str, last: bool) -> None:
+        """Deliver one bucket; `last` marks the final bucket of this sync."""
+
+    @abc.abstractmethod
+    def finish(self, version: str) -> None:
+        """Make the new weights live on every engine."""
+
+    def abort(self) -> None:
+        """Best-effort cleanup after a failed sync (close open sessions)."""
+        for engine in self.engines:
+            try:
+                engine.end_weight_update()
+            except Exception:  # noqa: BLE001 - already failing; the first error is reported
+                pass
+
+    def close(self) -> None:
+        """Release connections (groups, files)."""
+        return None
+
+
+class TensorTransport(Transport):
+    """Colocated: hand tensors to the engine (SGLang flattened-bucket payloads)."""
+
+    name = "tensor"
+
+    def begin(self, version: str) -> None:
+        for engine in self.engines:
+            engine.begin_weight_update()
+
+    def send(self, bucket: Bucket, *, version: str, last: bool) -> None:
+        for engine in self.engines:
+            # The version and the cache flush belong to the complete weights: only on the last
+            # bucket, so a request never sees a new version label on half-updated weights.
+            engine.update_weights_from_tensor(
+                bucket.tensors, weight_version=version if last else None, flush_cache=last
+            )
+
+    def finish(self, version: str) -> None:
+        for engine in self.engines:
+            engine.end_weight_update()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def engine_ranks(engine: RolloutEngine) -> int:
+    """How many ranks an engine pool contributes to a weight-update group."""
+    n = getattr(engine, "weight_update_ranks", None)
+    if n is None:
+        raise TypeError(
+            f"{type(engine).__name__} has no `weight_update_ranks` (the number of engine-side "
+            "ranks that join the weight-update group); the distributed transport needs it to "
+            "size the group as 1 + ranks"
+        )
+    return int(n)
+
+
+def flatten(tensors: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The bytes of `FlattenedTensorBucket(tensors).get_flattened_tensor()`, without SGLang."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors])
+
+
+class DistributedTransport(Transport):
+    """Trainer rank 0 broadcasts flattened buckets on one process group per engine pool."""
+
+    name = "distributed"
+
+    def __init__(
+        self,
+        engines: Sequence[RolloutEngine],
+        *,
+        master_address: str = "127.0.0.1",
+        group_name: str = "weight_update_group",
+        backend: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(engines)
+        self.master_address = master_address
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = timeout_s
+        self.group_names = [
+            group_name if len(self.engines) == 1 else f"{group_name}_{i}"
+            for i in range(len(self.engines))
+        ]
+        self.groups: list[Any] = []
+
+    def setup(self) -> None:
+        from megatron_gspo.rollout.dist_group import init_weight_update_group
+
+        if self.groups:
+            return
+        for engine, group_name in zip(self.engines, self.group_names, strict=True):
+            port = _free_port(self.master_address)
+            world = 1 + engine_ranks(engine)
+            joined = engine.init_weights_update_group(
+                self.master_address, port, group_name=group_name, backend=self.backend
+            )
+            # The engines connect while we join: both sides block in the rendezvous.
+            pg = init_weight_update_group(
+                master_address=self.master_address,
+                master_port=port,
+                world_size=world,
+                rank=0,
+                group_name=group_name,
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+            )
+            joined.result(timeout=self.timeout_s)
+            self.groups.append(pg)
+
+    def begin(self, version: str) -> None:
+        for engine in self.engines:
+            engine.begin_weight_update()
+
+    def send(self, bucket: Bucket, *, version: str, last: bool) -> None:
+        names = bucket.names
+        dtypes = [t.dtype for _, t in bucket.tensors]
+        shapes = [list(t.shape) for _, t in bucket.tensors]
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        flat = flatten(bucket.tensors).to(device)
+        for engine, pg, group_name in zip(self.engines, self.groups, self.group_names, strict=True):
+            done = engine.update_weights_from_distributed(
+                names,
+                dtypes,
+                shapes,
+                group_name=group_name,
+                flattened_bucket=True,
+                weight_version=version if last else None,
+                flush_cache=last,
+            )
+            torch.distributed.broadcast(flat, src=0, group=pg)
+            done.result(timeout=self.timeout_s)
+
+    def finish(self, version: str) -> None:
+        for engine in self.engines:
+            engine.end_weight_update()
+
+    def close(self) -> None:
+        from megatron_gspo.rollout.dist_group import destroy_weight_update_group
+
+        for engine, pg, group_name in zip(
+            self.engines, self.groups, self.group_names, strict=False
+        ):
+            engine.destroy_weights_update_group(group_name)
+            destroy_weight_update_group(pg)
+        self.groups = []
+
+
+class DiskTransport(Transport):
+    """Write a HF checkpoint per version and ask engines to reload it."""
+
+    name = "disk"
+
+    def __init__(
+        self,
+        engines: Sequence[RolloutEngine],
+        *,
+        root: str | Path,
+        hf_config: Any,
+        source_dir: str | Path | None = None,
+        dtype: torch.dtype | None = None,
+        quantization_config: dict | None = None,
+        keep: int = 2,
+    ) -> None:
+        super().__init__(engines)
+        self.root = Path(root)
+        self.hf_config = hf_config
+        self.source_dir = source_dir
+        self.dtype = dtype
+        self.quantization_config = quantization_config
+        self.keep = keep
+        self._writer: hf_io.ShardWriter | None = None
+        self.written: list[Path] = []
+
+    def path_for(self, version: str) -> Path:
+        return self.root / f"weights-v{version}"
+
+    def begin(self, version: str) -> None:
+        path = self.path_for(version)
+        if path.exists():
+            shutil.rmtree(path)
+        self._writer = hf_io.ShardWriter(path)
+
+    def send(self, bucket: Bucket, *, version: str, last: bool) -> None:
+        assert self._writer is not None, "begin() first"
+        self._writer.write(bucket.tensors)
+
+    def finish(self, version: str) -> None:
+        assert self._writer is not None, "begin() first"
+        self._writer.close()
+        path = self._writer.out_dir
+        hf_io.write_config(
+            path, self.hf_config, dtype=self.dtype, quantization_config=self.quantization_config
+        )
+        hf_io.copy_side_files(self.source_dir, path)
+        self._writer = None
+        for engine in self.engines:
+            engine.update_weights_from_disk(str(path), weight_version=version)
+        self.written.append(path)
+        while len(self.written) > self.keep:
+            shutil.rmtree(self.written.pop(0), ignore_errors=True)
+
+    def abort(self) -> None:
+        self._writer = None  # no session to close; a half-written directory is overwritten
+
+
+TRANSPORTS = ("tensor", "distributed", "disk")
