@@ -106,10 +106,23 @@ def load_bridge(hf_path: str | Path) -> Any:
     return AutoBridge.from_hf_pretrained(str(hf_path))
 
 
-def make_provider(bridge: Any, layout: Layout, *, dtype: torch.dtype | None = None) -> Any:
+def make_provider(
+    bridge: Any,
+    layout: Layout,
+    *,
+    dtype: torch.dtype | None = None,
+    loss_is_share: bool = True,
+    moe_aux_loss_coeff: float = 0.0,
+) -> Any:
     """A finalised `GPTModelProvider` for `layout`.
 
     dtype: parameter dtype; default fp32 on CPU and bf16 on GPU.
+    loss_is_share: each micro-batch's loss is already its share of the global mean (our policy
+        losses): Megatron must SUM over micro-batches and data-parallel ranks rather than
+        average (`calculate_per_token_loss=True`). False keeps Megatron's averaging.
+    moe_aux_loss_coeff: MoE load-balancing loss weight during RL. Default 0: the aux loss is a
+        statistic of each micro-batch's token mix (padding included), so with it on the policy
+        gradient depends on how the batch was split over micro-batches and ranks.
     """
     cpu = on_cpu()
     dtype = dtype or (torch.float32 if cpu else torch.bfloat16)
@@ -126,6 +139,12 @@ def make_provider(bridge: Any, layout: Layout, *, dtype: torch.dtype | None = No
     provider.bf16 = dtype == torch.bfloat16
     provider.fp16 = dtype == torch.float16
     # RL needs exact, reproducible log-probs; dropout off (Qwen3 trains without it).
+    provider.calculate_per_token_loss = loss_is_share
+    provider.moe_aux_loss_coeff = moe_aux_loss_coeff
+    if moe_aux_loss_coeff == 0.0:
+        provider.moe_router_load_balancing_type = "none"
+    # Packed micro-batches differ in length: pipeline stages exchange shapes first.
+    provider.variable_seq_lengths = layout.pp > 1
     provider.attention_dropout = 0.0
     provider.hidden_dropout = 0.0
     if cpu:
@@ -179,3 +198,41 @@ def export_hf_state(bridge: Any, model: list[torch.nn.Module]) -> dict[str, torc
         name: t.detach().cpu().clone()
         for name, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)
     }
+
+
+def build_optimizer(
+    model: list[torch.nn.Module],
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    adam_eps: float = 1e-8,
+    clip_grad: float = 1.0,
+    use_distributed_optimizer: bool = False,
+) -> Any:
+    """megatron-core's optimizer (Adam; dense and expert parameters in separate instances)."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    for chunk in model:
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+    dtype = next(model[0].parameters()).dtype
+    return get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
+            adam_beta2=adam_beta2, adam_eps=adam_eps, clip_grad=clip_grad,
+            use_distributed_optimizer=use_distributed_optimizer,
+            bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        ),
+        model,
+    )
+
+
+def ddp_config(use_distributed_optimizer: bool = False) -> Any:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )

@@ -101,7 +101,7 @@ def run_layout(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     init_megatron(layout)
-    provider = make_provider(bridge, layout)
+    provider = make_provider(bridge, layout, loss_is_share=False)
     ddp = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distopt
     )

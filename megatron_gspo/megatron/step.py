@@ -1,0 +1,215 @@
+"""The policy-gradient step on megatron-core: forward_step_func, loss, optimizer step, log-probs.
+
+Uses megatron-core's public schedule contract: `get_forward_backward_func()` (no pipelining,
+1F1B or interleaved, chosen by the layout) calls our `forward_step(data_iterator, model)`, which
+returns the model output and a loss function; the loss function returns
+`(loss, num_tokens, reduced)`.
+
+Reduction: the models are built with `calculate_per_token_loss=True`. Megatron then SUMS the
+micro-batch losses over micro-batches and data-parallel ranks, sums the `num_tokens` counts over
+micro-batches, pipeline stages and the DP x CP group, and divides the gradients by that total
+(`finalize_model_grads`). We put the number of SEQUENCES in `num_tokens` (counted on CP rank 0
+only) and return the SUM of per-sequence losses (each CP shard its share, see
+`megatron_gspo.algo.losses`), so the gradient is that of the mean over the sequences of the
+global mini-batch: every sequence weighs the same whatever its length, micro-batch, DP rank,
+CP split or pipeline schedule.
+
+Shape legend: `T` packed tokens of a micro-batch on this CP shard, `Vp` vocab shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatron_gspo.algo import (
+    PolicyLossConfig,
+    PolicyLossInputs,
+    cp_seq_sum,
+    identity_seq_sum,
+    policy_loss,
+    vocab_parallel_logprobs,
+)
+from megatron_gspo.megatron.packing import PackedMicroBatch
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """What the loss needs besides the data."""
+
+    loss: PolicyLossConfig
+    temperature: float = 1.0
+    """Sampling temperature: log-probs are of logits / temperature, as the engine's are."""
+    logprob_chunk: int = 1024
+    """Tokens per chunk of the vocab-parallel log-softmax."""
+
+
+def _groups() -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    cp = ps.get_context_parallel_world_size()
+    return dict(
+        tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
+        cp=cp, cp_group=ps.get_context_parallel_group() if cp > 1 else None,
+        cp_rank=ps.get_context_parallel_rank(),
+    )
+
+
+def _logprobs(logits: Tensor, mb: PackedMicroBatch, cfg: StepConfig) -> tuple[Tensor, Tensor]:
+    g = _groups()
+    logits = logits.reshape(-1, logits.size(-1))  # [1, T, Vp] -> [T, Vp]
+    logp, entropy = vocab_parallel_logprobs(
+        logits, mb.labels, group=g["tp_group"], vocab_start=g["tp_rank"] * logits.size(-1),
+        temperature=cfg.temperature, chunk_size=cfg.logprob_chunk, with_entropy=True,
+    )
+    return logp, entropy
+
+
+def _policy_loss(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> tuple[Any, ...]:
+    logp, entropy = _logprobs(logits, mb, cfg)
+    g = _groups()
+    batch = PolicyLossInputs(
+        logp=logp, old_logp=mb.old_logp, advantages=mb.advantages, seq_index=mb.seq_index,
+        mask=mb.mask, num_seqs=mb.num_seqs, rollout_logp=mb.rollout_logp,
+        entropy=entropy.detach(),
+    )
+    seq_sum = cp_seq_sum(g["cp_group"]) if g["cp"] > 1 else identity_seq_sum
+    # Sum of per-sequence losses; Megatron divides by the global sequence count (num_tokens).
+    loss, metrics = policy_loss(batch, cfg.loss, denominator=1.0, seq_sum=seq_sum)
+    real = sum(1 for i in mb.seq_ids if i >= 0)
+    num_seqs = torch.tensor(real if g["cp_rank"] == 0 else 0, dtype=torch.int)
+    return loss, num_seqs, {"metrics": metrics, "loss": loss.detach().clone(),
+                            "num_seqs": num_seqs.clone()}
+
+
+def _forward(model: torch.nn.Module, mb: PackedMicroBatch) -> Tensor:
+    g = _groups()
+    return model(mb.input_ids, mb.position_ids, None,
+                 packed_seq_params=mb.packed_seq_params(g["cp_group"]))
+
+
+def policy_forward_step(
+    data_iterator: Iterator[PackedMicroBatch], model: torch.nn.Module, *, cfg: StepConfig
+) -> tuple[Tensor, Any]:
+    """megatron-core `forward_step_func` for the policy loss (bind `cfg` with partial)."""
+    mb = next(data_iterator)
+    return _forward(model, mb), partial(_policy_loss, mb, cfg)
+
+
+def _iterators(model: list[torch.nn.Module], mbs: Sequence[PackedMicroBatch]) -> Any:
+    its = [iter(mbs) for _ in model]
+    return its if len(model) > 1 else its[0]
+
+
+def reduce_metrics(outputs: list[dict[str, Any]]) -> dict[str, float]:
+    """Sum the per-micro-batch [sum, count] metrics over micro-batches, then over every rank
+    that computed some (last pipeline stage, all DP and CP ranks; TP ranks are duplicates and
+    are counted once); return sum / count per name, and `loss` as the mean over sequences.
+    Identical on every rank."""
+    from megatron.core import parallel_state as ps
+
+    names = sorted({k for o in outputs for k in o["metrics"]})
+    stacked = torch.zeros(len(names) + 1, 2)
+    for o in outputs:
+        for i, k in enumerate(names):
+            if k in o["metrics"]:
+                stacked[i] += o["metrics"][k].float().cpu()
+        stacked[-1, 0] += float(o["loss"])
+        stacked[-1, 1] += float(o["num_seqs"])
+    # Names can differ between stages (non-last stages have none): agree on them first.
+    all_names: list[list[str]] = [None] * torch.distributed.get_world_size()  # type: ignore
+    torch.distributed.all_gather_object(all_names, names)
+    union = sorted({k for ns in all_names for k in ns})
+    full = torch.zeros(len(union) + 1, 2)
+    for i, k in enumerate(names):
+        full[union.index(k)] = stacked[i]
+    full[-1] = stacked[-1]
+    if ps.get_tensor_model_parallel_rank() != 0:
+        full.zero_()
+    torch.distributed.all_reduce(full)
+    out = {k: (full[i, 0] / full[i, 1]).item() if full[i, 1] > 0 else float("nan")
+           for i, k in enumerate(union)}
+    out["loss"] = (full[-1, 0] / full[-1, 1].clamp(min=1)).item()  # mean over sequences
+    return out
+
+
+def train_step(
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    micro_batches: Sequence[PackedMicroBatch],
+    cfg: StepConfig,
+) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches. Returns reduced metrics, the global
+    loss (sum over ranks of the shares), the grad norm and whether the step was applied."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = get_forward_backward_func()(
+        forward_step_func=partial(policy_forward_step, cfg=cfg),
+        data_iterator=_iterators(model, micro_batches), model=model,
+        num_microbatches=len(micro_batches), seq_length=max(m.input_ids.size(1) for m in
+                                                             micro_batches),
+        micro_batch_size=1, forward_only=False,
+    )
+    ok, grad_norm, _ = optimizer.step()
+    metrics = reduce_metrics(outputs or [])
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics["update_successful"] = float(bool(ok))
+    return metrics
+
+
+def _logprob_only(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> tuple[Any, ...]:
+    logp, _ = _logprobs(logits, mb, cfg)
+    keep = mb.token_pos >= 0
+    sid = torch.tensor(mb.seq_ids)[mb.seq_index[keep]]
+    rows = torch.stack([sid.double(), mb.token_pos[keep].double(), logp[keep].double()], 1)
+    return logp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {"rows": rows.detach()}
+
+
+@torch.no_grad()
+def compute_logprobs(
+    model: list[torch.nn.Module],
+    micro_batches: Sequence[PackedMicroBatch],
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+) -> dict[int, Tensor]:
+    """Current-policy log-probs of every response token of every sequence in the mini-batch
+    (all DP ranks' sequences), as `{seq_id: [R] float64}`, identical on every rank.
+
+    Used to recompute pi_old, and to measure trainer/engine log-prob mismatch.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    cfg = StepConfig(loss=PolicyLossConfig(), temperature=temperature,
+                     logprob_chunk=chunk)
+
+    def step(data_iterator: Iterator[PackedMicroBatch], m: torch.nn.Module) -> Any:
+        mb = next(data_iterator)
+        return _forward(m, mb), partial(_logprob_only, mb, cfg)
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=_iterators(model, micro_batches), model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=max(m.input_ids.size(1) for m in micro_batches), micro_batch_size=1,
+        forward_only=True,
+    )
+    rows = torch.cat([o["rows"] for o in outputs]) if outputs else torch.zeros(0, 3)
+    gathered: list[Tensor] = [None] * torch.distributed.get_world_size()  # type: ignore
+    torch.distributed.all_gather_object(gathered, rows)
+    table: dict[int, dict[int, float]] = {}
+    for part in gathered:
+        for sid, pos, lp in part.tolist():
+            if sid >= 0:
+                table.setdefault(int(sid), {})[int(pos)] = lp
+    return {sid: torch.tensor([d[i] for i in range(len(d))], dtype=torch.float64)
+            for sid, d in sorted(table.items())}

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install (cached) and run the whole test suite: lint, then pytest. Extra args go to pytest.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=$(bash "$root/scripts/env.sh") || exit 1
+cd "$root"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
+start=$(date +%s)
+"$venv/bin/ruff" check . || { echo "[test] ruff check failed"; exit 1; }
+"$venv/bin/python" -m pytest -p no:cacheprovider "$@"
+rc=$?
+echo "[test] suite wall time: $(( $(date +%s) - start )) s on $(nproc) cores"
+if [ "$rc" -eq 5 ]; then
+  echo "[test] pytest collected no tests: failing on purpose" >&2
+  exit 1
+fi
+exit "$rc"
