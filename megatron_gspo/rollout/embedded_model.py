@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from megatron_gspo.rollout.sglang_protocol import overall_checksum, tensor_check
 
 _SAMPLING_EPS = 1e-6
 _TOP_K_ALL = 1 << 30
+_EXPERT_RE = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -152,6 +154,26 @@ class HFPolicy:
         return tok, float(logprobs_v[tok])
 
     # ---- weights -----------------------------------------------------------------------
+    def _target(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """The model tensor (or view) a HF checkpoint name loads into.
+
+        transformers 5 fuses MoE experts (`experts.gate_up_proj` [E, 2I, H] = gate rows then
+        up rows, `experts.down_proj` [E, H, I]) while checkpoints, SGLang and the trainer's
+        HF export use per-expert names, as SGLang's `load_weights` does.
+        """
+        if name in params:
+            return params[name]
+        m = _EXPERT_RE.fullmatch(name)
+        if m is not None:
+            prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+            if proj == "down_proj" and f"{prefix}.down_proj" in params:
+                return params[f"{prefix}.down_proj"][e]
+            fused = params.get(f"{prefix}.gate_up_proj")
+            if fused is not None:
+                half = fused.shape[1] // 2
+                return fused[e, :half] if proj == "gate_proj" else fused[e, half:]
+        raise KeyError(f"unknown weight name {name!r}")
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy HF-named tensors into the model (casting dtype); returns how many were loaded.
 
@@ -163,9 +185,7 @@ class HFPolicy:
         n = 0
         with self.lock, torch.no_grad():
             for name, t in named_tensors:
-                if name not in params:
-                    raise KeyError(f"unknown weight name {name!r}")
-                p = params[name]
+                p = self._target(params, name)
                 if tuple(p.shape) != tuple(t.shape):
                     raise ValueError(f"{name}: shape {tuple(t.shape)} != {tuple(p.shape)}")
                 p.copy_(t.to(device=p.device, dtype=p.dtype))
@@ -196,8 +216,6 @@ class HFPolicy:
         return {"checksums": sums, "per_gpu_checksum": overall_checksum(sums)}
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
-        """As SGLang: the tensor as fp32 nested lists, truncated along dim 0."""
-        params = dict(self.model.named_parameters())
-        if name not in params:
-            raise KeyError(f"unknown weight name {name!r}")
-        return params[name].detach().float().cpu().numpy().tolist()[:truncate_size]
+        """As SGLang: the tensor (HF checkpoint name) as fp32 nested lists, truncated on dim 0."""
+        t = self._target(dict(self.model.named_parameters()), name)
+        return t.detach().float().cpu().numpy().tolist()[:truncate_size]
