@@ -67,6 +67,10 @@ class WeightSyncConfig:
     """Dequantise every FP8 weight on the sender and check the e4m3 error bound per block."""
     verify_every: int = 1
     """Compare per-tensor checksums with the engines every N syncs (0 = never)."""
+    verify_names: Literal["all", "common"] = "all"
+    """all: every sent tensor must be reported by the engine under its HF name; common: only
+    names the engine reports are compared (engines that fuse some weights, e.g. the embedded
+    engine's fused experts)."""
     check_version: bool = True
     """Require every engine to report the new weight version after a sync."""
     sender_rank: int = 0
@@ -115,6 +119,24 @@ class SyncReport:
     @property
     def gb_per_s(self) -> float:
         return self.stats.bytes_sent / 1e9 / max(self.seconds, 1e-9)
+
+
+def engine_tensor_checksums(info: dict[str, Any], engine_id: str = "") -> dict[str, str]:
+    """Per-tensor checksums from one engine's `weights_checksum()` entry.
+
+    Accepts `{"checksums": {...}}` or SGLang's `/weights_checker` body
+    `{"ranks": [{"checksums": {...}}, ...]}`; with several TP ranks the entries are checksums of
+    shards, which no trainer-side tensor matches, so that is refused.
+    """
+    if "checksums" in info:
+        return dict(info["checksums"])
+    ranks = info.get("ranks") or []
+    if len(ranks) == 1 and "checksums" in ranks[0]:
+        return dict(ranks[0]["checksums"])
+    raise WeightSyncError(
+        f"engine {engine_id}: no per-tensor checksums of full HF tensors in {sorted(info)} "
+        f"({len(ranks)} ranks); set weights.verify_every=0 for tensor-parallel engines"
+    )
 
 
 def _with_last(buckets: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
@@ -239,7 +261,14 @@ class WeightSync:
     def _verify(self, sent: dict[str, str]) -> None:
         for engine in self.engines:
             for engine_id, info in engine.weights_checksum().items():
-                compare_checksums(sent, info.get("checksums", {}), engine_id)
+                held = engine_tensor_checksums(info, engine_id)
+                if self.config.verify_names == "common":
+                    sent = {n: c for n, c in sent.items() if n in held}
+                    if not sent:
+                        raise WeightIntegrityError(
+                            f"engine {engine_id} reports no checksum under any sent HF name"
+                        )
+                compare_checksums(sent, held, engine_id)
 
     def _check_version(self, version: str) -> None:
         for engine in self.engines:

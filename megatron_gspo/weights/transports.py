@@ -80,10 +80,10 @@ class TensorTransport(Transport):
 
     def send(self, bucket: Bucket, *, version: str, last: bool) -> None:
         for engine in self.engines:
-            # The version and the cache flush belong to the complete weights: only on the last
-            # bucket, so a request never sees a new version label on half-updated weights.
+            # Flushing the prefix cache is needed once, after the last bucket. The version goes
+            # with every bucket: a client would otherwise invent one for the unlabelled calls.
             engine.update_weights_from_tensor(
-                bucket.tensors, weight_version=version if last else None, flush_cache=last
+                bucket.tensors, weight_version=version, flush_cache=last
             )
 
     def finish(self, version: str) -> None:
@@ -97,14 +97,14 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def engine_ranks(engine: RolloutEngine) -> int:
-    """How many ranks an engine pool contributes to a weight-update group."""
-    n = getattr(engine, "weight_update_ranks", None)
+def group_world_size(engine: RolloutEngine) -> int:
+    """World size of an engine pool's weight-update group (trainer rank 0 + engine ranks)."""
+    n = getattr(engine, "weight_update_world_size", None)
     if n is None:
         raise TypeError(
-            f"{type(engine).__name__} has no `weight_update_ranks` (the number of engine-side "
-            "ranks that join the weight-update group); the distributed transport needs it to "
-            "size the group as 1 + ranks"
+            f"{type(engine).__name__} has no `weight_update_world_size` (1 + the number of "
+            "engine-side ranks joining the weight-update group), which the distributed "
+            "transport needs to size the group"
         )
     return int(n)
 
@@ -145,7 +145,7 @@ class DistributedTransport(Transport):
             return
         for engine, group_name in zip(self.engines, self.group_names, strict=True):
             port = _free_port(self.master_address)
-            world = 1 + engine_ranks(engine)
+            world = group_world_size(engine)
             joined = engine.init_weights_update_group(
                 self.master_address, port, group_name=group_name, backend=self.backend
             )

@@ -1,0 +1,70 @@
+"""Weight sync: what the engines receive equals the bridge's HF export of the same model.
+
+One 2-rank launch covers TP=2, EP=2 and PP=2; for each, every transport (tensor, distributed
+over gloo with SGLang's own receiver code, disk), a bf16 send, FP8 quantise-on-send, the
+version counter and a receiver-side corruption that the checksum must catch by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
+from megatron_gspo.weights import fp8
+from tests.weights import sync_ranks
+
+pytestmark = pytest.mark.multirank
+
+LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2), "pp2": dict(pp=2)}
+BITWISE = ["tensor", "tensor_bf16", "distributed", "disk_bf16"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    root = tmp_path_factory.mktemp("sync")
+    hf_dir = str(save_tiny_hf_checkpoint(root / "hf", seed=0))
+    return launch(sync_ranks.main, 2, hf_dir, str(root), LAYOUTS)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("transport", BITWISE)
+def test_engine_holds_the_export_bitwise(results: list[dict], layout: str, transport: str):
+    info = results[0][layout][transport]
+    assert info["diff"] == {"missing": [], "extra": [], "unequal": []}, info["diff"]
+    assert info["tensors"] == 45 and info["buckets"] > 1
+    assert info["verified"]
+    version = str(list(LAYOUTS).index(layout) + 1)  # one sync per layout, same WeightSync
+    assert info["version"] == int(version)
+    assert set(info["engine_version"].values()) == {version}
+    # Every rank returns the sender's report.
+    assert results[1][layout][transport]["version"] == info["version"]
+    if transport.startswith("disk"):
+        assert info["calls"] == ["disk"]
+        assert info["disk_config"]["dtype"] == "bfloat16"
+        assert "quantization_config" not in info["disk_config"]
+    else:
+        kind = transport.split("_")[0]
+        assert info["calls"][0] == "begin" and info["calls"][-1] == "end"
+        assert info["calls"].count(kind) == info["buckets"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_within_e4m3_bound(results: list[dict], layout: str):
+    info = results[0][layout]["fp8"]["fp8"]
+    assert info["name_diff"] == [] and info["bad"] == []
+    # q/k/v/o of 2 layers + 3 projections x 4 experts x 2 layers; norms/router/embed/head not.
+    assert len(info["quantised"]) == 2 * 4 + 2 * 4 * 3
+    assert not any(n.endswith(("norm.weight", "mlp.gate.weight")) for n in info["quantised"])
+    assert "lm_head.weight" not in info["quantised"]
+    assert "model.embed_tokens.weight" not in info["quantised"]
+    assert 0 < info["worst_ratio"] <= 1.0
+    assert info["worst_rel"] <= fp8.REL_BOUND
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_corrupted_tensor_is_named(results: list[dict], layout: str):
+    for rank in (0, 1):  # the failure reaches every trainer rank
+        msg = results[rank][layout]["corrupt"]
+        assert msg.startswith("WeightIntegrityError"), msg
+        assert sync_ranks.CORRUPT in msg
