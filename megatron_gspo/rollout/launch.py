@@ -9,6 +9,7 @@ makes the server run a one-token generation, so "healthy" means "can generate".
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -105,7 +106,11 @@ def engine_command(cfg: LaunchConfig, i: int, python: str = sys.executable) -> l
     return cmd + list(cfg.extra_args)
 
 
-def router_command(cfg: LaunchConfig, python: str = sys.executable) -> list[str]:
+def router_command(
+    cfg: LaunchConfig,
+    python: str = sys.executable,
+    worker_urls: Sequence[str] | None = None,
+) -> list[str]:
     """The `sglang-router` command line (round robin over the engines by default)."""
     return [
         python,
@@ -118,7 +123,7 @@ def router_command(cfg: LaunchConfig, python: str = sys.executable) -> list[str]
         "--policy",
         cfg.router_policy,
         "--worker-urls",
-        *cfg.engine_urls,
+        *(worker_urls or cfg.engine_urls),
     ]
 
 
@@ -164,10 +169,33 @@ class ServerGroup:
         if wait:
             self.wait_healthy(self.cfg.engine_urls)
         if self.cfg.router:
-            self.router = self._spawn(router_command(self.cfg), "router")
-            if wait:
-                self.wait_healthy([self.cfg.router_url], route="/health")
+            self.start_router(wait=wait)
         return self
+
+    def start_router(self, worker_urls: Sequence[str] | None = None, *, wait: bool = True) -> str:
+        """Spawn `sglang-router` in front of `worker_urls` (default: this group's engines)."""
+        workers = list(worker_urls or self.cfg.engine_urls)
+        self.router = self._spawn(router_command(self.cfg, worker_urls=workers), "router")
+        url = f"http://{self.cfg.host}:{self.cfg.router_port}"
+        if wait:
+            self.wait_healthy([url], route="/health")
+            self._wait_router_workers(url, len(workers))
+        return url
+
+    def _wait_router_workers(self, url: str, count: int, timeout_s: float = 60.0) -> None:
+        # The router answers /health before it has probed its workers; until then every
+        # /generate is a 503 "no available workers".
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/workers", timeout=5) as resp:
+                    workers = json.loads(resp.read()).get("workers", [])
+                if len(workers) >= count and all(w.get("is_healthy") for w in workers):
+                    return
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"router {url} did not report {count} healthy workers")
 
     def wait_healthy(
         self,

@@ -3,7 +3,8 @@
 Generation: the (prompt, sample) pairs of one call are expanded client-side, each with its own
 rid and seed, and sent as batched `/generate` requests of at most `max_batch_per_request`
 entries, concurrently over the engines (least-loaded first, at most
-`max_inflight_per_engine` requests per engine) or through one `sglang-router` URL. A request
+`max_inflight_per_engine` requests per engine), or one pair per request through one
+`sglang-router` URL (the router's schema admits no per-entry sampling params or rids). A request
 that fails with a connection error, a timeout or a 5xx is re-sent, after an exponential
 backoff, to another engine; the failed engine rests for `engine_cooldown_s`. A request is
 accounted only when its whole response arrived, so a dead engine loses no sample and
@@ -170,9 +171,15 @@ class SGLangClient(RolloutEngine):
             for sj in range(1 if native_n else n)
         ]
         per_req = max(1, self.config.max_batch_per_request // (n if native_n else 1))
+        if self.config.router_url and not native_n:
+            per_req = 1  # the router admits only one prompt per request (or native n)
         chunks = [entries[i : i + per_req] for i in range(0, len(entries), per_req)]
-        urls = [self.config.router_url] if self.config.router_url else self.config.engine_urls
-        targets = [_Target(u, self.config.max_inflight_per_engine) for u in urls]
+        if self.config.router_url:
+            limit = self.config.max_inflight_per_engine * len(self.config.engine_urls)
+            targets = [_Target(self.config.router_url, limit)]
+        else:
+            urls = self.config.engine_urls
+            targets = [_Target(u, self.config.max_inflight_per_engine) for u in urls]
         stats = RolloutStats()
         async with self._session(self.config.request_timeout_s) as session:
             results = await asyncio.gather(
@@ -213,6 +220,9 @@ class SGLangClient(RolloutEngine):
     ) -> list[Sample]:
         if n > 1:
             body = proto.generate_body_native_n([e.prompt for e in chunk], chunk[0].sampling, n)
+        elif self.config.router_url:
+            (e,) = chunk
+            body = proto.generate_body_single(e.prompt, e.sampling, e.rid)
         else:
             body = proto.generate_body(
                 [e.prompt for e in chunk], [e.sampling for e in chunk], [e.rid for e in chunk]

@@ -108,6 +108,20 @@ def generate_body(
     }
 
 
+def generate_body_single(
+    input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str
+) -> dict[str, Any]:
+    """A one-prompt `/generate` body. `sglang-router` (0.3.x) only admits this form plus the
+    native-`n` one: its schema wants `sampling_params` as one object and `rid` as a string."""
+    return {
+        "input_ids": list(map(int, input_ids)),
+        "sampling_params": dict(sampling_params),
+        "rid": rid,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+
+
 def generate_body_native_n(
     input_ids: Sequence[Sequence[int]], sampling_params: dict[str, Any], n: int
 ) -> dict[str, Any]:

@@ -38,6 +38,8 @@ def test_generate_bodies_pass_sglang_validation(sp):
     proto.validate_generate_body(body, vocab_size=128)
     native = proto.generate_body_native_n(prompts, sp.to_sglang(), n=3)
     proto.validate_generate_body(native, vocab_size=128)
+    single = proto.generate_body_single(prompts[0], sp.to_sglang(seed=sp.sample_seed(0, 0)), "r")
+    proto.validate_generate_body(single, vocab_size=128)
 
 
 def test_validation_rejects_what_sglang_rejects():
