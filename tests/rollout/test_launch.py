@@ -1,0 +1,120 @@
+"""Launch helpers: command lines checked by SGLang's and the router's own parsers; a
+subprocess engine that dies mid-batch loses and duplicates no sample; no orphans."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from megatron_gspo.rollout.embedded import free_port
+from megatron_gspo.rollout.launch import LaunchConfig, ServerGroup, engine_command, router_command
+from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
+from megatron_gspo.rollout.types import SamplingParams
+
+
+def test_sglang_command_lines_parse_with_sglang(tmp_path):
+    from sglang.srt.server_args import prepare_server_args
+
+    cfg = LaunchConfig(
+        model_path=str(tmp_path),
+        num_engines=2,
+        base_port=31000,
+        tp_size=4,
+        ep_size=4,
+        quantization="fp8",
+        kv_cache_dtype="fp8_e4m3",
+        mem_fraction_static=0.6,
+        colocated=True,
+        weights_cpu_backup=True,
+        deterministic=True,
+        weight_version="step-0",
+    )
+    cmd = engine_command(cfg, 1, python="python")
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
+    args = prepare_server_args(cmd[3:])
+    assert (args.port, args.host, args.tp_size, args.ep_size) == (31001, "127.0.0.1", 4, 4)
+    assert args.base_gpu_id == 4 and args.kv_cache_dtype == "fp8_e4m3"
+    assert args.enable_memory_saver and args.enable_weights_cpu_backup
+    assert args.enable_deterministic_inference and args.skip_tokenizer_init
+    assert (args.dtype, args.quantization, args.weight_version) == ("bfloat16", "fp8", "step-0")
+    plain = prepare_server_args(engine_command(LaunchConfig(model_path="m"), 0)[3:])
+    assert not plain.enable_memory_saver and not plain.enable_deterministic_inference
+
+
+def test_router_command_parses_with_the_router():
+    from sglang_router.launch_router import parse_router_args
+
+    cfg = LaunchConfig(model_path="m", num_engines=2, base_port=32000, router=True)
+    cmd = router_command(cfg, python="python")
+    assert cmd[:3] == ["python", "-m", "sglang_router.launch_router"]
+    args = parse_router_args(cmd[3:])
+    assert args.worker_urls == ["http://127.0.0.1:32000", "http://127.0.0.1:32001"]
+    assert args.policy == "round_robin" and args.host == "127.0.0.1"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_engine_killed_mid_batch_loses_and_duplicates_nothing(engine_a, ckpt_a, tmp_path):
+    cfg = LaunchConfig(
+        model_path=ckpt_a,
+        backend="embedded",
+        base_port=free_port(),
+        startup_timeout_s=240,
+        log_dir=str(tmp_path),
+    )
+    group = ServerGroup(cfg)
+    try:
+        group.start()
+        victim = group.engines[0]
+        client = SGLangClient(
+            ClientConfig(
+                engine_urls=[cfg.engine_url(0), engine_a.url],
+                max_batch_per_request=2,
+                max_inflight_per_engine=2,
+                backoff_s=0.05,
+                engine_cooldown_s=60.0,
+            )
+        )
+        assert client.health() == {cfg.engine_url(0): True, engine_a.url: True}
+        sp = SamplingParams(max_new_tokens=24, ignore_eos=True, seed=5)
+        prompts = [[1, 10 + i] for i in range(12)]
+        out: dict = {}
+        served0 = engine_a.tm.num_requests_served
+        worker = threading.Thread(
+            target=lambda: out.update(res=client.generate(prompts, sp, n=2)), daemon=True
+        )
+        worker.start()
+        # Kill once the batch is under way (the survivor finished a request, so the victim,
+        # served least-loaded-first alongside it, has requests in flight).
+        deadline = time.monotonic() + 120
+        while engine_a.tm.num_requests_served == served0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        group.kill_engine(0)
+        worker.join(timeout=180)
+        assert not worker.is_alive()
+        res = out["res"]
+        keys = [s.key for s in res.samples]
+        assert keys == [(i, j) for i in range(12) for j in range(2)]  # none lost, none twice
+        assert res.stats.num_retries >= 1
+        assert all(len(s.response_ids) == 24 for s in res.samples)
+        # A retried sample is the same sample: seeds are per (prompt, sample), not per engine.
+        again = client.generate(prompts[:1], sp, n=2)
+        assert [s.response_ids for s in again.samples] == [s.response_ids for s in res.samples[:2]]
+    finally:
+        group.shutdown()
+    assert victim.poll() is not None and not _alive(victim.pid)
+
+
+@pytest.mark.parametrize("bad", [dict(backend="vllm"), dict(num_engines=0)])
+def test_launch_config_validates(bad):
+    with pytest.raises(ValueError):
+        LaunchConfig(model_path="m", **bad)
