@@ -146,6 +146,31 @@ def build_for_layout(
     return build_model(make_provider(bridge, layout, dtype=dtype))
 
 
+def check_hf_tensors(bridge: Any, model: list[torch.nn.Module], hf_dir: Path) -> None:
+    """Raise `ConversionError` naming the HF tensors this layout needs but `hf_dir` lacks.
+
+    The bridge itself skips a mapping whose HF tensor is absent and leaves that parameter at
+    its random initialisation, so the check is done here (collective: ranks own different
+    layers and experts).
+    """
+    tasks = bridge._model_bridge.build_conversion_tasks(hf_io.hf_config_of(bridge), model)
+    needed: set[str] = set()
+    for task in tasks:
+        if task is None:
+            continue
+        hf_param = task.mapping.hf_param
+        needed.update([hf_param] if isinstance(hf_param, str) else hf_param.values())
+    available = set(bridge.hf_pretrained.state.source.get_all_keys())
+    missing = sorted(needed - available)
+    if torch.distributed.is_initialized():
+        gathered: list[list[str]] = [[] for _ in range(_world())]
+        torch.distributed.all_gather_object(gathered, missing)
+        missing = sorted({n for part in gathered for n in part})
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ConversionError(f"{hf_dir} lacks tensors {missing[:5]}{more}")
+
+
 def hf_to_megatron(
     hf_dir: str | Path,
     out_dir: str | Path,
@@ -170,14 +195,9 @@ def hf_to_megatron(
     _prepare_output(out_dir, force)
     bridge = load_bridge(hf_dir)
     model = build_for_layout(bridge, layout, dtype)
+    check_hf_tensors(bridge, model, hf_dir)
     _say(f"loading {hf_dir} into a {layout.name()} model on {_world()} ranks")
-    try:
-        bridge.load_hf_weights(model)
-    except KeyError as e:
-        raise ConversionError(
-            f"{hf_dir} lacks tensor {e.args[0]!r} (a truncated checkpoint, "
-            "or a model the bridge maps differently?)"
-        ) from e
+    bridge.load_hf_weights(model)
     _say(f"saving torch_dist checkpoint to {out_dir}")
     dist_checkpointing.save(_sharded_state_dict(model), str(out_dir))
     meta = {
