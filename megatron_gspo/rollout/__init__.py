@@ -13,6 +13,7 @@ from megatron_gspo.rollout.types import (
     SampleValidationError,
     SamplingParams,
     abs_logp_diff,
+    mismatch_metrics,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "SampleValidationError",
     "SamplingParams",
     "abs_logp_diff",
+    "mismatch_metrics",
 ]

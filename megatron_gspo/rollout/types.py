@@ -238,6 +238,21 @@ def build_sample(
     )
 
 
+def mismatch_metrics(
+    samples: Sequence[Sample], trainer_logprobs: Sequence[Sequence[float]]
+) -> dict[str, float]:
+    """Trainer-vs-engine log-prob mismatch metrics (`mismatch/abs_logp_diff`, and the max)."""
+    worst = 0.0
+    for s, tl in zip(samples, trainer_logprobs):
+        for e, t, ok in zip(s.logprobs, tl, s.logprob_mask):
+            if ok and math.isfinite(float(t)):
+                worst = max(worst, abs(float(t) - e))
+    return {
+        "mismatch/abs_logp_diff": abs_logp_diff(samples, trainer_logprobs),
+        "mismatch/max_abs_logp_diff": worst,
+    }
+
+
 def abs_logp_diff(samples: Sequence[Sample], trainer_logprobs: Sequence[Sequence[float]]) -> float:
     """`mismatch/abs_logp_diff`: mean |logp_trainer - logp_engine| over valid response tokens.
 

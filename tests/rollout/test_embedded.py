@@ -228,3 +228,67 @@ def test_control_calls(client_a, engine_a):
     )
     assert info["weight_version"] == "default"
     assert len(client_a.generate([[1, 2]], SamplingParams(max_new_tokens=1)).samples) == 1
+
+
+def _generate_in_thread(client, prompts, sp, n=1):
+    import threading
+
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(res=client.generate(prompts, sp, n=n)))
+    t.start()
+    return t, out
+
+
+def _wait_running(engine, count=1, timeout=30.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(engine.tm.rid_to_state) < count:
+        assert time.monotonic() < deadline, "requests never started"
+        time.sleep(0.01)
+
+
+def test_abort_and_pause_mid_generation(client_a, engine_a, ckpt_a, weights_b):
+    long = SamplingParams(max_new_tokens=400, ignore_eos=True, seed=3)
+    t, out = _generate_in_thread(client_a, [[1, 2], [1, 3]], long)
+    _wait_running(engine_a, 2)
+    client_a.abort()
+    t.join(60)
+    res = out["res"]
+    assert [s.finish_reason for s in res.samples] == ["abort", "abort"]
+    assert res.stats.num_aborted == 2 and all(s.truncated for s in res.samples)
+    assert all(len(s.response_ids) == len(s.logprobs) < 400 for s in res.samples)
+
+    # pause(retract) freezes running requests; weights can be pushed meanwhile (no writer
+    # lock while paused, as in SGLang); continue resumes them with the new version.
+    t, out = _generate_in_thread(client_a, [[1, 2]], SamplingParams(max_new_tokens=200, seed=4))
+    _wait_running(engine_a, 1)
+    client_a.pause_generation("retract")
+    named = sorted(weights_b.items())
+    with client_a.weight_update_session():
+        client_a.update_weights_from_tensor(named, weight_version="paused-1", flush_cache=False)
+    client_a.continue_generation()
+    t.join(60)
+    (s,) = out["res"].samples
+    assert s.finish_reason in ("length", "stop") and s.weight_version == "paused-1"
+    _restore(client_a, ckpt_a)
+
+
+def test_original_logprob_option_gives_t1_logprobs(ckpt_a, ref_a):
+    from sglang.srt.sampling.sampling_params import SamplingParams as SgSamplingParams
+
+    from megatron_gspo.rollout.embedded_model import HFPolicy
+
+    policy = HFPolicy(ckpt_a, return_original_logprob=True)
+    sp = SgSamplingParams(max_new_tokens=8, temperature=0.6, sampling_seed=9, ignore_eos=True)
+    sp.normalize(None)
+    out = policy.generate(PROMPTS[0], sp)
+    ref_t1 = rescore(ref_a, PROMPTS[0], out.output_ids, 1.0)
+    ref_t = rescore(ref_a, PROMPTS[0], out.output_ids, 0.6)
+    torch.testing.assert_close(
+        torch.tensor(out.logprobs, dtype=torch.float64),
+        torch.tensor(ref_t1, dtype=torch.float64),
+        rtol=0,
+        atol=2e-5,
+    )
+    assert max(abs(a - b) for a, b in zip(out.logprobs, ref_t)) > 1e-2

@@ -141,3 +141,11 @@ def test_error_message_reads_every_sglang_envelope():
     assert proto.error_message(b'{"object":"error","message":"m"}') == "m"
     assert proto.error_message(b'{"success": false, "message": "no session"}') == "no session"
     assert proto.error_message(b"Cache not flushed") == "Cache not flushed"
+
+
+def test_mismatch_metrics_names_and_values():
+    from megatron_gspo.rollout.types import mismatch_metrics
+
+    s = _sample()
+    m = mismatch_metrics([s], [[-1.5, -0.5]])
+    assert m == {"mismatch/abs_logp_diff": 0.25, "mismatch/max_abs_logp_diff": 0.5}
