@@ -120,6 +120,71 @@ def run_layout(
     return out
 
 
+def _embedded(rank: int, bridge: Any, hf_dir: str, tmp: str) -> dict[str, Any]:
+    """Push a TP2 model to the rollout package's embedded engine (SGLang's HTTP app + an HF
+    model) by tensor and disk; the engine's logits must then equal HF's on the same weights.
+
+    The engine starts from another checkpoint, and is reset to it before each transport, so
+    each push has to change every weight. (The distributed transport is covered by the fake
+    receiver: in one process, the engine and the trainer cannot both join a group of the same
+    name.)
+    """
+    from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
+
+    layout = Layout(tp=2)
+    init_megatron(layout)
+    model = build_model(make_provider(bridge, layout), load_from=bridge)
+    out: dict[str, Any] = {}
+    server = client = None
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        from megatron_gspo.rollout.embedded import EmbeddedServer
+        from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
+
+        other = str(save_tiny_hf_checkpoint(Path(tmp) / "hf_other", seed=7))
+        server = EmbeddedServer(other).start()
+        client = SGLangClient(ClientConfig(engine_urls=[server.url]))
+        tokens = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expected = AutoModelForCausalLM.from_pretrained(hf_dir).eval()(tokens).logits
+
+        def logits() -> torch.Tensor:
+            with torch.no_grad():
+                return server.policy.model(tokens).logits
+
+    for transport in ("tensor", "disk"):
+        if rank == 0:
+            client.update_weights_from_disk(other, weight_version="reset")
+            before = logits()
+        engines = [client] if client is not None else []
+        sync = WeightSync(
+            bridge,
+            engines,
+            WeightSyncConfig(
+                transport=transport,
+                bucket_mb=BUCKET_MB,
+                verify_names="common",
+                disk_dir=str(Path(tmp) / "embedded_disk"),
+            ),
+        )
+        report = sync.push(model)
+        sync.close()
+        if rank == 0:
+            after = logits()
+            out[transport] = {
+                "equal_before": torch.equal(before, expected),
+                "equal_after": torch.equal(after, expected),
+                "max_diff": float((after - expected).abs().max()),
+                "version": client.weight_version(),
+                "verified": report.verified,
+            }
+    if server is not None:
+        client.close()
+        server.stop()
+    return out
+
+
 def main(rank: int, world: int, hf_dir: str, tmp: str, layouts: dict[str, dict]) -> dict:
     quiet_megatron()
     bridge = load_bridge(hf_dir)
@@ -147,4 +212,5 @@ def main(rank: int, world: int, hf_dir: str, tmp: str, layouts: dict[str, dict])
     out = {name: run_layout(rank, bridge, Layout(**lay), syncs) for name, lay in layouts.items()}
     for s, _ in syncs.values():
         s.close()
+    out["embedded"] = _embedded(rank, bridge, hf_dir, tmp)
     return out

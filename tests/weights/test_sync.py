@@ -68,3 +68,12 @@ def test_corrupted_tensor_is_named(results: list[dict], layout: str):
         msg = results[rank][layout]["corrupt"]
         assert msg.startswith("WeightIntegrityError"), msg
         assert sync_ranks.CORRUPT in msg
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+def test_embedded_engine_serves_the_pushed_weights(results: list[dict], transport: str):
+    info = results[0]["embedded"][transport]
+    assert not info["equal_before"]  # the engine started from other weights
+    assert info["equal_after"], info["max_diff"]  # logits bitwise equal to HF on the source
+    assert set(info["version"].values()) == {"1"}
+    assert info["verified"]
