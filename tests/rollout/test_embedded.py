@@ -7,9 +7,11 @@ transport are checked against a HF model holding the new weights.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,11 +163,14 @@ TRAINER = textwrap.dedent(
 
 def test_update_weights_from_distributed(client_a, ckpt_a, ckpt_b, weights_b):
     port = free_port()
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER, str(port), ckpt_b],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )
     try:
         joined = client_a.init_weights_update_group(
