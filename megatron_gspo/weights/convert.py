@@ -300,3 +300,73 @@ def megatron_to_hf(
     _barrier()
     _say("done")
     return {"tensors": 0 if writer is None else len(writer.weight_map)}
+
+
+# ---- command line (tools/convert_*.py are thin wrappers) ---------------------------------
+def init_distributed() -> None:
+    """Join the torchrun job (or run as a 1-rank job under plain `python`)."""
+    import os
+
+    if torch.distributed.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("nccl")
+    else:
+        torch.distributed.init_process_group("gloo")
+
+
+def _layout_args(p: Any) -> None:
+    g = p.add_argument_group("parallel layout of the Megatron side")
+    g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    g.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    g.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
+    g.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    g.add_argument("--etp", type=int, default=None, help="expert tensor parallel size")
+
+
+def _layout(ns: Any) -> Layout:
+    return Layout(tp=ns.tp, pp=ns.pp, vpp=ns.vpp, ep=ns.ep, etp=ns.etp)
+
+
+def cli(direction: str, argv: list[str] | None = None) -> int:
+    """`hf_to_megatron` / `megatron_to_hf` from the command line; returns the exit code."""
+    import argparse
+
+    to_megatron = direction == "hf_to_megatron"
+    p = argparse.ArgumentParser(
+        description=(
+            "HF checkpoint -> Megatron torch_dist checkpoint"
+            if to_megatron
+            else "Megatron torch_dist checkpoint (from convert_hf_to_megatron) -> HF checkpoint"
+        ),
+        epilog="Run with torchrun --nproc-per-node N; world size must fit the layout.",
+    )
+    p.add_argument("--input", "-i", required=True, help="source directory")
+    p.add_argument("--output", "-o", required=True, help="destination directory")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty output")
+    _layout_args(p)
+    if to_megatron:
+        p.add_argument("--dtype", default=None, help="Megatron parameter dtype (float32, ...)")
+    else:
+        p.add_argument("--hf-dtype", default=None, help="dtype of the written HF weights")
+    ns = p.parse_args(argv)
+    init_distributed()
+    try:
+        if to_megatron:
+            dtype = getattr(torch, ns.dtype) if ns.dtype else None
+            hf_to_megatron(ns.input, ns.output, _layout(ns), dtype=dtype, force=ns.force)
+        else:
+            hf_dtype = getattr(torch, ns.hf_dtype) if ns.hf_dtype else None
+            megatron_to_hf(ns.input, ns.output, _layout(ns), force=ns.force, hf_dtype=hf_dtype)
+    except ConversionError as e:
+        if _rank() == 0:
+            print(f"error: {e}", flush=True)
+        return 2
+    finally:
+        torch.distributed.destroy_process_group()
+    return 0

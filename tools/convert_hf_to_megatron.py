@@ -1,0 +1,14 @@
+"""HF checkpoint (safetensors + config) -> megatron-core torch_dist checkpoint at a given layout.
+
+    torchrun --nproc-per-node 4 tools/convert_hf_to_megatron.py -i hf_dir -o ckpt --tp 2 --ep 2
+
+Runs on CPU (gloo) or GPU (nccl); plain `python` runs one rank. The logic lives in
+`megatron_gspo.weights.convert`.
+"""
+
+import sys
+
+from megatron_gspo.weights.convert import cli
+
+if __name__ == "__main__":
+    sys.exit(cli("hf_to_megatron"))
