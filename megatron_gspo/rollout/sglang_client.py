@@ -106,6 +106,7 @@ class _Target:
         self.url = url
         self.sem = asyncio.Semaphore(limit)
         self.inflight = 0
+        self.picks = 0
         self.down_until = 0.0
 
 
@@ -207,8 +208,10 @@ class SGLangClient(RolloutEngine):
         up = [t for t in targets if t.down_until <= now]
         if not up:
             return None
-        # Least loaded first; ties go to the earliest in the list rotation.
-        return min(up, key=lambda t: t.inflight)
+        # Least loaded first; among equals, the one picked least often (round robin).
+        best = min(up, key=lambda t: (t.inflight, t.picks))
+        best.picks += 1
+        return best
 
     async def _send_chunk(
         self,

@@ -16,6 +16,8 @@ from megatron_gspo.rollout.engine import EngineError
 from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
 from megatron_gspo.rollout.types import SamplingParams
 
+pytestmark = pytest.mark.timeout(240)  # a hung server must fail, not stall CI
+
 
 def test_every_request_the_client_sends_passes_sglang_validation(
     engine_a, ckpt_a, weights_a, monkeypatch

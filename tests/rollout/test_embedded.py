@@ -23,6 +23,8 @@ from megatron_gspo.rollout.types import SamplingParams, abs_logp_diff
 
 from .helpers import greedy, hf_model, rescore
 
+pytestmark = pytest.mark.timeout(240)  # a hung server must fail, not stall CI
+
 PROMPTS = [[1, 17, 33, 9], [1, 5], [1, 99, 98, 97, 96, 3]]
 
 

@@ -14,6 +14,8 @@ from megatron_gspo.rollout.launch import LaunchConfig, ServerGroup, engine_comma
 from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
 from megatron_gspo.rollout.types import SamplingParams
 
+pytestmark = pytest.mark.timeout(300)  # a hung server must fail, not stall CI
+
 
 def test_sglang_command_lines_parse_with_sglang(tmp_path):
     from sglang.srt.server_args import prepare_server_args

@@ -9,6 +9,8 @@ from megatron_gspo.rollout.launch import LaunchConfig, ServerGroup
 from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
 from megatron_gspo.rollout.types import SamplingParams
 
+pytestmark = pytest.mark.timeout(240)  # a hung server must fail, not stall CI
+
 pytest.importorskip("sglang_router")
 
 
