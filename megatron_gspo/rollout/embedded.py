@@ -81,6 +81,7 @@ class EmbeddedTokenizerManager:
         self.num_requests_served = 0
         self._session_open = False
         self._paused = False
+        self._pause_mode = "abort"
         self._pause_event = threading.Event()
         self._pause_event.set()
         self._released: set[str] = set()
@@ -195,10 +196,7 @@ class EmbeddedTokenizerManager:
         tic = time.time()
         state = self.rid_to_state[rid]
         res = self.policy.generate(
-            ids,
-            sp,
-            should_abort=lambda: state.aborted,
-            wait_if_paused=self._pause_event.wait,
+            ids, sp, should_abort=lambda: state.aborted, wait_if_paused=self._wait_if_paused
         )
         return {
             "output_ids": res.output_ids,
@@ -218,6 +216,14 @@ class EmbeddedTokenizerManager:
             },
         }
 
+    def _wait_if_paused(self) -> bool:
+        """Block while paused; True if this request was retracted (its KV must be rebuilt)."""
+        if self._pause_event.is_set():
+            return False
+        retracted = self._pause_mode == "retract"
+        self._pause_event.wait()
+        return retracted
+
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         for state in list(self.rid_to_state.values()):
             if abort_all or (rid and state.rid.startswith(rid)):
@@ -226,6 +232,7 @@ class EmbeddedTokenizerManager:
     async def pause_generation(self, obj: Any) -> None:
         if obj.mode == "abort":
             self.abort_request(abort_all=True)
+        self._pause_mode = obj.mode
         self._paused = True
         self._pause_event.clear()
 

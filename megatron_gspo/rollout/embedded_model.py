@@ -65,6 +65,8 @@ class HFPolicy:
         )
         # Weight loads and forward steps take this lock, so an update never lands mid-step.
         self.lock = threading.RLock()
+        self.weights_epoch = 0
+        """Bumped by every weight load (a retracted request rebuilds its KV cache if it moved)."""
         self._rng = random.Random()
 
     # ---- generation --------------------------------------------------------------------
@@ -75,9 +77,14 @@ class HFPolicy:
         sp: Any,
         *,
         should_abort: Callable[[], bool] = lambda: False,
-        wait_if_paused: Callable[[], None] = lambda: None,
+        wait_if_paused: Callable[[], bool] = lambda: False,
     ) -> GenerationOutput:
-        """Generate one sequence; `sp` is a normalised `sglang` `SamplingParams`."""
+        """Generate one sequence; `sp` is a normalised `sglang` `SamplingParams`.
+
+        `wait_if_paused` blocks while the engine is paused and returns True when the request
+        was retracted meanwhile: then, as SGLang does, its KV cache is rebuilt from the tokens
+        so far, so the rest of the response sees weights pushed during the pause.
+        """
         from transformers import DynamicCache
 
         seed = sp.sampling_seed if sp.sampling_seed is not None else self._rng.getrandbits(62)
@@ -90,6 +97,7 @@ class HFPolicy:
         out_lps: list[float] = []
         cache = DynamicCache()
         step_ids = torch.tensor([list(input_ids)], dtype=torch.long)
+        epoch = self.weights_epoch
         while True:
             if max_new == 0 or len(input_ids) + len(out_ids) >= self.context_len:
                 return GenerationOutput(
@@ -97,7 +105,9 @@ class HFPolicy:
                     logprobs=out_lps,
                     finish_reason={"type": "length", "length": len(out_ids)},
                 )
-            wait_if_paused()
+            if wait_if_paused() and epoch != self.weights_epoch:
+                cache, epoch = DynamicCache(), self.weights_epoch
+                step_ids = torch.tensor([list(input_ids) + out_ids], dtype=torch.long)
             if should_abort():
                 return GenerationOutput(
                     output_ids=out_ids,
@@ -190,6 +200,7 @@ class HFPolicy:
                     raise ValueError(f"{name}: shape {tuple(t.shape)} != {tuple(p.shape)}")
                 p.copy_(t.to(device=p.device, dtype=p.dtype))
                 n += 1
+            self.weights_epoch += 1
         return n
 
     def load_from_disk(self, path: str | Path) -> int:

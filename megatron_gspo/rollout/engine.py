@@ -60,13 +60,23 @@ class RolloutEngine(abc.ABC):
         """Close the session on every engine (runs post-load processing, e.g. FP8 repack)."""
 
     @contextlib.contextmanager
-    def weight_update_session(self) -> Iterator[None]:
-        """`begin_weight_update` ... `end_weight_update`, closing the session on errors too."""
+    def weight_update_session(self, weight_version: str | None = None) -> Iterator[None]:
+        """`begin_weight_update` ... `end_weight_update`, closing the session on errors too.
+
+        With `weight_version`, every engine reports that version once the session closed
+        cleanly (one version per sync, however many buckets it took).
+        """
         self.begin_weight_update()
         try:
             yield
         finally:
             self.end_weight_update()
+        if weight_version is not None:
+            self.set_weight_version(weight_version)
+
+    @abc.abstractmethod
+    def set_weight_version(self, weight_version: str) -> None:
+        """Set the version every engine stamps on its responses (no request is aborted)."""
 
     @abc.abstractmethod
     def update_weights_from_tensor(
@@ -76,7 +86,10 @@ class RolloutEngine(abc.ABC):
         weight_version: str | None = None,
         flush_cache: bool = True,
     ) -> None:
-        """Push HF-named tensors to every engine (one flattened bucket; same node only)."""
+        """Push HF-named tensors to every engine (one flattened bucket; same node only).
+
+        `weight_version=None` leaves the version alone (set it per session instead).
+        """
 
     @abc.abstractmethod
     def init_weights_update_group(

@@ -73,6 +73,9 @@ class ClientConfig:
     backoff_max_s: float = 10.0
     engine_cooldown_s: float = 5.0
     """How long an engine that failed is skipped."""
+    resubmit_aborted: int = 0
+    """Times a sample that finished with `abort` (e.g. `pause_generation("abort")` during a
+    weight sync) is generated again from scratch, same seed; 0 returns it flagged `abort`."""
     use_native_n: bool = False
     """Use SGLang's `n` instead of client-side expansion (unseeded sampling only)."""
     validate_requests: bool = False
@@ -116,7 +119,6 @@ class SGLangClient(RolloutEngine):
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self._calls = itertools.count()
-        self._updates = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-client")
 
     # ---- HTTP plumbing ---------------------------------------------------------------------
@@ -158,6 +160,7 @@ class SGLangClient(RolloutEngine):
         tic = time.perf_counter()
         call = f"{uuid.uuid4().hex[:8]}-{next(self._calls)}"
         native_n = self.config.use_native_n and n > 1
+        native = n if native_n else 1
         if native_n and sampling.seed is not None:
             raise ValueError("use_native_n gives all n samples one seed; unset seed or the flag")
         entries = [
@@ -183,12 +186,18 @@ class SGLangClient(RolloutEngine):
             targets = [_Target(u, self.config.max_inflight_per_engine) for u in urls]
         stats = RolloutStats()
         async with self._session(self.config.request_timeout_s) as session:
-            results = await asyncio.gather(
-                *(
-                    self._send_chunk(session, targets, c, n if native_n else 1, stats)
-                    for c in chunks
-                )
-            )
+            tasks = [
+                asyncio.create_task(self._send_chunk(session, targets, c, native, stats))
+                for c in chunks
+            ]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                # One request failed for good: stop the others before the session closes.
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
         samples: dict[tuple[int, int], Sample] = {}
         for chunk_samples in results:
             for s in chunk_samples:
@@ -214,6 +223,28 @@ class SGLangClient(RolloutEngine):
         return best
 
     async def _send_chunk(
+        self,
+        session: aiohttp.ClientSession,
+        targets: list[_Target],
+        chunk: list[_Entry],
+        n: int,
+        stats: RolloutStats,
+        resubmits: int = 0,
+    ) -> list[Sample]:
+        samples = await self._send_once(session, targets, chunk, n, stats)
+        aborted = {s.key for s in samples if s.finish_reason == "abort"}
+        if not aborted or n > 1 or resubmits >= self.config.resubmit_aborted:
+            return samples
+        redo = [
+            dataclasses.replace(e, rid=f"{e.rid}-r{resubmits + 1}")
+            for e in chunk
+            if (e.prompt_index, e.sample_index) in aborted
+        ]
+        stats.num_resubmitted += len(redo)
+        again = await self._send_chunk(session, targets, redo, n, stats, resubmits + 1)
+        return [s for s in samples if s.key not in aborted] + again
+
+    async def _send_once(
         self,
         session: aiohttp.ClientSession,
         targets: list[_Target],
@@ -380,8 +411,10 @@ class SGLangClient(RolloutEngine):
 
         return self._pool.submit(run)
 
-    def _version(self, weight_version: str | None) -> str:
-        return weight_version if weight_version is not None else f"update-{next(self._updates)}"
+    def set_weight_version(self, weight_version: str) -> None:
+        # abort_all_requests defaults to True in SGLang: a version stamp must not kill rollouts.
+        body = {"new_version": str(weight_version), "abort_all_requests": False}
+        self._control("/update_weight_version", body)
 
     def begin_weight_update(self) -> None:
         self._control("/begin_weight_update", {})
@@ -396,14 +429,13 @@ class SGLangClient(RolloutEngine):
         weight_version: str | None = None,
         flush_cache: bool = True,
     ) -> None:
-        version = self._version(weight_version)
         payloads, bucket = proto.serialize_flattened_bucket(named_tensors)
         bodies = {
             url: {
                 "serialized_named_tensors": payloads * tp,
                 "load_format": "flattened_bucket",
                 "flush_cache": flush_cache,
-                "weight_version": version,
+                "weight_version": weight_version,
             }
             for url, tp in zip(self.config.engine_urls, self.config.engine_tp_sizes)
         }
@@ -458,7 +490,7 @@ class SGLangClient(RolloutEngine):
             "group_name": group_name,
             "load_format": "flattened_bucket" if flattened_bucket else None,
             "flush_cache": flush_cache,
-            "weight_version": self._version(weight_version),
+            "weight_version": weight_version,
         }
         return self._in_thread(
             "/update_weights_from_distributed", {u: body for u in self.config.engine_urls}
@@ -468,7 +500,7 @@ class SGLangClient(RolloutEngine):
         self._control("/destroy_weights_update_group", {"group_name": group_name})
 
     def update_weights_from_disk(self, path: str, *, weight_version: str | None = None) -> None:
-        body = {"model_path": str(path), "weight_version": self._version(weight_version)}
+        body = {"model_path": str(path), "weight_version": weight_version}
         self._control("/update_weights_from_disk", body)
 
     def weight_version(self) -> dict[str, str]:

@@ -144,6 +144,8 @@ class RolloutStats:
     """Samples dropped because ids and log-probs disagreed (length or token id)."""
     num_retries: int = 0
     """HTTP requests re-sent after a connection error / 5xx / dead engine."""
+    num_resubmitted: int = 0
+    """Aborted samples generated again (`ClientConfig.resubmit_aborted`)."""
     requests_per_engine: Counter = dataclasses.field(default_factory=Counter)
     wall_s: float = 0.0
 
@@ -158,6 +160,7 @@ class RolloutStats:
                 "num_masked_logprobs",
                 "num_rejected",
                 "num_retries",
+                "num_resubmitted",
                 "wall_s",
             )
         }

@@ -42,7 +42,7 @@ def test_every_request_the_client_sends_passes_sglang_validation(
         [[7, 8], [9]], SamplingParams(max_new_tokens=2), n=3
     )
     named = sorted(weights_a.items())
-    with client.weight_update_session():
+    with client.weight_update_session(weight_version="default"):
         client.update_weights_from_tensor(named[:2], weight_version="x")
     client.init_weights_update_group("127.0.0.1", 1234, backend="gloo").result()
     with client.weight_update_session():

@@ -123,8 +123,10 @@ def _restore(client, ckpt_a):
 def test_update_weights_from_tensor(client_a, ckpt_a, weights_a, weights_b):
     before = _check_engine_holds(client_a, ckpt_a, weights_a)
     named = [(k, v.to(torch.bfloat16).float()) for k, v in sorted(weights_b.items())]
-    with client_a.weight_update_session():
-        client_a.update_weights_from_tensor(named, weight_version="step-1")
+    with client_a.weight_update_session(weight_version="step-1"):
+        client_a.update_weights_from_tensor(named[:10])
+        client_a.update_weights_from_tensor(named[10:])  # buckets do not move the version
+        assert set(client_a.weight_version().values()) == {"default"}
     assert set(client_a.weight_version().values()) == {"step-1"}
     after = _check_engine_holds(client_a, ckpt_a, dict(named))
     assert after.weight_version == "step-1" and after.logprobs != before.logprobs
@@ -299,3 +301,48 @@ def test_original_logprob_option_gives_t1_logprobs(ckpt_a, ref_a):
         atol=2e-5,
     )
     assert max(abs(a - b) for a, b in zip(out.logprobs, ref_t)) > 1e-2
+
+
+def test_aborted_samples_are_resubmitted_when_asked(engine_a):
+    from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
+
+    client = SGLangClient(ClientConfig(engine_urls=[engine_a.url], resubmit_aborted=1))
+    sp = SamplingParams(max_new_tokens=150, ignore_eos=True, seed=8)
+    t, out = _generate_in_thread(client, [[1, 2], [1, 3]], sp)
+    _wait_running(engine_a, 2)
+    client.abort()
+    t.join(60)
+    res = out["res"]
+    assert [s.key for s in res.samples] == [(0, 0), (1, 0)]
+    assert [s.finish_reason for s in res.samples] == ["length", "length"]
+    assert res.stats.num_resubmitted == 2 and res.stats.num_aborted == 0
+    # Same seed from scratch: the resubmitted sample is the one an undisturbed call gives.
+    clean = client.generate([[1, 2], [1, 3]], sp)
+    assert [s.response_ids for s in clean.samples] == [s.response_ids for s in res.samples]
+
+
+def test_retracted_request_continues_on_pushed_weights(
+    client_a, engine_a, ckpt_a, ref_a, weights_b
+):
+    """After pause(retract) + weight push, the rest of a response is computed from scratch
+    with the new weights (SGLang recomputes retracted requests); the start used the old."""
+    prompt = [1, 40, 41]
+    t, out = _generate_in_thread(
+        client_a, [prompt], SamplingParams(max_new_tokens=200, ignore_eos=True, seed=6)
+    )
+    _wait_running(engine_a, 1)
+    client_a.pause_generation("retract")
+    with client_a.weight_update_session(weight_version="retract-1"):
+        client_a.update_weights_from_tensor(sorted(weights_b.items()), flush_cache=False)
+    client_a.continue_generation()
+    t.join(60)
+    (s,) = out["res"].samples
+    _restore(client_a, ckpt_a)
+    old = torch.tensor(rescore(ref_a, prompt, s.response_ids), dtype=torch.float64)
+    ref_b = hf_model(dict(weights_b), ckpt_a)
+    new = torch.tensor(rescore(ref_b, prompt, s.response_ids), dtype=torch.float64)
+    got = torch.tensor(s.logprobs, dtype=torch.float64)
+    k = int(((got - old).abs() < 2e-5).long().cumprod(0).sum())  # tokens made before the push
+    assert 0 < k < len(got), "the push must land mid-response"
+    torch.testing.assert_close(got[k:], new[k:], rtol=0, atol=2e-5)
+    assert s.weight_version == "retract-1"
