@@ -13,6 +13,9 @@ them with the configured transport, then checks, when due:
   rollouts then carry.
 
 The outcome is broadcast from the sender so that every rank returns or raises together.
+Call `push` once the parameters hold the new weights: with the distributed optimizer's
+`overlap_param_gather`, the all-gather of updated parameters finishes only in the next forward,
+so force it first (`model_chunk.start_param_sync(force_sync=True)` on each chunk).
 
     sync = WeightSync(bridge, engine, WeightSyncConfig(transport="tensor", fp8=True))
     for step in ...:

@@ -69,6 +69,19 @@ class Transport(abc.ABC):
         return None
 
 
+def _bucket_version(engine: RolloutEngine, version: str) -> str | None:
+    """The version to attach to each bucket: none when the engine can stamp one per sync."""
+    # Labelling the first bucket would advertise the new version on half-updated weights.
+    return None if hasattr(engine, "set_weight_version") else version
+
+
+def _end_session(engines: Sequence[RolloutEngine], version: str) -> None:
+    for engine in engines:
+        engine.end_weight_update()
+        if hasattr(engine, "set_weight_version"):
+            engine.set_weight_version(version)
+
+
 class TensorTransport(Transport):
     """Colocated: hand tensors to the engine (SGLang flattened-bucket payloads)."""
 
@@ -80,15 +93,13 @@ class TensorTransport(Transport):
 
     def send(self, bucket: Bucket, *, version: str, last: bool) -> None:
         for engine in self.engines:
-            # Flushing the prefix cache is needed once, after the last bucket. The version goes
-            # with every bucket: a client would otherwise invent one for the unlabelled calls.
+            # The prefix cache is flushed once, with the last bucket.
             engine.update_weights_from_tensor(
-                bucket.tensors, weight_version=version, flush_cache=last
+                bucket.tensors, weight_version=_bucket_version(engine, version), flush_cache=last
             )
 
     def finish(self, version: str) -> None:
-        for engine in self.engines:
-            engine.end_weight_update()
+        _end_session(self.engines, version)
 
 
 def _free_port(host: str) -> int:
@@ -186,8 +197,7 @@ class DistributedTransport(Transport):
             done.result(timeout=self.timeout_s)
 
     def finish(self, version: str) -> None:
-        for engine in self.engines:
-            engine.end_weight_update()
+        _end_session(self.engines, version)
 
     def close(self) -> None:
         from megatron_gspo.rollout.dist_group import destroy_weight_update_group

@@ -174,6 +174,10 @@ class FakeEngine(RolloutEngine):
         self._set_version(weight_version)
         self.calls.append("disk")
 
+    def set_weight_version(self, weight_version: str) -> None:
+        self.version = weight_version
+        self.calls.append("version")
+
     def weight_version(self) -> dict[str, str]:
         return {self.engine_id: self.version}
 
