@@ -344,70 +344,57 @@ class SGLangClient(RolloutEngine):
         return out
 
     # ---- control plane -------------------------------------------------------------------
-    async def _acontrol(
+    async def _acall(
         self,
         route: str,
-        body: dict[str, Any] | None = None,
+        bodies: dict[str, dict[str, Any] | None],
         *,
         method: str = "POST",
-        urls: Sequence[str] | None = None,
         retries: int = 0,
-        ok_statuses: tuple[int, ...] = (200,),
     ) -> dict[str, tuple[int, bytes]]:
-        if body is not None:
-            self._validate(route, body)
-        urls = list(urls or self.config.engine_urls)
+        """`route` on each engine URL with its body, concurrently; connection failures of
+        idempotent calls (`retries` > 0) are retried, then reported as status 599."""
+        for b in bodies.values():
+            if b is not None:
+                self._validate(route, b)
 
         async def one(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
             for attempt in range(retries + 1):
                 try:
-                    return await self._request(session, method, url + route, body)
+                    return await self._request(session, method, url + route, bodies[url])
                 except _RETRYABLE as e:
                     if attempt == retries:
                         return 599, f"{type(e).__name__}: {e}".encode()
                     await asyncio.sleep(self.config.backoff_s * 2**attempt)
-            raise AssertionError
+            raise AssertionError("unreachable")
 
         async with self._session(self.config.control_timeout_s) as session:
-            got = await asyncio.gather(*(one(session, u) for u in urls))
-        return dict(zip(urls, got))
+            got = await asyncio.gather(*(one(session, u) for u in bodies))
+        return dict(zip(bodies, got))
 
-    def _control(self, route: str, body: dict[str, Any] | None = None, **kw: Any):
-        """Call `route` on every engine; raise `EngineError` naming each failing engine."""
-        ok_statuses = kw.pop("ok_statuses", (200,))
-        res = asyncio.run(self._acontrol(route, body, **kw))
-        bad = {u: r for u, r in res.items() if r[0] not in ok_statuses}
+    @staticmethod
+    def _check(route: str, res: dict[str, tuple[int, bytes]]) -> dict[str, tuple[int, bytes]]:
+        """Raise `EngineError` naming every engine that did not answer 200, with its message."""
+        bad = {u: r for u, r in res.items() if r[0] != 200}
         if bad:
             detail = "; ".join(
                 f"{u}: HTTP {s}: {proto.error_message(raw)}" for u, (s, raw) in bad.items()
             )
-            status = next(iter(bad.values()))[0]
-            raise EngineError(f"{route} failed: {detail}", status=status)
+            raise EngineError(f"{route} failed: {detail}", status=next(iter(bad.values()))[0])
         return res
 
+    def _control(
+        self, route: str, body: dict[str, Any] | None = None, *, method: str = "POST", **kw: Any
+    ) -> dict[str, tuple[int, bytes]]:
+        """Call `route` with the same body on every engine and wait."""
+        bodies = {u: body for u in self.config.engine_urls}
+        return self._check(route, asyncio.run(self._acall(route, bodies, method=method, **kw)))
+
     def _in_thread(self, route: str, bodies: dict[str, dict[str, Any]]) -> Future[None]:
-        """Run per-engine calls in a worker thread (the caller must act on the group meanwhile)."""
+        """Per-engine calls in a worker thread (the caller acts on the process group meanwhile)."""
 
         def run() -> None:
-            async def all_engines() -> dict[str, tuple[int, bytes]]:
-                async with self._session(self.config.control_timeout_s) as session:
-                    got = await asyncio.gather(
-                        *(self._request(session, "POST", u + route, b) for u, b in bodies.items())
-                    )
-                return dict(zip(bodies, got))
-
-            for b in bodies.values():
-                self._validate(route, b)
-            res = asyncio.run(all_engines())
-            bad = {u: r for u, r in res.items() if r[0] != 200}
-            if bad:
-                raise EngineError(
-                    f"{route} failed: "
-                    + "; ".join(
-                        f"{u}: HTTP {s}: {proto.error_message(raw)}" for u, (s, raw) in bad.items()
-                    ),
-                    status=next(iter(bad.values()))[0],
-                )
+            self._check(route, asyncio.run(self._acall(route, bodies)))
 
         return self._pool.submit(run)
 
@@ -537,7 +524,8 @@ class SGLangClient(RolloutEngine):
         self._control("/abort_request", body)
 
     def health(self) -> dict[str, bool]:
-        res = asyncio.run(self._acontrol("/health_generate", method="GET"))
+        bodies = {u: None for u in self.config.engine_urls}
+        res = asyncio.run(self._acall("/health_generate", bodies, method="GET"))
         return {u: s == 200 for u, (s, _) in res.items()}
 
     def close(self) -> None:
