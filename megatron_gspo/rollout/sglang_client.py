@@ -110,7 +110,6 @@ class _Target:
         self.sem = asyncio.Semaphore(limit)
         self.inflight = 0
         self.picks = 0
-        self.down_until = 0.0
 
 
 class SGLangClient(RolloutEngine):
@@ -119,6 +118,9 @@ class SGLangClient(RolloutEngine):
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self._calls = itertools.count()
+        # Engines that failed rest until this time (kept across calls, so a dead engine is not
+        # re-tried by every later call's first request).
+        self._down_until: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-client")
 
     # ---- HTTP plumbing ---------------------------------------------------------------------
@@ -159,9 +161,8 @@ class SGLangClient(RolloutEngine):
             raise ValueError("n must be >= 1")
         tic = time.perf_counter()
         call = f"{uuid.uuid4().hex[:8]}-{next(self._calls)}"
-        native_n = self.config.use_native_n and n > 1
-        native = n if native_n else 1
-        if native_n and sampling.seed is not None:
+        native = n if self.config.use_native_n else 1  # samples per entry, SGLang-side
+        if native > 1 and sampling.seed is not None:
             raise ValueError("use_native_n gives all n samples one seed; unset seed or the flag")
         entries = [
             _Entry(
@@ -172,10 +173,10 @@ class SGLangClient(RolloutEngine):
                 f"{call}-p{pi}-s{sj}",
             )
             for pi, p in enumerate(prompts)
-            for sj in range(1 if native_n else n)
+            for sj in range(n // native)
         ]
-        per_req = max(1, self.config.max_batch_per_request // (n if native_n else 1))
-        if self.config.router_url and not native_n:
+        per_req = max(1, self.config.max_batch_per_request // native)
+        if self.config.router_url and native == 1:
             per_req = 1  # the router admits only one prompt per request (or native n)
         chunks = [entries[i : i + per_req] for i in range(0, len(entries), per_req)]
         if self.config.router_url:
@@ -214,7 +215,7 @@ class SGLangClient(RolloutEngine):
 
     def _pick(self, targets: list[_Target]) -> _Target | None:
         now = time.monotonic()
-        up = [t for t in targets if t.down_until <= now]
+        up = [t for t in targets if self._down_until.get(t.url, 0.0) <= now]
         if not up:
             return None
         # Least loaded first; among equals, the one picked least often (round robin).
@@ -270,7 +271,7 @@ class SGLangClient(RolloutEngine):
                 await asyncio.sleep(min(cfg.backoff_s * 2 ** (attempt - 1), cfg.backoff_max_s))
             target = self._pick(targets)
             if target is None:
-                soonest = min(t.down_until for t in targets) - time.monotonic()
+                soonest = min(self._down_until.get(t.url, 0.0) for t in targets) - time.monotonic()
                 await asyncio.sleep(max(0.0, min(soonest, cfg.backoff_max_s)))
                 target = self._pick(targets) or targets[0]
             target.inflight += 1
@@ -282,14 +283,14 @@ class SGLangClient(RolloutEngine):
             except _RETRYABLE as e:
                 last_error = f"{target.url}/generate: {type(e).__name__}: {e}"
                 logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
-                target.down_until = time.monotonic() + cfg.engine_cooldown_s
+                self._down_until[target.url] = time.monotonic() + cfg.engine_cooldown_s
                 continue
             finally:
                 target.inflight -= 1
             if status >= 500:
                 last_error = f"{target.url}/generate: HTTP {status}: {proto.error_message(raw)}"
                 logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
-                target.down_until = time.monotonic() + cfg.engine_cooldown_s
+                self._down_until[target.url] = time.monotonic() + cfg.engine_cooldown_s
                 continue
             if status >= 400:
                 raise EngineError(
