@@ -33,6 +33,7 @@ from megatron_gspo.megatron.model import (
     quiet_megatron,
 )
 from megatron_gspo.weights import hf_io
+from megatron_gspo.weights.stream import hf_tensors
 
 HF_CONFIG_DIR = "hf_config"
 META_FILE = "mgspo_conversion.json"
@@ -281,7 +282,8 @@ def megatron_to_hf(
     shard: list[tuple[str, torch.Tensor]] = []
     size = 0
     show = _rank() == 0
-    for name, t in bridge.export_hf_weights(model, cpu=True, show_progress=show):
+    # Experts go to EP rank 0 (the writer) only, not to every EP rank.
+    for name, t in hf_tensors(bridge, model, cpu=True, show_progress=show):
         if writer is None:
             continue  # other ranks only take part in the gathers
         t = t.detach().to(hf_dtype).clone()

@@ -1,27 +1,34 @@
 """Stream a (sharded) Megatron model as HF-named tensors in size-bounded buckets.
 
 The gather engine is megatron-bridge's `AutoBridge.export_hf_weights`, which walks the model's
-conversion tasks one HF tensor at a time and, for each, does the following on EVERY rank:
+conversion tasks one HF tensor at a time and, for each, runs on EVERY rank:
 
 * tensor-parallel weights: an all-gather over the TP group (expert weights: over the expert-TP
   group), then the mapping's merge/split (e.g. Megatron's fused qkv -> q/k/v, fc1 -> gate/up);
+  so TP ranks all receive the full tensor;
 * pipeline stages: a broadcast from the owning PP stage to all PP ranks (plus a small
   all_gather_object of the tensor spec, cached after the first tensor);
-* experts: an all-gather over the EXPERT-PARALLEL group of the local expert slot, so every EP
-  rank receives the same-slot expert of every other EP rank. **So experts are all-gathered to
-  every rank, not sent from their EP owners.** It is one expert slot (EP tensors) at a time,
-  never all experts at once, and DP replicas do the same work redundantly.
+* experts: the bridge all-gathers the local expert slot over the EXPERT-PARALLEL group, so
+  every EP rank would receive every expert. With `experts_to_first=True` (the default here)
+  that one step is replaced, for the duration of our export only, by a `gather` to EP rank 0
+  of each EP group (`experts_to_ep_rank0`): expert tensors then travel only from their EP
+  owners to the sender's EP group rank 0 (global rank 0 is rank 0 of every group it is in),
+  and the other EP ranks never see other ranks' experts. One expert slot (EP tensors) is in
+  flight at a time; DP replicas of the EP group repeat the gather towards their own EP rank 0
+  (redundant work, not an extra copy to the sender).
 
-The result: every rank sees every full tensor once, transiently. Only the sender (global rank
-0 by default) keeps them, in a bucket of at most `bucket_bytes`; the others drop each tensor
-as soon as the bridge yields it, but must still iterate (the gathers are collectives). Peak
-memory on the sender is one bucket plus one tensor (times EP while it is gathered), never a
-full model copy. Sending experts straight from their owners (per-EP-rank senders) would need
-the bridge's per-task mappings without its EP gather; that is left for later (see the report).
+Each rank sees each tensor it receives once, transiently. Only the sender (global rank 0)
+keeps them, in a bucket of at most `bucket_bytes`; the others drop each tensor as soon as the
+bridge yields it, but must still iterate (the gathers are collectives). Peak memory on the
+sender is one bucket plus one tensor (times EP while its slot is gathered), never a full model
+copy. Attention/dense/embedding weights are still all-gathered to every TP rank (the bridge's
+TP gather); that is cheap next to the experts of a MoE model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +65,8 @@ class StreamStats:
     buckets: int = 0
     bytes_sent: int = 0
     bytes_exported: int = 0
+    tensors_seen: int = 0
+    """Exported tensors this rank received (non-senders included: the gather traffic)."""
     fp8_tensors: int = 0
     fp8_worst_error_ratio: float = 0.0
     """max over blocks of |deq - x| / e4m3 bound (<= 1 by construction; checked if asked)."""
@@ -70,12 +79,67 @@ def is_sender(sender_rank: int = 0) -> bool:
     return torch.distributed.get_rank() == sender_rank
 
 
+@contextlib.contextmanager
+def experts_to_ep_rank0() -> Iterator[None]:
+    """While active, the bridge's expert export gathers to EP rank 0 instead of to all EP ranks.
+
+    Replaces `MegatronParamMapping.gather_from_ep_ranks` (megatron-bridge 0.6.2) with a
+    `torch.distributed.gather` that returns the per-expert dict on EP rank 0 and `{}` elsewhere
+    (the bridge then yields nothing for those names there). Everything else (expert-id
+    arithmetic, the PP-broadcast of the experts-per-rank count) is kept call for call, so all
+    ranks still issue the same collectives in the same order.
+    """
+    from megatron.bridge.models.conversion import param_mapping as pm
+    from megatron.bridge.utils.common_utils import extract_expert_number_from_param
+
+    original = pm.MegatronParamMapping.gather_from_ep_ranks
+
+    def gather_to_first(
+        self: Any, weights: torch.Tensor, module: Any, hf_param_name: Any
+    ) -> dict[str, torch.Tensor]:
+        if self.ep_size == 1:
+            return original(self, weights, module, hf_param_name)
+        per_rank = None if module is None else self._get_config(module).num_moe_experts
+        per_rank = per_rank // self.ep_size if per_rank is not None else None
+        per_rank = self.broadcast_obj_from_pp_rank(per_rank, "num_experts_per_rank")
+        local = extract_expert_number_from_param(self.megatron_param) % per_rank
+        names = [
+            re.sub(r"experts\.(\d+)", f"experts.{local + per_rank * i}", str(hf_param_name))
+            for i in range(self.ep_size)
+        ]
+        dst = torch.distributed.get_global_rank(self.ep_group, 0)
+        weights = weights.contiguous()
+        if self.ep_rank != 0:
+            torch.distributed.gather(weights, None, dst=dst, group=self.ep_group)
+            return {}
+        parts = [torch.empty_like(weights) for _ in range(self.ep_size)]
+        torch.distributed.gather(weights, parts, dst=dst, group=self.ep_group)
+        return dict(zip(names, parts, strict=True))
+
+    pm.MegatronParamMapping.gather_from_ep_ranks = gather_to_first
+    try:
+        yield
+    finally:
+        pm.MegatronParamMapping.gather_from_ep_ranks = original
+
+
 def hf_tensors(
-    bridge: Any, model: list[torch.nn.Module], *, cpu: bool = True
+    bridge: Any,
+    model: list[torch.nn.Module],
+    *,
+    cpu: bool = True,
+    experts_to_first: bool = True,
+    show_progress: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF-named tensors, one at a time, on every rank (collective: all ranks iterate)."""
-    for name, tensor in bridge.export_hf_weights(model, cpu=cpu, show_progress=False):
-        yield name, tensor.detach()
+    """Full HF-named tensors, one at a time (collective: all ranks iterate).
+
+    experts_to_first: expert tensors reach EP rank 0 only (see `experts_to_ep_rank0`);
+    False keeps the bridge's all-gather, so every rank sees every tensor.
+    """
+    scope = experts_to_ep_rank0() if experts_to_first else contextlib.nullcontext()
+    with scope:
+        for name, tensor in bridge.export_hf_weights(model, cpu=cpu, show_progress=show_progress):
+            yield name, tensor.detach()
 
 
 def convert_for_send(
@@ -121,6 +185,7 @@ def iter_buckets(
     stats = stats if stats is not None else StreamStats()
     bucket = Bucket()
     for name, tensor in tensors:
+        stats.tensors_seen += 1
         if not keep:
             continue
         stats.bytes_exported += tensor.numel() * tensor.element_size()
@@ -153,13 +218,20 @@ def model_buckets(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     sender_rank: int = 0,
     cpu: bool = True,
+    experts_to_first: bool = True,
     **kwargs: Any,
 ) -> Iterator[Bucket]:
     """`iter_buckets(hf_tensors(...))`: buckets on the sender rank, nothing elsewhere.
 
     Every rank must exhaust this iterator (the bridge's gathers are collectives).
     """
+    if experts_to_first and sender_rank != 0:
+        # Global rank 0 is rank 0 of every group it belongs to; another rank may not be.
+        raise ValueError("experts_to_first needs sender_rank=0 (or experts_to_first=False)")
     keep = is_sender(sender_rank)
     yield from iter_buckets(
-        hf_tensors(bridge, model, cpu=cpu), bucket_bytes=bucket_bytes, keep=keep, **kwargs
+        hf_tensors(bridge, model, cpu=cpu, experts_to_first=experts_to_first),
+        bucket_bytes=bucket_bytes,
+        keep=keep,
+        **kwargs,
     )

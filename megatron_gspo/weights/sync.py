@@ -78,6 +78,9 @@ class WeightSyncConfig:
     """Require every engine to report the new weight version after a sync."""
     sender_rank: int = 0
     """Global trainer rank that keeps and sends the buckets."""
+    experts_to_first: bool = True
+    """Gather expert weights to EP rank 0 only (the sender), not to every EP rank; False keeps
+    megatron-bridge's all-gather (see `stream.experts_to_ep_rank0`)."""
     disk_dir: str | None = None
     """Root directory of the disk transport (must be visible to the engines)."""
     disk_keep: int = 2
@@ -171,6 +174,8 @@ class WeightSync:
         self.sender = is_sender(self.config.sender_rank)
         self.transport: Transport | None = self._make_transport() if self.sender else None
         self._ready = False
+        self.local_stats = StreamStats()
+        """What this rank's last export received (`push` returns the sender's stats)."""
 
     def _make_transport(self) -> Transport:
         cfg = self.config
@@ -259,6 +264,7 @@ class WeightSync:
         if self.sender and error is not None and self.transport is not None:
             self.transport.abort()
         report.seconds = time.perf_counter() - start
+        self.local_stats = report.stats
         return self._agree(report, error)
 
     def _verify(self, sent: dict[str, str]) -> None:

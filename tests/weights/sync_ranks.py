@@ -81,6 +81,7 @@ def _push(sync: WeightSync, model: list, engine: FakeEngine | None) -> dict[str,
         "buckets": report.stats.buckets,
         "verified": report.verified,
         "tensors": report.stats.tensors,
+        "seen_here": sync.local_stats.tensors_seen,  # this rank's share of the gather traffic
     }
 
 

@@ -50,6 +50,15 @@ def test_engine_holds_the_export_bitwise(results: list[dict], layout: str, trans
         assert info["calls"].count(kind) == info["buckets"]
 
 
+def test_experts_reach_only_ep_rank0(results: list[dict]) -> None:
+    """EP2: rank 1 owns experts 2-3 and sends them, but receives none of experts 0-1."""
+    n_expert_tensors = 2 * 4 * 3  # layers x experts x (gate, up, down)
+    assert results[0]["ep2"]["tensor"]["seen_here"] == 45
+    assert results[1]["ep2"]["tensor"]["seen_here"] == 45 - n_expert_tensors
+    for layout in ("tp2", "pp2"):  # no EP: TP gathers / PP broadcasts reach every rank
+        assert results[1][layout]["tensor"]["seen_here"] == 45
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp8_within_e4m3_bound(results: list[dict], layout: str):
     info = results[0][layout]["fp8"]["fp8"]
