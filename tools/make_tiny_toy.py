@@ -1,0 +1,42 @@
+"""Create the CPU demo's inputs: a tiny random Qwen3-MoE with the toy tokenizer, and the toy
+prompt dataset. Everything is generated locally (nothing is downloaded).
+
+    python tools/make_tiny_toy.py --out runs/tiny_toy [--seed 0] [--n 2000] [--ops copy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from megatron_gspo.data.toy import save_toy_tokenizer, write_toy_dataset
+from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/tiny_toy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=2000, help="toy prompts")
+    p.add_argument("--ops", default="copy", help="comma-separated toy ops")
+    p.add_argument("--min-len", type=int, default=1)
+    p.add_argument("--max-len", type=int, default=2)
+    p.add_argument("--force", action="store_true")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    model_dir, data = out / "model", out / "toy.jsonl"
+    if (model_dir / "config.json").exists() and data.exists() and not args.force:
+        print(f"[make_tiny_toy] {out} exists (use --force to rebuild)")
+        return out
+    save_tiny_hf_checkpoint(model_dir, seed=args.seed, perturb_norms=False)
+    save_toy_tokenizer(model_dir)
+    write_toy_dataset(data, args.n, seed=args.seed, ops=tuple(args.ops.split(",")),
+                      min_len=args.min_len, max_len=args.max_len)
+    (out / "README.json").write_text(json.dumps(vars(args), indent=1))
+    print(f"[make_tiny_toy] wrote {model_dir} and {data}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
