@@ -1,8 +1,9 @@
 """Weight sync: what the engines receive equals the bridge's HF export of the same model.
 
-One 2-rank launch covers TP=2, EP=2 and PP=2; for each, every transport (tensor, distributed
-over gloo with SGLang's own receiver code, disk), a bf16 send, FP8 quantise-on-send, the
-version counter and a receiver-side corruption that the checksum must catch by name.
+One 2-rank launch covers TP=2, EP=2, PP=2 and TP=2 x EP=2 (expert TP 1); for each, every
+transport (tensor, distributed over gloo with SGLang's own receiver code, disk), a bf16 send,
+FP8 quantise-on-send, the version counter and a receiver-side corruption that the checksum must
+catch by name; then the rollout package's embedded engine, by tensor and disk.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from tests.weights import sync_ranks
 
 pytestmark = pytest.mark.multirank
 
-LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2), "pp2": dict(pp=2)}
+LAYOUTS = {
+    "tp2": dict(tp=2),
+    "ep2": dict(ep=2),
+    "pp2": dict(pp=2),
+    "tp2ep2": dict(tp=2, ep=2, etp=1),
+}
 BITWISE = ["tensor", "tensor_bf16", "distributed", "disk_bf16"]
 
 
@@ -55,6 +61,7 @@ def test_experts_reach_only_ep_rank0(results: list[dict]) -> None:
     n_expert_tensors = 2 * 4 * 3  # layers x experts x (gate, up, down)
     assert results[0]["ep2"]["tensor"]["seen_here"] == 45
     assert results[1]["ep2"]["tensor"]["seen_here"] == 45 - n_expert_tensors
+    assert results[1]["tp2ep2"]["tensor"]["seen_here"] == 45 - n_expert_tensors
     for layout in ("tp2", "pp2"):  # no EP: TP gathers / PP broadcasts reach every rank
         assert results[1][layout]["tensor"]["seen_here"] == 45
 
