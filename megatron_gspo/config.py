@@ -365,6 +365,9 @@ class RolloutConfig:
     """Weight transport to the engines: in-memory tensors, a NCCL/gloo group, or files."""
     bucket_mb: int = 512
     """Size of a weight-sync bucket in MiB."""
+    verify_weights_every: int = 1
+    """Compare per-tensor checksums of sent and engine-held weights every N syncs (0 = never;
+    use 0 with real SGLang engines, which fuse q/k/v and gate/up internally)."""
     request_timeout_s: float = 600.0
     """HTTP timeout of one generate request."""
 

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     sync = make_weight_sync(policy.bridge, rollout.engine if rollout else [],
                             cfg.rollout.weight_sync, fp8=cfg.rollout.precision == "fp8",
                             bucket_mb=cfg.rollout.bucket_mb,
-                            disk_dir=f"{cfg.logging.dir}/weights", verify_every=0)
+                            disk_dir=f"{cfg.logging.dir}/weights",
+                            verify_every=cfg.rollout.verify_weights_every)
     start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
@@ -59,8 +60,12 @@ def _loop(cfg, policy, rollout, sync, log, start, stop) -> None:  # noqa: ANN001
         seqs, metrics = rollout.collect() if rollout else (None, None)
         seqs, metrics = broadcast((seqs, metrics))
         t1 = time.perf_counter()
+        if rollout and cfg.rollout.colocated:
+            rollout.engine.release_memory()  # the trainer gets the devices while it updates
         metrics |= policy.update(seqs)
         t2 = time.perf_counter()
+        if rollout and cfg.rollout.colocated:
+            rollout.engine.resume_memory()
         pushed = sync.push(policy.model)
         metrics |= {"weights/version": pushed.version, "weights/verified": float(pushed.verified),
                     "weights/gb_per_s": pushed.gb_per_s}
@@ -73,7 +78,9 @@ def _loop(cfg, policy, rollout, sync, log, start, stop) -> None:  # noqa: ANN001
             save_checkpoint(policy, rollout, step + 1)
         if broadcast(stop["now"]):
             print(f"[train] SIGTERM: checkpoint written at step {step + 1}", file=sys.stderr)
-            break
+            return
+    if cfg.checkpoint.export_hf_at_end:
+        policy.bridge.save_hf_pretrained(policy.model, f"{cfg.checkpoint.dir}/hf_final")
 
 
 def cli() -> None:
