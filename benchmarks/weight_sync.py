@@ -5,7 +5,8 @@ Qwen3-30B-A3B.
     python benchmarks/weight_sync.py --layout tp2 --hidden 768
 
 Measured on rank 0 (the sender) of a 2-rank job, on a Qwen3-MoE-shaped model built locally:
-  export      drain `bridge.export_hf_weights` (TP/EP gathers, PP broadcasts), keep nothing
+  export      drain `bridge.export_hf_weights` (TP/EP all-gathers, PP broadcasts), keep nothing
+  export->r0  the same with experts gathered to EP rank 0 only (what the sync uses)
   tensor      export + buckets -> engine (SGLang FlattenedTensorBucket + serializer, decoded by
               SGLang's allow-list unpickler in a fake engine), no checksums
   tensor+sum  the same with per-tensor sha256 checksums on both sides (integrity check)
@@ -58,6 +59,7 @@ def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: fl
         make_provider,
         quiet_megatron,
     )
+    from megatron_gspo.weights.stream import hf_tensors
     from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
     from tests.weights.fake_engine import FakeEngine
 
@@ -70,11 +72,13 @@ def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: fl
     # Warm-up pass (first-call costs of the bridge, allocator), then the measured export.
     for _ in bridge.export_hf_weights(model, cpu=True, show_progress=False):
         pass
-    t = time.perf_counter()
-    nbytes = 0
-    for _, tensor in bridge.export_hf_weights(model, cpu=True, show_progress=False):
-        nbytes += tensor.numel() * tensor.element_size()
-    rows["export"] = (time.perf_counter() - t, nbytes, 0)
+    for label, to_first in (("export", False), ("export->r0", True)):
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        nbytes = 0
+        for _, tensor in hf_tensors(bridge, model, cpu=True, experts_to_first=to_first):
+            nbytes += tensor.numel() * tensor.element_size()
+        rows[label] = (time.perf_counter() - t, nbytes, 0)
 
     cases = {
         "tensor": dict(transport="tensor", verify_every=0),
@@ -158,7 +162,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--bucket-mb", type=float, default=16.0)
+    ap.add_argument("--bucket-mb", type=float, default=16.0, help="small: the model is ~100 MB")
     ap.add_argument(
         "--link-gbps",
         type=float,
