@@ -221,10 +221,26 @@ class HFPolicy:
         with self.lock:
             sums = {
                 name: tensor_checksum(p)
-                for name, p in self.model.named_parameters()
+                for name, p in self.checkpoint_tensors()
                 if not any(s in name for s in (skip or ()))
             }
         return {"checksums": sums, "per_gpu_checksum": overall_checksum(sums)}
+
+    def checkpoint_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The model's tensors under checkpoint (per-expert) HF names, the names the trainer
+        sends: transformers' fused expert tensors are split back into per-expert views."""
+        for name, p in self.model.named_parameters():
+            prefix, _, leaf = name.rpartition(".")
+            if prefix.endswith(".experts") and leaf == "gate_up_proj":
+                half = p.shape[1] // 2
+                for e in range(p.shape[0]):
+                    yield f"{prefix}.{e}.gate_proj.weight", p[e, :half]
+                    yield f"{prefix}.{e}.up_proj.weight", p[e, half:]
+            elif prefix.endswith(".experts") and leaf == "down_proj":
+                for e in range(p.shape[0]):
+                    yield f"{prefix}.{e}.down_proj.weight", p[e]
+            else:
+                yield name, p
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """As SGLang: the tensor (HF checkpoint name) as fp32 nested lists, truncated on dim 0."""

@@ -120,9 +120,9 @@ class RolloutEngine(abc.ABC):
     ) -> Future[None]:
         """Announce a broadcast; the caller broadcasts on the group, then waits on the future.
 
-        With `flattened_bucket`, the caller broadcasts ONE uint8 buffer built by
-        `FlattenedTensorBucket(named_tensors)` (see `sglang_protocol.flatten_bucket`);
-        otherwise one broadcast per tensor, in `names` order.
+        With `flattened_bucket`, the caller broadcasts ONE uint8 buffer, the bytes of SGLang's
+        `FlattenedTensorBucket(named_tensors)` (`dist_group.flatten_for_broadcast` builds it
+        without SGLang); otherwise one broadcast per tensor, in `names` order.
         """
 
     @abc.abstractmethod

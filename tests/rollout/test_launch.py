@@ -65,55 +65,79 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_engine_killed_mid_batch_loses_and_duplicates_nothing(engine_a, ckpt_a, tmp_path):
+@pytest.fixture(scope="module")
+def subprocess_engine(ckpt_a, tmp_path_factory):
+    """One embedded engine in its own process, started by `ServerGroup` (killed by a test)."""
     cfg = LaunchConfig(
         model_path=ckpt_a,
         backend="embedded",
         base_port=free_port(),
         startup_timeout_s=240,
-        log_dir=str(tmp_path),
+        log_dir=str(tmp_path_factory.mktemp("engine_logs")),
     )
     group = ServerGroup(cfg)
     try:
         group.start()
-        victim = group.engines[0]
-        client = SGLangClient(
-            ClientConfig(
-                engine_urls=[cfg.engine_url(0), engine_a.url],
-                max_batch_per_request=2,
-                max_inflight_per_engine=2,
-                backoff_s=0.05,
-                engine_cooldown_s=60.0,
-            )
-        )
-        assert client.health() == {cfg.engine_url(0): True, engine_a.url: True}
-        sp = SamplingParams(max_new_tokens=24, ignore_eos=True, seed=5)
-        prompts = [[1, 10 + i] for i in range(12)]
-        out: dict = {}
-        served0 = engine_a.tm.num_requests_served
-        worker = threading.Thread(
-            target=lambda: out.update(res=client.generate(prompts, sp, n=2)), daemon=True
-        )
-        worker.start()
-        # Kill once the batch is under way (the survivor finished a request, so the victim,
-        # served least-loaded-first alongside it, has requests in flight).
-        deadline = time.monotonic() + 120
-        while engine_a.tm.num_requests_served == served0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        group.kill_engine(0)
-        worker.join(timeout=180)
-        assert not worker.is_alive()
-        res = out["res"]
-        keys = [s.key for s in res.samples]
-        assert keys == [(i, j) for i in range(12) for j in range(2)]  # none lost, none twice
-        assert res.stats.num_retries >= 1
-        assert all(len(s.response_ids) == 24 for s in res.samples)
-        # A retried sample is the same sample: seeds are per (prompt, sample), not per engine.
-        again = client.generate(prompts[:1], sp, n=2)
-        assert [s.response_ids for s in again.samples] == [s.response_ids for s in res.samples[:2]]
+        yield group
     finally:
         group.shutdown()
-    assert victim.poll() is not None and not _alive(victim.pid)
+    for p in group.engines:
+        assert p.poll() is not None and not _alive(p.pid), "orphan engine process"
+
+
+def test_tensor_push_crosses_processes(subprocess_engine, ckpt_a, weights_b):
+    """CPU tensors reach an engine in another process (shared memory, `file_system`)."""
+    from megatron_gspo.rollout.sglang_protocol import tensor_checksum
+
+    client = SGLangClient(ClientConfig(engine_urls=subprocess_engine.cfg.engine_urls))
+    with client.weight_update_session(weight_version="xproc-1"):
+        client.update_weights_from_tensor(sorted(weights_b.items()))
+    (info,) = client.weights_checksum().values()
+    sums = info["ranks"][0]["checksums"]
+    assert sums["lm_head.weight"] == tensor_checksum(weights_b["lm_head.weight"])
+    assert set(client.weight_version().values()) == {"xproc-1"}
+    client.update_weights_from_disk(ckpt_a, weight_version="default")
+
+
+def test_engine_killed_mid_batch_loses_and_duplicates_nothing(subprocess_engine, engine_a):
+    group, cfg = subprocess_engine, subprocess_engine.cfg
+    victim = group.engines[0]
+    client = SGLangClient(
+        ClientConfig(
+            engine_urls=[cfg.engine_url(0), engine_a.url],
+            max_batch_per_request=2,
+            max_inflight_per_engine=2,
+            backoff_s=0.05,
+            engine_cooldown_s=60.0,
+        )
+    )
+    assert client.health() == {cfg.engine_url(0): True, engine_a.url: True}
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True, seed=5)
+    prompts = [[1, 10 + i] for i in range(12)]
+    out: dict = {}
+    served0 = engine_a.tm.num_requests_served
+    worker = threading.Thread(
+        target=lambda: out.update(res=client.generate(prompts, sp, n=2)), daemon=True
+    )
+    worker.start()
+    # Kill once the batch is under way (the survivor finished a request, so the victim,
+    # served alongside it, has requests in flight).
+    deadline = time.monotonic() + 120
+    while engine_a.tm.num_requests_served == served0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    group.kill_engine(0)
+    worker.join(timeout=180)
+    assert not worker.is_alive()
+    res = out["res"]
+    keys = [s.key for s in res.samples]
+    assert keys == [(i, j) for i in range(12) for j in range(2)]  # none lost, none twice
+    assert res.stats.num_retries >= 1
+    assert all(len(s.response_ids) == 24 for s in res.samples)
+    # A retried sample is the same sample: seeds are per (prompt, sample), not per engine.
+    again = client.generate(prompts[:1], sp, n=2)
+    assert [s.response_ids for s in again.samples] == [s.response_ids for s in res.samples[:2]]
+    victim.wait(timeout=10)
+    assert not _alive(victim.pid)
 
 
 @pytest.mark.parametrize("bad", [dict(backend="vllm"), dict(num_engines=0)])
