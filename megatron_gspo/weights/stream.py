@@ -70,6 +70,8 @@ class StreamStats:
     fp8_tensors: int = 0
     fp8_worst_error_ratio: float = 0.0
     """max over blocks of |deq - x| / e4m3 bound (<= 1 by construction; checked if asked)."""
+    error: str | None = None
+    """Why the sender stopped converting (e.g. an FP8 bound violation naming the tensor)."""
 
 
 def is_sender(sender_rank: int = 0) -> bool:
@@ -189,9 +191,17 @@ def iter_buckets(
         if not keep:
             continue
         stats.bytes_exported += tensor.numel() * tensor.element_size()
-        for sent_name, sent in convert_for_send(
-            name, tensor, dtype=dtype, use_fp8=use_fp8, fp8_check=fp8_check, stats=stats
-        ):
+        try:
+            converted = convert_for_send(
+                name, tensor, dtype=dtype, use_fp8=use_fp8, fp8_check=fp8_check, stats=stats
+            )
+        except Exception as e:  # noqa: BLE001 - recorded; the caller fails the step
+            # Stop keeping but keep draining: the other ranks are inside the same collectives.
+            stats.error = f"{type(e).__name__}: {e}"
+            keep = False
+            bucket = Bucket()
+            continue
+        for sent_name, sent in converted:
             size = sent.numel() * sent.element_size()
             # SGLang's receiving `FlattenedTensorBucket.empty` rejects a tensor whose byte
             # offset is not a multiple of its itemsize (an odd-sized fp8 weight before an fp32

@@ -251,6 +251,8 @@ class WeightSync:
                 self.transport.send(bucket, version=version, last=last)
             except BaseException as e:  # noqa: BLE001
                 error = e
+        if error is None and report.stats.error is not None:
+            error = WeightSyncError(f"export stopped: {report.stats.error}")
         if self.sender and error is None:
             try:
                 self.transport.finish(version)
@@ -271,13 +273,14 @@ class WeightSync:
         for engine in self.engines:
             for engine_id, info in engine.weights_checksum().items():
                 held = engine_tensor_checksums(info, engine_id)
+                expected = sent
                 if self.config.verify_names == "common":
-                    sent = {n: c for n, c in sent.items() if n in held}
-                    if not sent:
+                    expected = {n: c for n, c in sent.items() if n in held}
+                    if not expected:
                         raise WeightIntegrityError(
                             f"engine {engine_id} reports no checksum under any sent HF name"
                         )
-                compare_checksums(sent, held, engine_id)
+                compare_checksums(expected, held, engine_id)
 
     def _check_version(self, version: str) -> None:
         for engine in self.engines:

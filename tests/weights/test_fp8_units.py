@@ -105,3 +105,24 @@ def test_checksum_mismatch_names_the_tensor() -> None:
         compare_checksums(sent, held, "e0")
     with pytest.raises(WeightIntegrityError, match="'a' was sent but is missing"):
         compare_checksums(sent, {"b": sent["b"]}, "e0")
+
+
+def test_conversion_error_drains_the_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed FP8 conversion on the sender must not stop the iteration (the other ranks are
+    in the same gathers): the stream is drained and the error recorded with the tensor."""
+
+    def bad(name: str, *args, **kwargs) -> float:
+        raise ValueError(f"{name}: FP8 dequantisation error 2.000x the e4m3 bound in block (0, 0)")
+
+    monkeypatch.setattr(fp8, "check_dequantised", bad)
+    consumed = []
+
+    def source():
+        for i in range(4):
+            consumed.append(i)
+            yield f"model.layers.{i}.self_attn.q_proj.weight", torch.randn(8, 8)
+
+    stats = StreamStats()
+    list(iter_buckets(source(), use_fp8=True, fp8_check=True, stats=stats))
+    assert consumed == [0, 1, 2, 3] and stats.tensors_seen == 4
+    assert stats.error is not None and "model.layers.0.self_attn.q_proj.weight" in stats.error
