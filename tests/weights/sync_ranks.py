@@ -186,6 +186,33 @@ def _embedded(rank: int, bridge: Any, hf_dir: str, tmp: str) -> dict[str, Any]:
     return out
 
 
+def _vpp_distopt(rank: int, tmp: str) -> dict[str, Any]:
+    """PP2 x VPP2 (4 layers, two model chunks per rank) wrapped in megatron-core DDP with the
+    distributed optimizer's buffers: the engine must still receive the export bitwise."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    hf4 = Path(tmp) / "hf4"
+    if rank == 0:
+        from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
+
+        save_tiny_hf_checkpoint(hf4, seed=5, num_hidden_layers=4)
+    torch.distributed.barrier()
+    bridge = load_bridge(hf4)
+    layout = Layout(pp=2, vpp=2)
+    init_megatron(layout)
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    model = build_model(make_provider(bridge, layout), ddp_config=ddp, load_from=bridge)
+    ref = export_hf_state(bridge, model)
+    engine = FakeEngine("vpp") if rank == 0 else None
+    sync = WeightSync(bridge, [engine] if engine else [], WeightSyncConfig(bucket_mb=BUCKET_MB))
+    info = _push(sync, model, engine)
+    sync.close()
+    info["chunks"] = len(model)
+    if rank == 0:
+        info["diff"] = _diff(ref, engine.state)
+    return info
+
+
 def main(rank: int, world: int, hf_dir: str, tmp: str, layouts: dict[str, dict]) -> dict:
     quiet_megatron()
     bridge = load_bridge(hf_dir)
@@ -214,4 +241,5 @@ def main(rank: int, world: int, hf_dir: str, tmp: str, layouts: dict[str, dict])
     for s, _ in syncs.values():
         s.close()
     out["embedded"] = _embedded(rank, bridge, hf_dir, tmp)
+    out["vpp_distopt"] = _vpp_distopt(rank, tmp)
     return out

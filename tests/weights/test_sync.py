@@ -94,3 +94,10 @@ def test_embedded_engine_serves_the_pushed_weights(results: list[dict], transpor
     assert info["equal_after"], info["max_diff"]  # logits bitwise equal to HF on the source
     assert set(info["version"].values()) == {"1"}
     assert info["verified"]
+
+
+def test_vpp_and_distributed_optimizer(results: list[dict]) -> None:
+    info = results[0]["vpp_distopt"]
+    assert info["chunks"] == 2  # two virtual pipeline chunks per rank
+    assert info["diff"] == {"missing": [], "extra": [], "unequal": []}, info["diff"]
+    assert info["tensors"] == 4 * 21 + 3 and info["verified"]
