@@ -32,24 +32,29 @@ def main(argv: list[str] | None = None) -> None:
     cfg, _ = parse_cli(argv)
     init_distributed()
     policy = Policy.build(cfg)
-    rollout = make_rollout(cfg) if rank() == 0 else None
-    sync = make_weight_sync(policy.bridge, rollout.engine if rollout else [],
-                            cfg.rollout.weight_sync, fp8=cfg.rollout.precision == "fp8",
-                            bucket_mb=cfg.rollout.bucket_mb,
-                            disk_dir=f"{cfg.logging.dir}/weights",
-                            verify_every=cfg.rollout.verify_weights_every)
-    start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
-    log = MetricsLogger.from_config(cfg.logging, total_steps=cfg.train.steps, config=cfg,
-                                    rank=rank(), start_step=start)
-    try:
+    rollout = sync = log = None
+    try:  # whatever fails, engines and reward workers are shut down
+        rollout = make_rollout(cfg) if rank() == 0 else None
+        sync = make_weight_sync(
+            policy.bridge,
+            rollout.engine if rollout else [],
+            cfg.rollout.weight_sync,
+            fp8=cfg.rollout.precision == "fp8",
+            bucket_mb=cfg.rollout.bucket_mb,
+            disk_dir=f"{cfg.logging.dir}/weights",
+            verify_every=cfg.rollout.verify_weights_every,
+        )
+        start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
+        stop = {"now": False}
+        signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+        log = MetricsLogger.from_config(
+            cfg.logging, total_steps=cfg.train.steps, config=cfg, rank=rank(), start_step=start
+        )
         _loop(cfg, policy, rollout, sync, log, start, stop)
     finally:
-        log.close()
-        if rollout:
-            rollout.close()
-        sync.close()
+        for part in (log, rollout, sync):
+            if part is not None:
+                part.close()
     torch.distributed.destroy_process_group()
 
 
@@ -67,11 +72,17 @@ def _loop(cfg, policy, rollout, sync, log, start, stop) -> None:  # noqa: ANN001
         if rollout and cfg.rollout.colocated:
             rollout.engine.resume_memory()
         pushed = sync.push(policy.model)
-        metrics |= {"weights/version": pushed.version, "weights/verified": float(pushed.verified),
-                    "weights/gb_per_s": pushed.gb_per_s}
-        metrics |= {"time/train_s": t2 - t1, "time/sync_s": time.perf_counter() - t2,
-                    "time/step_s": time.perf_counter() - t0,
-                    "perf/tokens_per_s": sum(s.length for s in seqs) / (t2 - t1)}
+        metrics |= {
+            "weights/version": pushed.version,
+            "weights/verified": float(pushed.verified),
+            "weights/gb_per_s": pushed.gb_per_s,
+        }
+        metrics |= {
+            "time/train_s": t2 - t1,
+            "time/sync_s": time.perf_counter() - t2,
+            "time/step_s": time.perf_counter() - t0,
+            "perf/tokens_per_s": sum(s.length for s in seqs) / (t2 - t1),
+        }
         log.log(step + 1, finite_metrics(metrics))
         every = cfg.checkpoint.save_every
         if stop["now"] or (every and (step + 1) % every == 0) or step + 1 == cfg.train.steps:

@@ -55,8 +55,12 @@ def init_distributed() -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" not in os.environ:  # plain `python -m megatron_gspo.train`: one rank
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", "29511"),
+        )
     torch.distributed.init_process_group(backend)
 
 
@@ -75,30 +79,56 @@ class Policy:
     def build(cls, cfg: Config) -> Policy:
         quiet_megatron()
         p = cfg.parallel
-        layout = Layout(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp,
-                        sequence_parallel=p.sequence_parallel)
+        layout = Layout(
+            tp=p.tp,
+            pp=p.pp,
+            vpp=p.vpp,
+            cp=p.cp,
+            ep=p.ep,
+            etp=p.etp,
+            sequence_parallel=p.sequence_parallel,
+        )
         init_megatron(layout, seed=cfg.train.seed)
         bridge = load_bridge(cfg.model.hf_path)
         hf = bridge.hf_pretrained.config
-        p.validate_world(torch.distributed.get_world_size(), num_layers=hf.num_hidden_layers,
-                         num_heads=hf.num_attention_heads,
-                         num_kv_heads=getattr(hf, "num_key_value_heads", None),
-                         num_experts=getattr(hf, "num_experts", None))
+        p.validate_world(
+            torch.distributed.get_world_size(),
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None),
+            num_experts=getattr(hf, "num_experts", None),
+        )
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-            cfg.model.dtype]
-        provider = make_provider(bridge, layout, dtype=dtype,
-                                 moe_aux_loss_coeff=cfg.model.moe_aux_loss_coef)
+            cfg.model.dtype
+        ]
+        provider = make_provider(
+            bridge, layout, dtype=dtype, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coef
+        )
         o = cfg.optim
-        model = build_model(provider, ddp_config=ddp_config(o.use_distributed_optimizer),
-                            load_from=bridge if cfg.model.load_weights else None)
+        model = build_model(
+            provider,
+            ddp_config=ddp_config(o.use_distributed_optimizer),
+            load_from=bridge if cfg.model.load_weights else None,
+        )
         optimizer = build_optimizer(
-            model, lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-            use_distributed_optimizer=o.use_distributed_optimizer)
+            model,
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            use_distributed_optimizer=o.use_distributed_optimizer,
+        )
         g = cfg.gspo
-        loss = PolicyLossConfig(kind=g.algorithm, eps_low=g.eps_low, eps_high=g.eps_high,
-                                log_ratio_clamp=g.log_ratio_clamp, tis_mode=g.mismatch_correction,
-                                tis_cap=g.mismatch_cap)
+        loss = PolicyLossConfig(
+            kind=g.algorithm,
+            eps_low=g.eps_low,
+            eps_high=g.eps_high,
+            log_ratio_clamp=g.log_ratio_clamp,
+            tis_mode=g.mismatch_correction,
+            tis_cap=g.mismatch_cap,
+        )
         return cls(cfg, bridge, model, optimizer, layout, loss)
 
     def plan(self, seqs: Sequence[TrainSequence]) -> list:
@@ -106,10 +136,14 @@ class Policy:
 
         cp = ps.get_context_parallel_world_size()
         return plan_micro_batches(
-            seqs, dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+            seqs,
+            dp_size=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
             max_tokens=self.cfg.train.micro_batch_tokens,
-            multiple=pad_multiple(self.layout.tp, cp, self.layout.sp), cp_size=cp,
-            cp_rank=ps.get_context_parallel_rank())
+            multiple=pad_multiple(self.layout.tp, cp, self.layout.sp),
+            cp_size=cp,
+            cp_rank=ps.get_context_parallel_rank(),
+        )
 
     def update(self, seqs: list[TrainSequence]) -> dict[str, float]:
         """Recompute pi_old if asked, then one optimizer step per mini-batch (paper: 4)."""
@@ -124,8 +158,9 @@ class Policy:
         for i in range(n):
             mini = seqs[i::n]
             if mini:
-                per_mb.append(mstep.train_step(self.model, self.optimizer, self.plan(mini),
-                                               step_cfg))
+                per_mb.append(
+                    mstep.train_step(self.model, self.optimizer, self.plan(mini), step_cfg)
+                )
         out = {k: sum(m[k] for m in per_mb) / len(per_mb) for k in per_mb[0]}
         # On the first mini-batch the trainer has not moved yet: all of the ratio is mismatch.
         for k in ("mismatch/abs_logp_diff", "policy/clip_frac", "policy/seq_log_ratio_abs"):
@@ -149,11 +184,14 @@ class Rollout:
 
     def sampling(self) -> SamplingParams:
         r = self.cfg.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                              top_p=r.top_p, top_k=r.top_k,
-                              stop_token_ids=tuple(t for t in [self.tokenizer.eos_token_id]
-                                                   if t is not None),
-                              seed=self.cfg.train.seed * 7919 + self.next_seq_id)
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=tuple(t for t in [self.tokenizer.eos_token_id] if t is not None),
+            seed=self.cfg.train.seed * 7919 + self.next_seq_id,
+        )
 
     def collect(self) -> tuple[list[TrainSequence], dict[str, float]]:
         t0 = time.perf_counter()
@@ -164,31 +202,44 @@ class Rollout:
         t_gen = time.perf_counter() - t0
         samples = result.samples
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-        scored = self.rewards.score([records[s.prompt_index].prompt for s in samples], texts,
-                                    [records[s.prompt_index].answer for s in samples])
+        scored = self.rewards.score(
+            [records[s.prompt_index].prompt for s in samples],
+            texts,
+            [records[s.prompt_index].answer for s in samples],
+        )
         rewards = torch.tensor(scored.rewards, dtype=torch.float64)
         groups = torch.tensor([s.prompt_index for s in samples])
-        adv = group_advantages(rewards, groups, eps=self.cfg.gspo.adv_eps,
-                               normalize_std=self.cfg.gspo.normalize_std)
+        adv = group_advantages(
+            rewards, groups, eps=self.cfg.gspo.adv_eps, normalize_std=self.cfg.gspo.normalize_std
+        )
         seqs = []
         for s, a in zip(samples, adv.tolist(), strict=True):
             mask = [int(m) for m in s.logprob_mask]
             old = [lp if m else 0.0 for lp, m in zip(s.logprobs, mask, strict=True)]
-            seqs.append(TrainSequence(seq_id=self.next_seq_id, prompt_ids=s.prompt_ids,
-                                      response_ids=s.response_ids, old_logp=old, advantage=a,
-                                      loss_mask=mask))
+            seqs.append(
+                TrainSequence(
+                    seq_id=self.next_seq_id,
+                    prompt_ids=s.prompt_ids,
+                    response_ids=s.response_ids,
+                    old_logp=old,
+                    advantage=a,
+                    loss_mask=mask,
+                )
+            )
             self.next_seq_id += 1
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-        zero_var = [float(rewards[groups == i].std(unbiased=False) == 0)
-                    for i in groups.unique()]
+        zero_var = [float(rewards[groups == i].std(unbiased=False) == 0) for i in groups.unique()]
         metrics = {
-            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
             "reward/zero_variance_groups": sum(zero_var) / len(zero_var),
             "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(),
             "response/truncated_frac": sum(s.truncated for s in samples) / len(samples),
-            "time/rollout_s": t_gen, "time/reward_s": time.perf_counter() - t0 - t_gen,
-            **scored.metrics(), **result.stats.as_metrics(),
+            "time/rollout_s": t_gen,
+            "time/reward_s": time.perf_counter() - t0 - t_gen,
+            **scored.metrics(),
+            **result.stats.as_metrics(),
         }
         return seqs, metrics
 
@@ -215,39 +266,81 @@ def make_rollout(cfg: Config) -> Rollout:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        servers = launch(LaunchConfig(model_path=cfg.model.hf_path, backend="embedded",
-                                      num_engines=r.num_embedded_engines, base_port=port,
-                                      log_dir=str(Path(cfg.logging.dir) / "engines")))
+        servers = launch(
+            LaunchConfig(
+                model_path=cfg.model.hf_path,
+                backend="embedded",
+                num_engines=r.num_embedded_engines,
+                base_port=port,
+                log_dir=str(Path(cfg.logging.dir) / "engines"),
+            )
+        )
         urls = servers.cfg.engine_urls
     else:
         urls = list(r.engines)
-    engine = SGLangClient(ClientConfig(engine_urls=urls, router_url=r.router_url,
-                                       request_timeout_s=r.request_timeout_s))
+    engine = SGLangClient(
+        ClientConfig(
+            engine_urls=urls, router_url=r.router_url, request_timeout_s=r.request_timeout_s
+        )
+    )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
     dataset = PromptDataset.from_config(cfg.data, tokenizer)
-    loader = PromptLoader(dataset, cfg.gspo.prompts_per_rollout, seed=cfg.data.seed,
-                          shuffle=cfg.data.shuffle)
-    return Rollout(cfg, engine, tokenizer, loader, build_reward_pool(cfg.reward),
-                   servers=servers)
+    loader = PromptLoader(
+        dataset, cfg.gspo.prompts_per_rollout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
+    )
+    return Rollout(cfg, engine, tokenizer, loader, build_reward_pool(cfg.reward), servers=servers)
 
 
 # ---------------------------------------------------------------------------------------------
 # checkpoints
 # ---------------------------------------------------------------------------------------------
-# The distributed optimizer's default (model-space, flattened ranges) is refused by the
-# torch_dist writer in megatron-core 0.19; "fully_reshardable" gathers per-parameter state.
-_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# megatron-core 0.19 without Apex/TE: the default "fully_sharded_model_space" is refused by the
+# torch_dist writer (flattened ranges) and "fully_reshardable" fails to load torch Adam's `step`.
+# "dp_reshardable" works (resume at the same TP/PP/EP layout; any DP size).
+_CKPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model chunk inside megatron-core's DDP wrapper (checkpoint keys without `module.`)."""
+    return getattr(chunk, "module", chunk)
 
 
 def _sharded_state(policy: Policy, is_loading: bool = False) -> dict[str, Any]:
-    model_sd = {f"model{i}": m.sharded_state_dict(metadata=_CKPT_METADATA)
-                for i, m in enumerate(policy.model)}
+    model_sd = {
+        f"model{i}": _unwrap(m).sharded_state_dict(metadata=_CKPT_METADATA)
+        for i, m in enumerate(policy.model)
+    }
     flat = {}
     for sd in model_sd.values():
         flat.update(sd)
-    optim = policy.optimizer.sharded_state_dict(flat, is_loading=is_loading,
-                                                metadata=_CKPT_METADATA)
+    optim = policy.optimizer.sharded_state_dict(
+        flat, is_loading=is_loading, metadata=_CKPT_METADATA
+    )
     return {**model_sd, "optimizer": optim}
+
+
+def _inner_optimizers(policy: Policy) -> list[Any]:
+    return [
+        o.optimizer for o in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
+    ]
+
+
+def _adam_steps(policy: Policy) -> list[float | None]:
+    """torch Adam's per-parameter `step` of each optimizer (one value: they step together)."""
+    out: list[float | None] = []
+    for opt in _inner_optimizers(policy):
+        steps = {float(s["step"]) for s in opt.state.values() if "step" in s}
+        out.append(steps.pop() if len(steps) == 1 else None)
+    return out
+
+
+def _restore_adam_steps(policy: Policy, steps: list[float | None]) -> None:
+    # megatron-core 0.19's dp_reshardable load skips torch Adam's `step` (it expects Apex/TE
+    # optimizers that keep it per group), which would reset Adam's bias correction.
+    for opt, step in zip(_inner_optimizers(policy), steps, strict=True):
+        for s in opt.state.values():
+            if step is not None and "step" in s:
+                s["step"].fill_(step) if torch.is_tensor(s["step"]) else s.__setitem__("step", step)
 
 
 def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
@@ -262,11 +355,18 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
         tmp.mkdir(parents=True)
     torch.distributed.barrier()
     dist_checkpointing.save(_sharded_state(policy), str(tmp))
-    state = {"step": step, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
+    state = {
+        "step": step,
+        "torch_rng": torch.get_rng_state(),
+        "py_rng": random.getstate(),
+        "adam_steps": _adam_steps(policy),
+    }
     torch.save(state, tmp / f"trainer_rank{rank()}.pt")
     if rollout is not None:
-        torch.save({"loader": rollout.loader.state_dict(), "next_seq_id": rollout.next_seq_id},
-                   tmp / "rollout.pt")
+        torch.save(
+            {"loader": rollout.loader.state_dict(), "next_seq_id": rollout.next_seq_id},
+            tmp / "rollout.pt",
+        )
     torch.distributed.barrier()
     if rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -288,11 +388,23 @@ def load_checkpoint(policy: Policy, rollout: Rollout | None) -> int:
     if not latest.exists():
         return 0
     path = latest.parent / latest.read_text().strip()
+    # A fresh optimizer has no state to load into: give it placeholder state first, as
+    # megatron-core itself does before loading (zero-grad step; overwritten by the load).
+    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
+        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+        if init is not None:
+            init()
     loaded = dist_checkpointing.load(_sharded_state(policy, is_loading=True), str(path))
     for i, m in enumerate(policy.model):
-        m.load_state_dict(loaded[f"model{i}"])
-    policy.optimizer.load_state_dict(loaded["optimizer"])
+        _unwrap(m).load_state_dict(loaded[f"model{i}"])
+    with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
+        policy.optimizer.load_state_dict(loaded["optimizer"])
+    # Re-link the optimizer's main params with the (restored) model params, as megatron-core's
+    # own training loop does after a load; without it the distributed optimizer keeps updating
+    # stale copies.
+    policy.optimizer.reload_model_params()
     state = torch.load(path / f"trainer_rank{rank()}.pt", weights_only=False)
+    _restore_adam_steps(policy, state["adam_steps"])
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["py_rng"])
     if rollout is not None:

@@ -31,8 +31,14 @@ def main(argv: list[str] | None = None) -> Path:
         return out
     save_tiny_hf_checkpoint(model_dir, seed=args.seed, perturb_norms=False)
     save_toy_tokenizer(model_dir)
-    write_toy_dataset(data, args.n, seed=args.seed, ops=tuple(args.ops.split(",")),
-                      min_len=args.min_len, max_len=args.max_len)
+    write_toy_dataset(
+        data,
+        args.n,
+        seed=args.seed,
+        ops=tuple(args.ops.split(",")),
+        min_len=args.min_len,
+        max_len=args.max_len,
+    )
     (out / "README.json").write_text(json.dumps(vars(args), indent=1))
     print(f"[make_tiny_toy] wrote {model_dir} and {data}")
     return out

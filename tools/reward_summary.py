@@ -29,8 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     first, last, n = summary(a.metrics, a.window, a.key)
     rose = last > first + a.margin
-    print(f"{a.key}: first {a.window} steps {first:.4f}, last {a.window} steps {last:.4f} "
-          f"({n} steps): {'ROSE' if rose else 'did NOT rise'} by margin {a.margin}")
+    print(
+        f"{a.key}: first {a.window} steps {first:.4f}, last {a.window} steps {last:.4f} "
+        f"({n} steps): {'ROSE' if rose else 'did NOT rise'} by margin {a.margin}"
+    )
     return 0 if rose else 1
 
 

@@ -42,9 +42,7 @@ def zigzag_indices(length: int, cp_size: int, cp_rank: int) -> Tensor:
     return torch.cat([first, second])
 
 
-def shard_token_layout(
-    seq_lengths: list[int], cp_size: int, cp_rank: int
-) -> tuple[Tensor, Tensor]:
+def shard_token_layout(seq_lengths: list[int], cp_size: int, cp_rank: int) -> tuple[Tensor, Tensor]:
     """(sequence id, position) of every token of a packed shard, in shard order. [t], [t]."""
     seq_ids, positions = [], []
     for i, length in enumerate(seq_lengths):
@@ -70,7 +68,9 @@ class CPUCoreAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
-            raise NotImplementedError(f"CPUCoreAttention supports causal masks, got {attn_mask_type}")
+            raise NotImplementedError(
+                f"CPUCoreAttention supports causal masks, got {attn_mask_type}"
+            )
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.tp_size = pg_collection.tp.size()

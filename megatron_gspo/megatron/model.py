@@ -42,8 +42,11 @@ class Layout:
         return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
 
     def name(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
-                                        ("ep", self.ep)) if v > 1]
+        parts = [
+            f"{k}{v}"
+            for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))
+            if v > 1
+        ]
         if self.vpp:
             parts.append(f"vpp{self.vpp}")
         if self.etp is not None:
@@ -220,10 +223,16 @@ def build_optimizer(
     dtype = next(model[0].parameters()).dtype
     return get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
-            adam_beta2=adam_beta2, adam_eps=adam_eps, clip_grad=clip_grad,
+            optimizer="adam",
+            lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=adam_beta1,
+            adam_beta2=adam_beta2,
+            adam_eps=adam_eps,
+            clip_grad=clip_grad,
             use_distributed_optimizer=use_distributed_optimizer,
-            bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
         ),
         model,
     )
@@ -233,6 +242,7 @@ def ddp_config(use_distributed_optimizer: bool = False) -> Any:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
     )

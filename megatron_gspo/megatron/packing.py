@@ -47,8 +47,9 @@ class TrainSequence:
         for name in ("old_logp", "loss_mask", "rollout_logp"):
             v = getattr(self, name)
             if v is not None and len(v) != r:
-                raise ValueError(f"sequence {self.seq_id}: {name} has {len(v)} entries for {r} "
-                                 "response tokens")
+                raise ValueError(
+                    f"sequence {self.seq_id}: {name} has {len(v)} entries for {r} response tokens"
+                )
         if not isinstance(self.advantage, float | int) and len(self.advantage) != r:
             raise ValueError(f"sequence {self.seq_id}: per-token advantage length mismatch")
 
@@ -88,9 +89,14 @@ class PackedMicroBatch:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         return PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-            cu_seqlens_q_padded=self.cu_seqlens, cu_seqlens_kv_padded=self.cu_seqlens,
-            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen, cp_group=cp_group,
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=self.cu_seqlens,
+            cu_seqlens_kv_padded=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+            cp_group=cp_group,
         )
 
 
@@ -107,11 +113,15 @@ def pack(
 ) -> PackedMicroBatch:
     """Pack `seqs` into one THD micro-batch and keep this CP rank's zig-zag shard."""
     if not seqs:  # a padding micro-batch: one fully masked sequence, contributes nothing
-        seqs = [TrainSequence(seq_id=-1, prompt_ids=[PAD_ID], response_ids=[], old_logp=[],
-                              advantage=0.0)]
+        seqs = [
+            TrainSequence(
+                seq_id=-1, prompt_ids=[PAD_ID], response_ids=[], old_logp=[], advantage=0.0
+            )
+        ]
     per_token_adv = not isinstance(seqs[0].advantage, float | int)
-    cols: dict[str, list[Tensor]] = {k: [] for k in (
-        "ids", "pos", "labels", "old", "roll", "mask", "sidx", "tpos", "adv")}
+    cols: dict[str, list[Tensor]] = {
+        k: [] for k in ("ids", "pos", "labels", "old", "roll", "mask", "sidx", "tpos", "adv")
+    }
     lengths = []
     for i, s in enumerate(seqs):
         p, r = len(s.prompt_ids), len(s.response_ids)
@@ -127,8 +137,9 @@ def pack(
         old[span] = torch.tensor(list(s.old_logp), dtype=torch.float32)
         if s.rollout_logp is not None:
             roll[span] = torch.tensor(list(s.rollout_logp), dtype=torch.float32)
-        mask[span] = torch.tensor(list(s.loss_mask), dtype=torch.float32) if s.loss_mask \
-            is not None else 1.0
+        mask[span] = (
+            torch.tensor(list(s.loss_mask), dtype=torch.float32) if s.loss_mask is not None else 1.0
+        )
         tpos[span] = torch.arange(r)
         if per_token_adv:
             adv[span] = torch.tensor(list(s.advantage), dtype=torch.float32)
@@ -144,8 +155,11 @@ def pack(
         cols["adv"].append(adv[keep])
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    advantages = torch.cat(cols["adv"]) if per_token_adv else torch.tensor(
-        [float(s.advantage) for s in seqs], dtype=torch.float32)
+    advantages = (
+        torch.cat(cols["adv"])
+        if per_token_adv
+        else torch.tensor([float(s.advantage) for s in seqs], dtype=torch.float32)
+    )
     return PackedMicroBatch(
         input_ids=torch.cat(cols["ids"])[None],
         position_ids=torch.cat(cols["pos"])[None],
@@ -206,8 +220,9 @@ def plan_micro_batches(
     Every data-parallel rank gets the same NUMBER of micro-batches (expert-parallel all-to-alls
     and pipeline schedules need it): short ranks get fully masked padding micro-batches.
     """
-    per_rank = [group_by_budget(part, max_tokens, multiple) for part in
-                split_by_tokens(seqs, dp_size)]
+    per_rank = [
+        group_by_budget(part, max_tokens, multiple) for part in split_by_tokens(seqs, dp_size)
+    ]
     n = max(1, max(len(g) for g in per_rank))
     mine = per_rank[dp_rank] + [[]] * (n - len(per_rank[dp_rank]))
     return [pack(g, multiple=multiple, cp_size=cp_size, cp_rank=cp_rank) for g in mine]

@@ -55,9 +55,11 @@ def _groups() -> dict[str, Any]:
     tp = ps.get_tensor_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
     return dict(
-        tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp=tp,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
         tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
-        cp=cp, cp_group=ps.get_context_parallel_group() if cp > 1 else None,
+        cp=cp,
+        cp_group=ps.get_context_parallel_group() if cp > 1 else None,
         cp_rank=ps.get_context_parallel_rank(),
     )
 
@@ -66,8 +68,13 @@ def _logprobs(logits: Tensor, mb: PackedMicroBatch, cfg: StepConfig) -> tuple[Te
     g = _groups()
     logits = logits.reshape(-1, logits.size(-1))  # [1, T, Vp] -> [T, Vp]
     logp, entropy = vocab_parallel_logprobs(
-        logits, mb.labels, group=g["tp_group"], vocab_start=g["tp_rank"] * logits.size(-1),
-        temperature=cfg.temperature, chunk_size=cfg.logprob_chunk, with_entropy=True,
+        logits,
+        mb.labels,
+        group=g["tp_group"],
+        vocab_start=g["tp_rank"] * logits.size(-1),
+        temperature=cfg.temperature,
+        chunk_size=cfg.logprob_chunk,
+        with_entropy=True,
     )
     return logp, entropy
 
@@ -76,8 +83,13 @@ def _policy_loss(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> tuple
     logp, entropy = _logprobs(logits, mb, cfg)
     g = _groups()
     batch = PolicyLossInputs(
-        logp=logp, old_logp=mb.old_logp, advantages=mb.advantages, seq_index=mb.seq_index,
-        mask=mb.mask, num_seqs=mb.num_seqs, rollout_logp=mb.rollout_logp,
+        logp=logp,
+        old_logp=mb.old_logp,
+        advantages=mb.advantages,
+        seq_index=mb.seq_index,
+        mask=mb.mask,
+        num_seqs=mb.num_seqs,
+        rollout_logp=mb.rollout_logp,
         entropy=entropy.detach(),
     )
     seq_sum = cp_seq_sum(g["cp_group"]) if g["cp"] > 1 else identity_seq_sum
@@ -85,14 +97,18 @@ def _policy_loss(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> tuple
     loss, metrics = policy_loss(batch, cfg.loss, denominator=1.0, seq_sum=seq_sum)
     real = sum(1 for i in mb.seq_ids if i >= 0)
     num_seqs = torch.tensor(real if g["cp_rank"] == 0 else 0, dtype=torch.int)
-    return loss, num_seqs, {"metrics": metrics, "loss": loss.detach().clone(),
-                            "num_seqs": num_seqs.clone()}
+    return (
+        loss,
+        num_seqs,
+        {"metrics": metrics, "loss": loss.detach().clone(), "num_seqs": num_seqs.clone()},
+    )
 
 
 def _forward(model: torch.nn.Module, mb: PackedMicroBatch) -> Tensor:
     g = _groups()
-    return model(mb.input_ids, mb.position_ids, None,
-                 packed_seq_params=mb.packed_seq_params(g["cp_group"]))
+    return model(
+        mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(g["cp_group"])
+    )
 
 
 def policy_forward_step(
@@ -134,8 +150,10 @@ def reduce_metrics(outputs: list[dict[str, Any]]) -> dict[str, float]:
     if ps.get_tensor_model_parallel_rank() != 0:
         full.zero_()
     torch.distributed.all_reduce(full)
-    out = {k: (full[i, 0] / full[i, 1]).item() if full[i, 1] > 0 else float("nan")
-           for i, k in enumerate(union)}
+    out = {
+        k: (full[i, 0] / full[i, 1]).item() if full[i, 1] > 0 else float("nan")
+        for i, k in enumerate(union)
+    }
     out["loss"] = (full[-1, 0] / full[-1, 1].clamp(min=1)).item()  # mean over sequences
     return out
 
@@ -155,10 +173,12 @@ def train_step(
     optimizer.zero_grad()
     outputs = get_forward_backward_func()(
         forward_step_func=partial(policy_forward_step, cfg=cfg),
-        data_iterator=_iterators(model, micro_batches), model=model,
-        num_microbatches=len(micro_batches), seq_length=max(m.input_ids.size(1) for m in
-                                                             micro_batches),
-        micro_batch_size=1, forward_only=False,
+        data_iterator=_iterators(model, micro_batches),
+        model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=max(m.input_ids.size(1) for m in micro_batches),
+        micro_batch_size=1,
+        forward_only=False,
     )
     ok, grad_norm, _ = optimizer.step()
     metrics = reduce_metrics(outputs or [])
@@ -190,17 +210,19 @@ def compute_logprobs(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    cfg = StepConfig(loss=PolicyLossConfig(), temperature=temperature,
-                     logprob_chunk=chunk)
+    cfg = StepConfig(loss=PolicyLossConfig(), temperature=temperature, logprob_chunk=chunk)
 
     def step(data_iterator: Iterator[PackedMicroBatch], m: torch.nn.Module) -> Any:
         mb = next(data_iterator)
         return _forward(m, mb), partial(_logprob_only, mb, cfg)
 
     outputs = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=_iterators(model, micro_batches), model=model,
+        forward_step_func=step,
+        data_iterator=_iterators(model, micro_batches),
+        model=model,
         num_microbatches=len(micro_batches),
-        seq_length=max(m.input_ids.size(1) for m in micro_batches), micro_batch_size=1,
+        seq_length=max(m.input_ids.size(1) for m in micro_batches),
+        micro_batch_size=1,
         forward_only=True,
     )
     rows = torch.cat([o["rows"] for o in outputs]) if outputs else torch.zeros(0, 3)
@@ -211,5 +233,7 @@ def compute_logprobs(
         for sid, pos, lp in part.tolist():
             if sid >= 0:
                 table.setdefault(int(sid), {})[int(pos)] = lp
-    return {sid: torch.tensor([d[i] for i in range(len(d))], dtype=torch.float64)
-            for sid, d in sorted(table.items())}
+    return {
+        sid: torch.tensor([d[i] for i in range(len(d))], dtype=torch.float64)
+        for sid, d in sorted(table.items())
+    }

@@ -62,7 +62,10 @@ def _apply_lora_te() -> None:
     # Served ONLY to lora_layers: a global fake TE would make megatron-core believe TE exists
     # (HAVE_TE=True) and take TE code paths.
     def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):  # type: ignore[no-untyped-def]
-        if name.startswith("transformer_engine") and (globals or {}).get("__name__") == _LORA_MODULE:
+        if (
+            name.startswith("transformer_engine")
+            and (globals or {}).get("__name__") == _LORA_MODULE
+        ):
             return types.SimpleNamespace(pytorch=fake) if not fromlist else fake
         return real_import(name, globals, locals, fromlist, level)
 

@@ -43,7 +43,9 @@ _PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
 def _check_paged_stash() -> None:
     spec = importlib.util.find_spec("megatron.core.transformer.moe.ops")
     if spec is None or spec.submodule_search_locations is None:
-        raise PatchError(f"{_PAGED_STASH_OPS}: package moved; review patch mcore-paged-stash-triton")
+        raise PatchError(
+            f"{_PAGED_STASH_OPS}: package moved; review patch mcore-paged-stash-triton"
+        )
 
 
 def _apply_paged_stash() -> None:
@@ -118,8 +120,12 @@ _CUDA_FACADE: dict[str, Any] = {
     "max_memory_allocated": lambda *_a, **_k: 0,
     "reset_peak_memory_stats": lambda *_a, **_k: None,
 }
-_NVTX = {"range_push": lambda *_a, **_k: None, "range_pop": lambda *_a, **_k: None,
-         "range": lambda *_a, **_k: contextlib.nullcontext(), "mark": lambda *_a, **_k: None}
+_NVTX = {
+    "range_push": lambda *_a, **_k: None,
+    "range_pop": lambda *_a, **_k: None,
+    "range": lambda *_a, **_k: contextlib.nullcontext(),
+    "mark": lambda *_a, **_k: None,
+}
 
 
 def _check_cuda_facade() -> None:

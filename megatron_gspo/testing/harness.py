@@ -31,8 +31,12 @@ def _worker(
     rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...]
 ) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
     path = Path(out) / f"rank{rank}.pt"

@@ -16,12 +16,12 @@ import torch
 from megatron_gspo.megatron.cpu_attention import zigzag_indices
 from megatron_gspo.megatron.model import (
     Layout,
-    quiet_megatron,
     build_model,
     export_hf_state,
     init_megatron,
     load_bridge,
     make_provider,
+    quiet_megatron,
 )
 
 BATCH, SEQ = 4, 16
@@ -119,8 +119,13 @@ def run_layout(
             # Adam's first step is -lr * g / (|g| + eps); with lr = eps >> |g| it is -g to
             # ~1e-6 relative, so the weight delta IS the gradient (the distributed optimizer
             # supports only Adam-like optimizers).
-            optimizer="adam", lr=1e4, adam_eps=1e4, weight_decay=0.0, clip_grad=0.0,
-            use_distributed_optimizer=distopt, params_dtype=torch.float32,
+            optimizer="adam",
+            lr=1e4,
+            adam_eps=1e4,
+            weight_decay=0.0,
+            clip_grad=0.0,
+            use_distributed_optimizer=distopt,
+            params_dtype=torch.float32,
         ),
         model,
     )
@@ -135,16 +140,28 @@ def run_layout(
         return its if len(model) > 1 else its[0]
 
     collect: list[torch.Tensor] = []
-    fb(forward_step_func=partial(_forward_step, collect=collect), data_iterator=iterators(),
-       model=model, num_microbatches=len(micro), seq_length=seq_len, micro_batch_size=1,
-       forward_only=True)
+    fb(
+        forward_step_func=partial(_forward_step, collect=collect),
+        data_iterator=iterators(),
+        model=model,
+        num_microbatches=len(micro),
+        seq_length=seq_len,
+        micro_batch_size=1,
+        forward_only=True,
+    )
     logits = torch.cat(collect) if collect else None
     for m in model:
         m.zero_grad_buffer()
     opt.zero_grad()
-    losses = fb(forward_step_func=partial(_forward_step, collect=[]), data_iterator=iterators(),
-                model=model, num_microbatches=len(micro), seq_length=seq_len,
-                micro_batch_size=1, forward_only=False)
+    losses = fb(
+        forward_step_func=partial(_forward_step, collect=[]),
+        data_iterator=iterators(),
+        model=model,
+        num_microbatches=len(micro),
+        seq_length=seq_len,
+        micro_batch_size=1,
+        forward_only=False,
+    )
     ok, grad_norm, _ = opt.step()
     assert ok
     state = export_hf_state(bridge, model)

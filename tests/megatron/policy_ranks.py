@@ -39,18 +39,23 @@ def make_sequences(vocab: int, seed: int = 0) -> list[dict[str, Any]]:
         p = int(torch.randint(2, 6, (1,), generator=g))
         r = int(torch.randint(1, 13, (1,), generator=g))
         ids = torch.randint(3, vocab, (p + r,), generator=g).tolist()
-        out.append(dict(
-            seq_id=i, prompt_ids=ids[:p], response_ids=ids[p:],
-            # offsets in units of the GSPO band: |offset| < 3e-4 stays inside, larger clips
-            offset=float(torch.empty(1).uniform_(-9e-4, 9e-4, generator=g)),
-            noise=(torch.randn(r, generator=g) * 1e-3).tolist(),
-            advantage=float(torch.randn(1, generator=g)),
-        ))
+        out.append(
+            dict(
+                seq_id=i,
+                prompt_ids=ids[:p],
+                response_ids=ids[p:],
+                # offsets in units of the GSPO band: |offset| < 3e-4 stays inside, larger clips
+                offset=float(torch.empty(1).uniform_(-9e-4, 9e-4, generator=g)),
+                noise=(torch.randn(r, generator=g) * 1e-3).tolist(),
+                advantage=float(torch.randn(1, generator=g)),
+            )
+        )
     return out
 
 
-def _train_sequences(raw: list[dict], current: dict[int, torch.Tensor], kind: str,
-                     length_weighted: bool) -> list[TrainSequence]:
+def _train_sequences(
+    raw: list[dict], current: dict[int, torch.Tensor], kind: str, length_weighted: bool
+) -> list[TrainSequence]:
     mean_len = sum(len(s["response_ids"]) for s in raw) / len(raw)
     seqs = []
     for s in raw:
@@ -62,8 +67,15 @@ def _train_sequences(raw: list[dict], current: dict[int, torch.Tensor], kind: st
         if kind == "gspo_token" or length_weighted:
             w = len(s["response_ids"]) / mean_len if length_weighted else 1.0
             adv = [s["advantage"] * w] * len(s["response_ids"])
-        seqs.append(TrainSequence(seq_id=s["seq_id"], prompt_ids=s["prompt_ids"],
-                                  response_ids=s["response_ids"], old_logp=old, advantage=adv))
+        seqs.append(
+            TrainSequence(
+                seq_id=s["seq_id"],
+                prompt_ids=s["prompt_ids"],
+                response_ids=s["response_ids"],
+                old_logp=old,
+                advantage=adv,
+            )
+        )
     return seqs
 
 
@@ -87,10 +99,15 @@ def _micro_batch_mean_step(model, optimizer, mbs, cfg, dp, n_global):  # noqa: A
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    get_forward_backward_func()(forward_step_func=forward_step,
-                                data_iterator=mstep._iterators(model, mbs), model=model,
-                                num_microbatches=len(mbs), seq_length=64, micro_batch_size=1,
-                                forward_only=False)
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=mstep._iterators(model, mbs),
+        model=model,
+        num_microbatches=len(mbs),
+        seq_length=64,
+        micro_batch_size=1,
+        forward_only=False,
+    )
     optimizer.step()
 
 
@@ -102,23 +119,31 @@ def run_case(bridge: Any, case: dict[str, Any]) -> dict[str, Any]:
     provider = make_provider(bridge, layout)
     distopt = case.get("distopt", False)
     model = build_model(provider, ddp_config=ddp_config(distopt), load_from=bridge)
-    opt = build_optimizer(model, lr=1e6, adam_eps=1e4, clip_grad=0.0,
-                          use_distributed_optimizer=distopt)
+    opt = build_optimizer(
+        model, lr=1e6, adam_eps=1e4, clip_grad=0.0, use_distributed_optimizer=distopt
+    )
     vocab = bridge.hf_pretrained.config.vocab_size
     raw = make_sequences(vocab)
     dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
     multiple = pad_multiple(layout.tp, cp, layout.sp)
 
     def plan(seqs: list[TrainSequence]) -> list:
-        return plan_micro_batches(seqs, dp_size=dp, dp_rank=ps.get_data_parallel_rank(),
-                                  max_tokens=MAX_TOKENS, multiple=multiple, cp_size=cp,
-                                  cp_rank=ps.get_context_parallel_rank())
+        return plan_micro_batches(
+            seqs,
+            dp_size=dp,
+            dp_rank=ps.get_data_parallel_rank(),
+            max_tokens=MAX_TOKENS,
+            multiple=multiple,
+            cp_size=cp,
+            cp_rank=ps.get_context_parallel_rank(),
+        )
 
     kind = case.get("kind", "gspo")
     if case.get("plant") == "length_weighted":  # GSPO with A_i scaled by |y_i| / mean |y|
         kind = "gspo_token"
-    placeholder = _train_sequences(raw, {s["seq_id"]: torch.zeros(len(s["response_ids"]))
-                                         for s in raw}, "gspo", False)
+    placeholder = _train_sequences(
+        raw, {s["seq_id"]: torch.zeros(len(s["response_ids"])) for s in raw}, "gspo", False
+    )
     current = mstep.compute_logprobs(model, plan(placeholder))
     seqs = _train_sequences(raw, current, kind, case.get("plant") == "length_weighted")
     mbs = plan(seqs)

@@ -1,9 +1,10 @@
 """Foundation: the tiny MoE built by megatron-bridge runs identically on every parallel layout.
 
 One single-rank launch is the reference; one 2-rank launch runs every layout. For each layout:
-full logits (gathered over TP vocab shards, CP chunks, PP stages, DP ranks) and the weight delta
-of one Adam step with lr = eps >> |g| (= minus the data-parallel-averaged gradient, gathered to full HF tensors by
-the bridge export) must equal the reference to fp32 precision. A planted wrong shard must fail.
+full logits (gathered over TP vocab shards, CP chunks, PP stages, DP ranks) and the weight
+delta of one Adam step with lr = eps >> |g| (= minus the data-parallel-averaged gradient,
+gathered to full HF tensors by the bridge export) must equal the reference to fp32 precision.
+A planted wrong shard must fail.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def reference(hf_dir: str) -> dict:
 def parallel(hf_dir: str) -> dict:
     cases = [dict(name=n, layout=lay) for n, lay in LAYOUTS.items()]
     cases += [dict(name=f"{n}-distopt", layout=LAYOUTS[n], distopt=True) for n in DISTOPT]
-    cases.append(dict(name=PLANTED, layout=LAYOUTS["tp2"], plant="experts.local_experts.0.linear_fc1"))
+    cases.append(
+        dict(name=PLANTED, layout=LAYOUTS["tp2"], plant="experts.local_experts.0.linear_fc1")
+    )
     return launch(foundation_ranks.main, 2, hf_dir, cases)
 
 
@@ -91,6 +94,7 @@ def test_layout_matches_single_rank(name: str, parallel: list, reference: dict, 
 
 
 def test_planted_wrong_shard_is_caught(parallel: list, reference: dict, hf_dir: str) -> None:
-    logit_err, grad_err = _compare(_last_stage(parallel, PLANTED), reference["single"],
-                                   _initial(hf_dir))
+    logit_err, grad_err = _compare(
+        _last_stage(parallel, PLANTED), reference["single"], _initial(hf_dir)
+    )
     assert logit_err > 1e-3 or grad_err > 1e-2, (logit_err, grad_err)

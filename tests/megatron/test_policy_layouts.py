@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from megatron_gspo.testing.harness import launch
 from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
@@ -51,10 +50,13 @@ def reference(hf_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def parallel(hf_dir: str) -> list[dict]:
     cases = [dict(name=n, layout=lay) for n, lay in LAYOUTS.items()]
-    cases += [dict(name=n, layout=LAYOUTS[lay], kind=k, distopt=d)
-              for n, (lay, k, d) in EXTRA.items()]
-    cases += [dict(name="dp2-micro_batch_mean", layout={}, plant="micro_batch_mean"),
-              dict(name="dp2-length_weighted", layout={}, plant="length_weighted")]
+    cases += [
+        dict(name=n, layout=LAYOUTS[lay], kind=k, distopt=d) for n, (lay, k, d) in EXTRA.items()
+    ]
+    cases += [
+        dict(name="dp2-micro_batch_mean", layout={}, plant="micro_batch_mean"),
+        dict(name="dp2-length_weighted", layout={}, plant="length_weighted"),
+    ]
     return launch(policy_ranks.main, 2, hf_dir, cases)
 
 
@@ -109,7 +111,8 @@ def test_gspo_token_with_constant_advantages_equals_gspo(reference, init) -> Non
     err = _grad_err(reference["gspo_token"]["weights"], reference["gspo"]["weights"], init)
     assert err < GRAD_TOL
     assert reference["gspo_token"]["metrics"]["loss"] == pytest.approx(
-        reference["gspo"]["metrics"]["loss"], rel=1e-5)
+        reference["gspo"]["metrics"]["loss"], rel=1e-5
+    )
 
 
 def test_current_logprobs_match_across_layouts(parallel, reference) -> None:
@@ -121,12 +124,16 @@ def test_current_logprobs_match_across_layouts(parallel, reference) -> None:
 
 
 def test_planted_micro_batch_mean_is_caught(parallel, reference, init) -> None:
-    err = _grad_err(parallel[0]["dp2-micro_batch_mean"]["weights"],
-                    reference["micro_batch_mean"]["weights"], init)
+    err = _grad_err(
+        parallel[0]["dp2-micro_batch_mean"]["weights"],
+        reference["micro_batch_mean"]["weights"],
+        init,
+    )
     assert err > 100 * GRAD_TOL, f"a per-micro-batch mean went unnoticed ({err})"
 
 
 def test_planted_length_weighting_is_caught(parallel, reference, init) -> None:
-    err = _grad_err(parallel[0]["dp2-length_weighted"]["weights"], reference["gspo"]["weights"],
-                    init)
+    err = _grad_err(
+        parallel[0]["dp2-length_weighted"]["weights"], reference["gspo"]["weights"], init
+    )
     assert err > 100 * GRAD_TOL, f"a length-weighted reduction went unnoticed ({err})"

@@ -21,8 +21,12 @@ def _checks() -> None:  # runs in the subprocess
     import numpy as np
     import torch
 
-    from megatron_gspo.patches import ALL_PATCHES, PatchError, apply_bridge_imports
-    from megatron_gspo.patches import apply_cpu_runtime
+    from megatron_gspo.patches import (
+        ALL_PATCHES,
+        PatchError,
+        apply_bridge_imports,
+        apply_cpu_runtime,
+    )
 
     assert apply_cpu_runtime() is True
     apply_bridge_imports()
@@ -51,19 +55,27 @@ def _checks() -> None:  # runs in the subprocess
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
-                            normalization="RMSNorm", tensor_model_parallel_size=1)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        normalization="RMSNorm",
+        tensor_model_parallel_size=1,
+    )
     cfg_sp = dataclasses.replace(cfg)
     object.__setattr__(cfg_sp, "sequence_parallel", True)
     norm = WrappedTorchNorm(cfg_sp, 8)
-    assert isinstance(norm, torch.nn.RMSNorm) and all(p.sequence_parallel for p in norm.parameters())
+    assert isinstance(norm, torch.nn.RMSNorm) and all(
+        p.sequence_parallel for p in norm.parameters()
+    )
     assert not getattr(WrappedTorchNorm(cfg, 8).weight, "sequence_parallel", False)
 
     # alltoall split sizes become numpy on CPU
     from megatron.core.transformer.moe import moe_utils
 
-    assert isinstance(moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True),
-                      np.ndarray)
+    assert isinstance(
+        moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True), np.ndarray
+    )
 
     # the fake TE was served to the bridge's lora module only
     import megatron.core.transformer.attention as attention
@@ -97,15 +109,17 @@ def _checks() -> None:  # runs in the subprocess
 def test_cpu_runtime_patches_in_subprocess() -> None:
     code = "import tests.patches.test_patches as t; t._checks()"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0 and "PATCH-CHECKS-OK" in proc.stdout, proc.stderr[-4000:]
 
 
 def test_import_has_no_side_effects() -> None:
-    code = ("import torch, megatron_gspo, megatron_gspo.patches as p; "
-            "assert not p.cpu_runtime_active(); "
-            "assert torch.cuda.current_device.__module__ == 'torch.cuda'; print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import torch, megatron_gspo, megatron_gspo.patches as p; "
+        "assert not p.cpu_runtime_active(); "
+        "assert torch.cuda.current_device.__module__ == 'torch.cuda'; print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]

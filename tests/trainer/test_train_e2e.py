@@ -27,14 +27,38 @@ PROMPTS, GROUP = 4, 4
 def _train(tmp: Path, name: str, ckpt: str, steps: int, *extra: str) -> list[dict]:
     run = tmp / name
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(29400 + hash(name) % 500), "-m", "megatron_gspo.train",
-        "--config", str(ROOT / "examples/tiny_moe_cpu.yaml"),
-        "--set", f"model.hf_path={tmp}/toy/model", "--set", f"data.train_path={tmp}/toy/toy.jsonl",
-        "--set", f"logging.dir={run}", "--set", f"checkpoint.dir={tmp}/{ckpt}",
-        "--set", f"train.steps={steps}", "--set", "checkpoint.save_every=0",
-        "--set", f"gspo.prompts_per_rollout={PROMPTS}", "--set", f"gspo.group_size={GROUP}",
-        "--set", "logging.tensorboard=false", "--set", "logging.progress=false", *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(29400 + hash(name) % 500),
+        "-m",
+        "megatron_gspo.train",
+        "--config",
+        str(ROOT / "examples/tiny_moe_cpu.yaml"),
+        "--set",
+        f"model.hf_path={tmp}/toy/model",
+        "--set",
+        f"data.train_path={tmp}/toy/toy.jsonl",
+        "--set",
+        f"logging.dir={run}",
+        "--set",
+        f"checkpoint.dir={tmp}/{ckpt}",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        "checkpoint.save_every=0",
+        "--set",
+        f"gspo.prompts_per_rollout={PROMPTS}",
+        "--set",
+        f"gspo.group_size={GROUP}",
+        "--set",
+        "logging.tensorboard=false",
+        "--set",
+        "logging.progress=false",
+        *extra,
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -59,8 +83,17 @@ def test_every_step_trains_full_groups_with_finite_metrics(runs) -> None:
     for m in a:
         assert m["rollout/num_samples"] == PROMPTS * GROUP
         assert m["rollout/num_rejected"] == 0
-        for k in ("loss", "grad_norm", "reward/mean", "policy/clip_frac", "policy/entropy",
-                  "mismatch/abs_logp_diff", "time/rollout_s", "time/train_s", "time/sync_s"):
+        for k in (
+            "loss",
+            "grad_norm",
+            "reward/mean",
+            "policy/clip_frac",
+            "policy/entropy",
+            "mismatch/abs_logp_diff",
+            "time/rollout_s",
+            "time/train_s",
+            "time/sync_s",
+        ):
             assert math.isfinite(m[k]), (m["step"], k)
         # before its first update the trainer IS the engine's policy: only numerical mismatch
         assert m["first_mb/mismatch/abs_logp_diff"] < 1e-4
