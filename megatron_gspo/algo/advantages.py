@@ -87,8 +87,13 @@ def group_advantages(
     constant = (gmax == gmin)[index]
 
     if normalize_std:
-        var = torch.zeros_like(count).index_add_(0, index, centered * centered) / count
-        centered = centered / (var.sqrt()[index] + eps)
+        # std = s * sqrt(mean((c / s)^2)) with s = max |c| per group: squaring raw deviations
+        # underflows for tiny spreads (1e-168 -> variance 0 -> inf advantages).
+        scale = torch.zeros_like(count).scatter_reduce_(0, index, centered.abs(), "amax")
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        z = centered / scale[index]
+        std = scale * (torch.zeros_like(count).index_add_(0, index, z * z) / count).sqrt()
+        centered = centered / (std[index] + eps)
     adv = torch.where(constant, torch.zeros_like(centered), centered)
     return adv.to(rewards.dtype)
 

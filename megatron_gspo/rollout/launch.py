@@ -160,6 +160,7 @@ class ServerGroup:
         return subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # own process group: killpg reaches forked children
+            preexec_fn=_die_with_parent,
         )  # fmt: skip
 
     def start(self, *, wait: bool = True) -> ServerGroup:
@@ -243,6 +244,15 @@ class ServerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the process that launched it dies, even by SIGKILL,
+    so a crashed trainer never leaves engines holding ports and memory."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _killpg(p: subprocess.Popen, sig: int) -> None:

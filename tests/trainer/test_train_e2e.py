@@ -1,9 +1,10 @@
 """The GSPO trainer end to end on 2 CPU ranks (EP=2) with the embedded engine.
 
-Run A trains 4 steps straight. Run B trains 2 steps and stops (checkpoint at step 2); run C
-resumes it to step 4. Checks: every step trains on prompts x group_size sequences with finite
-metrics, the engines serve the pushed weights (per-tensor checksums of sent vs engine-held
-tensors) at the right version, and the resumed run reproduces the uninterrupted one.
+Run A trains 4 steps straight. Run B is SIGKILLed (torchrun and its ranks) right after its
+step-2 checkpoint; run C resumes it to step 4. Checks: every step trains on prompts x group_size
+sequences with finite metrics, the engines serve the pushed weights (per-tensor checksums of
+sent vs engine-held tensors) at the right version, a killed trainer leaves no engine behind,
+and the resumed run reproduces the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -11,70 +12,96 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tools import make_tiny_toy
 
 pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
 PROMPTS, GROUP = 4, 4
 
 
-def _train(tmp: Path, name: str, ckpt: str, steps: int, *extra: str) -> list[dict]:
-    run = tmp / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(29400 + hash(name) % 500),
-        "-m",
-        "megatron_gspo.train",
-        "--config",
-        str(ROOT / "examples/tiny_moe_cpu.yaml"),
-        "--set",
-        f"model.hf_path={tmp}/toy/model",
-        "--set",
-        f"data.train_path={tmp}/toy/toy.jsonl",
-        "--set",
-        f"logging.dir={run}",
-        "--set",
-        f"checkpoint.dir={tmp}/{ckpt}",
-        "--set",
-        f"train.steps={steps}",
-        "--set",
-        "checkpoint.save_every=0",
-        "--set",
-        f"gspo.prompts_per_rollout={PROMPTS}",
-        "--set",
-        f"gspo.group_size={GROUP}",
-        "--set",
-        "logging.tensorboard=false",
-        "--set",
-        "logging.progress=false",
-        *extra,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+def _command(tmp: Path, name: str, ckpt: str, steps: int, *extra: str) -> list[str]:
+    sets = {
+        "model.hf_path": f"{tmp}/toy/model",
+        "data.train_path": f"{tmp}/toy/toy.jsonl",
+        "logging.dir": f"{tmp}/{name}",
+        "checkpoint.dir": f"{tmp}/{ckpt}",
+        "train.steps": steps,
+        "gspo.prompts_per_rollout": PROMPTS,
+        "gspo.group_size": GROUP,
+        "logging.tensorboard": "false",
+        "logging.progress": "false",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(29400 + sum(map(ord, name)) % 500), "-m", "megatron_gspo.train",
+           "--config", str(ROOT / "examples/tiny_moe_cpu.yaml")]
+    for key, value in sets.items():
+        cmd += ["--set", f"{key}={value}"]
+    return cmd + list(extra)
+
+
+def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _train(tmp: Path, name: str, ckpt: str, steps: int, *extra: str) -> list[dict]:
+    cmd = _command(tmp, name, ckpt, steps, "--set", "checkpoint.save_every=0", *extra)
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return _metrics(tmp / name)
+
+
+def _train_until_killed(tmp: Path, name: str, ckpt: str, kill_after: int) -> list[dict]:
+    """Train with a checkpoint every `kill_after` steps; SIGKILL the whole job as soon as that
+    checkpoint exists. Returns the metrics of the steps up to the checkpoint."""
+    cmd = _command(tmp, name, ckpt, 10 * kill_after, "--set",
+                   f"checkpoint.save_every={kill_after}")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    latest = tmp / ckpt / "latest"
+    deadline = time.monotonic() + 600
+    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert latest.read_text().strip() == f"step_{kill_after:06d}"
+    return [m for m in _metrics(tmp / name) if m["step"] <= kill_after]
+
+
+def _engines_of(model_dir: Path) -> list[int]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if "megatron_gspo.rollout.embedded" in cmdline and str(model_dir) in cmdline:
+            found.append(p.pid)
+    return found
+
+
+def _wait_for_no_engines(model_dir: Path, timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while _engines_of(model_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _engines_of(model_dir)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     tmp = tmp_path_factory.mktemp("e2e")
     make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
-    return {
-        "a": _train(tmp, "a", "ckpt_a", 4),
-        "b": _train(tmp, "b", "ckpt_b", 2),
-        "c": _train(tmp, "c", "ckpt_b", 4, "--resume"),
-    }
+    out: dict[str, list] = {"a": _train(tmp, "a", "ckpt_a", 4)}
+    out["b"] = _train_until_killed(tmp, "b", "ckpt_b", 2)
+    out["orphans"] = _wait_for_no_engines(tmp / "toy/model")
+    out["c"] = _train(tmp, "c", "ckpt_b", 4, "--resume")
+    return out
 
 
 def test_every_step_trains_full_groups_with_finite_metrics(runs) -> None:
@@ -83,17 +110,8 @@ def test_every_step_trains_full_groups_with_finite_metrics(runs) -> None:
     for m in a:
         assert m["rollout/num_samples"] == PROMPTS * GROUP
         assert m["rollout/num_rejected"] == 0
-        for k in (
-            "loss",
-            "grad_norm",
-            "reward/mean",
-            "policy/clip_frac",
-            "policy/entropy",
-            "mismatch/abs_logp_diff",
-            "time/rollout_s",
-            "time/train_s",
-            "time/sync_s",
-        ):
+        for k in ("loss", "grad_norm", "reward/mean", "policy/clip_frac", "policy/entropy",
+                  "mismatch/abs_logp_diff", "time/rollout_s", "time/train_s", "time/sync_s"):
             assert math.isfinite(m[k]), (m["step"], k)
         # before its first update the trainer IS the engine's policy: only numerical mismatch
         assert m["first_mb/mismatch/abs_logp_diff"] < 1e-4
@@ -105,7 +123,11 @@ def test_engines_serve_the_pushed_weights(runs) -> None:
         assert m["weights/version"] == m["step"] + 1  # version 1 is the initial push
 
 
-def test_resume_continues_exactly(runs) -> None:
+def test_killed_trainer_leaves_no_engine_behind(runs) -> None:
+    assert runs["orphans"] == []
+
+
+def test_resume_after_kill_continues_exactly(runs) -> None:
     a, b, c = runs["a"], runs["b"], runs["c"]
     assert [m["step"] for m in b] == [1, 2] and [m["step"] for m in c] == [3, 4]
     for got, want in zip(b + c, a, strict=True):
