@@ -9,6 +9,7 @@ and the resumed run reproduces the uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -71,10 +72,24 @@ def _train_until_killed(tmp: Path, name: str, ckpt: str, kill_after: int) -> lis
     deadline = time.monotonic() + 600
     while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
+    # torchrun's workers may sit in sessions of their own: kill every descendant, then it.
+    job = psutil.Process(proc.pid)
+    tree = [*job.children(recursive=True), job]
+    # ...but not the engines: that they die with their launcher is what is tested below.
+    for p in [p for p in tree if "rollout.embedded" not in " ".join(_cmdline(p))]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
     proc.wait()
+    psutil.wait_procs([p for p in tree if p.pid != proc.pid], timeout=1)
     assert latest.read_text().strip() == f"step_{kill_after:06d}"
     return [m for m in _metrics(tmp / name) if m["step"] <= kill_after]
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
 
 
 def _engines_of(model_dir: Path) -> list[int]:
