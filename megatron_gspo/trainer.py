@@ -143,6 +143,7 @@ class Policy:
             multiple=pad_multiple(self.layout.tp, cp, self.layout.sp),
             cp_size=cp,
             cp_rank=ps.get_context_parallel_rank(),
+            count_multiple=self.layout.pp if self.layout.vpp else 1,
         )
 
     def update(self, seqs: list[TrainSequence]) -> dict[str, float]:

@@ -214,15 +214,19 @@ def plan_micro_batches(
     multiple: int,
     cp_size: int = 1,
     cp_rank: int = 0,
+    count_multiple: int = 1,
 ) -> list[PackedMicroBatch]:
     """This rank's packed micro-batches of a mini-batch that every rank knows whole.
 
     Every data-parallel rank gets the same NUMBER of micro-batches (expert-parallel all-to-alls
-    and pipeline schedules need it): short ranks get fully masked padding micro-batches.
+    and pipeline schedules need it), rounded up to a multiple of `count_multiple` (the
+    interleaved pipeline schedule wants a multiple of the pipeline size): the missing ones are
+    fully masked padding micro-batches, which add nothing to the loss or the gradients.
     """
     per_rank = [
         group_by_budget(part, max_tokens, multiple) for part in split_by_tokens(seqs, dp_size)
     ]
     n = max(1, max(len(g) for g in per_rank))
+    n = -(-n // count_multiple) * count_multiple
     mine = per_rank[dp_rank] + [[]] * (n - len(per_rank[dp_rank]))
     return [pack(g, multiple=multiple, cp_size=cp_size, cp_rank=cp_rank) for g in mine]

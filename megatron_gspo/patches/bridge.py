@@ -92,6 +92,18 @@ def _apply_modelopt() -> None:
     sys.modules.setdefault("modelopt.torch.quantization.utils", utils)
 
 
+def _check_ep_gather() -> None:
+    import inspect
+
+    from megatron.bridge.models.conversion import param_mapping as pm
+
+    fn = getattr(pm.MegatronParamMapping, "gather_from_ep_ranks", None)
+    params = list(inspect.signature(fn).parameters) if fn else []
+    if params != ["self", "megatron_weights", "megatron_module", "hf_param_name"]:
+        raise PatchError(f"MegatronParamMapping.gather_from_ep_ranks changed ({params}); review "
+                         "megatron_gspo.weights.stream.experts_to_ep_rank0")
+
+
 _COMMON = dict(package="megatron-bridge", versions=BRIDGE_VERSIONS)
 BRIDGE_PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -113,7 +125,19 @@ BRIDGE_PATCHES: tuple[Patch, ...] = (
         check_fn=_check_modelopt,
         **_COMMON,
     ),
+    Patch(
+        name="bridge-ep-gather-to-rank0",
+        why="The bridge's HF export all-gathers every expert to every EP rank "
+        "(MegatronParamMapping.gather_from_ep_ranks); weight sync needs them on the sender only. "
+        "Applied scoped, only during our export, by megatron_gspo.weights.stream."
+        "experts_to_ep_rank0, which runs this check first.",
+        remove_when="megatron-bridge can export experts to one destination rank.",
+        apply_fn=lambda: None,
+        check_fn=_check_ep_gather,
+        **_COMMON,
+    ),
 )
+EP_GATHER_PATCH = BRIDGE_PATCHES[-1]
 
 
 def apply_bridge_imports() -> None:

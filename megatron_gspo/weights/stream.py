@@ -94,6 +94,9 @@ def experts_to_ep_rank0() -> Iterator[None]:
     from megatron.bridge.models.conversion import param_mapping as pm
     from megatron.bridge.utils.common_utils import extract_expert_number_from_param
 
+    from megatron_gspo.patches.bridge import EP_GATHER_PATCH
+
+    EP_GATHER_PATCH.check()  # pinned bridge version and the signature we replace
     original = pm.MegatronParamMapping.gather_from_ep_ranks
 
     def gather_to_first(

@@ -136,6 +136,7 @@ def run_case(bridge: Any, case: dict[str, Any]) -> dict[str, Any]:
             multiple=multiple,
             cp_size=cp,
             cp_rank=ps.get_context_parallel_rank(),
+            count_multiple=layout.pp if layout.vpp else 1,
         )
 
     kind = case.get("kind", "gspo")
