@@ -77,8 +77,6 @@ def group_advantages(
 
     count = torch.zeros(num_groups, dtype=torch.float64, device=r.device)
     count.index_add_(0, index, torch.ones_like(r))
-    mean = torch.zeros_like(count).index_add_(0, index, r) / count
-    centered = r - mean[index]
 
     # Decide "no signal" from the raw rewards (max == min), not from a float variance that
     # rounding can leave at 1e-17: an all-equal group must give exactly 0.
@@ -86,14 +84,26 @@ def group_advantages(
     gmin = torch.full_like(count, torch.inf).scatter_reduce_(0, index, r, "amin")
     constant = (gmax == gmin)[index]
 
+    # Work on z = (r - min_g) / (max_g - min_g) in [0, 1]: the same advantages in exact
+    # arithmetic, but the moments of tiny spreads (1e-168: the variance underflows; 5e-324: the
+    # mean is not representable) stay in normal floating point.
+    # Subnormal spreads can also be flushed to zero by the CPU (FTZ/DAZ): such a group carries
+    # no usable signal and is treated as constant rather than producing 0/0.
+    spread = gmax - gmin
+    usable = spread > 0
+    constant = constant | ~usable[index]
+    spread = torch.where(usable, spread, torch.ones_like(spread))
+    z = (r - gmin[index]) / spread[index]
+    z_mean = torch.zeros_like(count).index_add_(0, index, z) / count
+    zc = z - z_mean[index]
     if normalize_std:
-        # std = s * sqrt(mean((c / s)^2)) with s = max |c| per group: squaring raw deviations
-        # underflows for tiny spreads (1e-168 -> variance 0 -> inf advantages).
-        scale = torch.zeros_like(count).scatter_reduce_(0, index, centered.abs(), "amax")
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        z = centered / scale[index]
-        std = scale * (torch.zeros_like(count).index_add_(0, index, z * z) / count).sqrt()
-        centered = centered / (std[index] + eps)
+        z_std = (torch.zeros_like(count).index_add_(0, index, zc * zc) / count).sqrt()
+        # (r - mean) / (std + eps) == zc / (z_std + eps / spread)
+        denom = z_std + eps / spread
+        denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+        centered = zc / denom[index]
+    else:
+        centered = zc * spread[index]
     adv = torch.where(constant, torch.zeros_like(centered), centered)
     return adv.to(rewards.dtype)
 
