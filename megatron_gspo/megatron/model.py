@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.patches import apply_bridge_imports, apply_cpu_runtime
+from megatron_gspo.patches import P2P_ORDER_PATCH, apply_bridge_imports, apply_cpu_runtime
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +74,8 @@ def init_megatron(layout: Layout, seed: int = 1234) -> None:
     """
     if on_cpu():
         apply_cpu_runtime()
+    if layout.pp > 1:
+        P2P_ORDER_PATCH.apply()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -71,6 +71,7 @@ class PackedMicroBatch:
     seq_index: Tensor  # [T] long, 0..S-1
     token_pos: Tensor  # [T] long, index of the predicted response token (-1 where masked)
     advantages: Tensor  # [S] or [T] (per-token)
+    advantages_per_token: bool
     seq_ids: list[int]  # [S] global sequence ids (-1 for a padding micro-batch)
     cu_seqlens: Tensor  # [S+1] int32 over the full padded sequences
     max_seqlen: int
@@ -170,6 +171,7 @@ def pack(
         seq_index=torch.cat(cols["sidx"]),
         token_pos=torch.cat(cols["tpos"]),
         advantages=advantages,
+        advantages_per_token=per_token_adv,
         seq_ids=[s.seq_id for s in seqs],
         cu_seqlens=cu,
         max_seqlen=max(lengths),

@@ -86,6 +86,7 @@ def _policy_loss(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> tuple
         logp=logp,
         old_logp=mb.old_logp,
         advantages=mb.advantages,
+        advantages_per_token=mb.advantages_per_token,
         seq_index=mb.seq_index,
         mask=mb.mask,
         num_seqs=mb.num_seqs,

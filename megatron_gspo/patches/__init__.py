@@ -6,6 +6,7 @@ assumption the fix rests on. Nothing here runs on import; callers apply fixes ex
 
     from megatron_gspo.patches import apply_cpu_runtime
     apply_cpu_runtime()          # before building megatron-core models on a machine with no GPU
+    P2P_ORDER_PATCH.apply()      # any device, pipeline parallel (init_megatron does both)
 
 `python -m megatron_gspo.patches` prints the manifest (also kept in `patches/README.md`).
 """
@@ -15,13 +16,16 @@ from __future__ import annotations
 from megatron_gspo.patches.base import Patch, PatchError
 from megatron_gspo.patches.bridge import BRIDGE_PATCHES, apply_bridge_imports
 from megatron_gspo.patches.cpu_runtime import CPU_PATCHES, apply_cpu_runtime, cpu_runtime_active
+from megatron_gspo.patches.pipeline import P2P_ORDER_PATCH, PIPELINE_PATCHES
 
-ALL_PATCHES: tuple[Patch, ...] = (*CPU_PATCHES, *BRIDGE_PATCHES)
+ALL_PATCHES: tuple[Patch, ...] = (*CPU_PATCHES, *BRIDGE_PATCHES, *PIPELINE_PATCHES)
 
 __all__ = [
     "ALL_PATCHES",
     "BRIDGE_PATCHES",
     "CPU_PATCHES",
+    "P2P_ORDER_PATCH",
+    "PIPELINE_PATCHES",
     "Patch",
     "PatchError",
     "apply_bridge_imports",

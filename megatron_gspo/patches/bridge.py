@@ -100,8 +100,10 @@ def _check_ep_gather() -> None:
     fn = getattr(pm.MegatronParamMapping, "gather_from_ep_ranks", None)
     params = list(inspect.signature(fn).parameters) if fn else []
     if params != ["self", "megatron_weights", "megatron_module", "hf_param_name"]:
-        raise PatchError(f"MegatronParamMapping.gather_from_ep_ranks changed ({params}); review "
-                         "megatron_gspo.weights.stream.experts_to_ep_rank0")
+        raise PatchError(
+            f"MegatronParamMapping.gather_from_ep_ranks changed ({params}); review "
+            "megatron_gspo.weights.stream.experts_to_ep_rank0"
+        )
 
 
 _COMMON = dict(package="megatron-bridge", versions=BRIDGE_VERSIONS)

@@ -1,9 +1,10 @@
 """GSPO on real megatron-core: loss, gradients and metrics are identical for every layout.
 
 One single-rank launch is the reference, one 2-rank launch runs DP=2, TP=2(+SP), CP=2, PP=2
-(1F1B), EP=2 and TP=2+EP=2 on packed sequences of unequal lengths split into micro-batches of
-unequal sizes (and a different micro-batch split per layout). Gradients are compared as the
-weight delta of an Adam step with lr = eps >> |g|, gathered to full HF tensors.
+(1F1B), PP=2 interleaved (VPP=2, with a padding micro-batch), EP=2 and TP=2+EP=2 on packed
+sequences of unequal lengths split into micro-batches of unequal sizes (and a different
+micro-batch split per layout). Gradients are compared as the weight delta of an Adam step with
+lr = eps >> |g|, gathered to full HF tensors.
 Planted reductions (per-micro-batch mean; length-weighted) must fail the same comparison.
 """
 
@@ -24,6 +25,7 @@ LAYOUTS = {
     "tp2": dict(tp=2),
     "cp2": dict(cp=2),
     "pp2": dict(pp=2),
+    "pp2vpp2": dict(pp=2, vpp=2),
     "ep2": dict(ep=2),
     "tp2ep2": dict(tp=2, ep=2, etp=1),
 }
@@ -37,7 +39,9 @@ GRAD_TOL, METRIC_TOL = 2e-4, 1e-5
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(save_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf", seed=0))
+    # four layers: the interleaved case needs pp * vpp = 4 model chunks
+    path = tmp_path_factory.mktemp("tiny") / "hf"
+    return str(save_tiny_hf_checkpoint(path, seed=0, num_hidden_layers=4))
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +109,13 @@ def test_reference_exercises_both_clip_sides(reference) -> None:
 def test_layouts_split_micro_batches_differently(parallel, reference) -> None:
     counts = {parallel[0]["dp2"]["num_micro_batches"], reference["gspo"]["num_micro_batches"]}
     assert len(counts) == 2, "the DP split must change the micro-batch partition"
+
+
+def test_interleaved_case_runs_the_steady_state(parallel) -> None:
+    # VPP pads the micro-batch count to a multiple of pp; >= 2 * pp reaches the steady state where
+    # one p2p call carries both directions (the case patch mcore-p2p-two-rank-order fixes)
+    n = parallel[0]["pp2vpp2"]["num_micro_batches"]
+    assert n % 2 == 0 and n >= 4, n
 
 
 def test_gspo_token_with_constant_advantages_equals_gspo(reference, init) -> None:

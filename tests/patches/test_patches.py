@@ -30,6 +30,9 @@ def _checks() -> None:  # runs in the subprocess
 
     assert apply_cpu_runtime() is True
     apply_bridge_imports()
+    from megatron_gspo.patches import P2P_ORDER_PATCH
+
+    P2P_ORDER_PATCH.apply()  # behaviour: tests/patches/test_pipeline_patch.py
     assert all(p.applied for p in ALL_PATCHES), [p.name for p in ALL_PATCHES if not p.applied]
 
     # device rewriting, .type() strings, streams

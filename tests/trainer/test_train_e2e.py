@@ -42,9 +42,19 @@ def _command(tmp: Path, name: str, ckpt: str, steps: int, *extra: str) -> list[s
         "logging.tensorboard": "false",
         "logging.progress": "false",
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(29400 + sum(map(ord, name)) % 500), "-m", "megatron_gspo.train",
-           "--config", str(ROOT / "examples/tiny_moe_cpu.yaml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(29400 + sum(map(ord, name)) % 500),
+        "-m",
+        "megatron_gspo.train",
+        "--config",
+        str(ROOT / "examples/tiny_moe_cpu.yaml"),
+    ]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
     return cmd + list(extra)
@@ -64,10 +74,15 @@ def _train(tmp: Path, name: str, ckpt: str, steps: int, *extra: str) -> list[dic
 def _train_until_killed(tmp: Path, name: str, ckpt: str, kill_after: int) -> list[dict]:
     """Train with a checkpoint every `kill_after` steps; SIGKILL the whole job as soon as that
     checkpoint exists. Returns the metrics of the steps up to the checkpoint."""
-    cmd = _command(tmp, name, ckpt, 10 * kill_after, "--set",
-                   f"checkpoint.save_every={kill_after}")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    cmd = _command(tmp, name, ckpt, 10 * kill_after, "--set", f"checkpoint.save_every={kill_after}")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     latest = tmp / ckpt / "latest"
     deadline = time.monotonic() + 600
     while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -125,8 +140,17 @@ def test_every_step_trains_full_groups_with_finite_metrics(runs) -> None:
     for m in a:
         assert m["rollout/num_samples"] == PROMPTS * GROUP
         assert m["rollout/num_rejected"] == 0
-        for k in ("loss", "grad_norm", "reward/mean", "policy/clip_frac", "policy/entropy",
-                  "mismatch/abs_logp_diff", "time/rollout_s", "time/train_s", "time/sync_s"):
+        for k in (
+            "loss",
+            "grad_norm",
+            "reward/mean",
+            "policy/clip_frac",
+            "policy/entropy",
+            "mismatch/abs_logp_diff",
+            "time/rollout_s",
+            "time/train_s",
+            "time/sync_s",
+        ):
             assert math.isfinite(m[k]), (m["step"], k)
         # before its first update the trainer IS the engine's policy: only numerical mismatch
         assert m["first_mb/mismatch/abs_logp_diff"] < 1e-4
