@@ -23,6 +23,7 @@ import torch
 from megatron_gspo.algo import PolicyLossConfig, group_advantages
 from megatron_gspo.config import Config
 from megatron_gspo.megatron import step as mstep
+from megatron_gspo.megatron.checkpoint import load_model_and_optimizer, save_model_and_optimizer
 from megatron_gspo.megatron.model import (
     Layout,
     build_model,
@@ -33,7 +34,7 @@ from megatron_gspo.megatron.model import (
     make_provider,
     quiet_megatron,
 )
-from megatron_gspo.megatron.packing import TrainSequence, pad_multiple, plan_micro_batches
+from megatron_gspo.megatron.packing import TrainSequence
 from megatron_gspo.rollout import RolloutEngine, SamplingParams
 
 
@@ -132,19 +133,7 @@ class Policy:
         return cls(cfg, bridge, model, optimizer, layout, loss)
 
     def plan(self, seqs: Sequence[TrainSequence]) -> list:
-        from megatron.core import parallel_state as ps
-
-        cp = ps.get_context_parallel_world_size()
-        return plan_micro_batches(
-            seqs,
-            dp_size=ps.get_data_parallel_world_size(),
-            dp_rank=ps.get_data_parallel_rank(),
-            max_tokens=self.cfg.train.micro_batch_tokens,
-            multiple=pad_multiple(self.layout.tp, cp, self.layout.sp),
-            cp_size=cp,
-            cp_rank=ps.get_context_parallel_rank(),
-            count_multiple=self.layout.pp if self.layout.vpp else 1,
-        )
+        return mstep.plan_for_this_rank(seqs, self.layout, self.cfg.train.micro_batch_tokens)
 
     def update(self, seqs: list[TrainSequence]) -> dict[str, float]:
         """Recompute pi_old if asked, then one optimizer step per mini-batch (paper: 4)."""
@@ -295,73 +284,17 @@ def make_rollout(cfg: Config) -> Rollout:
 # ---------------------------------------------------------------------------------------------
 # checkpoints
 # ---------------------------------------------------------------------------------------------
-# megatron-core 0.19 without Apex/TE: the default "fully_sharded_model_space" is refused by the
-# torch_dist writer (flattened ranges) and "fully_reshardable" fails to load torch Adam's `step`.
-# "dp_reshardable" works (resume at the same TP/PP/EP layout; any DP size).
-_CKPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The model chunk inside megatron-core's DDP wrapper (checkpoint keys without `module.`)."""
-    return getattr(chunk, "module", chunk)
-
-
-def _sharded_state(policy: Policy, is_loading: bool = False) -> dict[str, Any]:
-    model_sd = {
-        f"model{i}": _unwrap(m).sharded_state_dict(metadata=_CKPT_METADATA)
-        for i, m in enumerate(policy.model)
-    }
-    flat = {}
-    for sd in model_sd.values():
-        flat.update(sd)
-    optim = policy.optimizer.sharded_state_dict(
-        flat, is_loading=is_loading, metadata=_CKPT_METADATA
-    )
-    return {**model_sd, "optimizer": optim}
-
-
-def _inner_optimizers(policy: Policy) -> list[Any]:
-    return [
-        o.optimizer for o in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
-    ]
-
-
-def _adam_steps(policy: Policy) -> list[float | None]:
-    """torch Adam's per-parameter `step` of each optimizer (one value: they step together)."""
-    out: list[float | None] = []
-    for opt in _inner_optimizers(policy):
-        steps = {float(s["step"]) for s in opt.state.values() if "step" in s}
-        out.append(steps.pop() if len(steps) == 1 else None)
-    return out
-
-
-def _restore_adam_steps(policy: Policy, steps: list[float | None]) -> None:
-    # megatron-core 0.19's dp_reshardable load skips torch Adam's `step` (it expects Apex/TE
-    # optimizers that keep it per group), which would reset Adam's bias correction.
-    for opt, step in zip(_inner_optimizers(policy), steps, strict=True):
-        for s in opt.state.values():
-            if step is not None and "step" in s:
-                s["step"].fill_(step) if torch.is_tensor(s["step"]) else s.__setitem__("step", step)
-
-
 def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
     """Model + optimizer (megatron-core dist checkpoint) and trainer state, written to a
     temporary directory and renamed, so a crash mid-save never leaves a half checkpoint."""
-    from megatron.core import dist_checkpointing
-
     root = Path(policy.cfg.checkpoint.dir)
     final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(_sharded_state(policy), str(tmp))
-    state = {
-        "step": step,
-        "torch_rng": torch.get_rng_state(),
-        "py_rng": random.getstate(),
-        "adam_steps": _adam_steps(policy),
-    }
+    save_model_and_optimizer(policy.model, policy.optimizer, tmp)
+    state = {"step": step, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
     torch.save(state, tmp / f"trainer_rank{rank()}.pt")
     if rollout is not None:
         torch.save(
@@ -383,29 +316,12 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
 
 def load_checkpoint(policy: Policy, rollout: Rollout | None) -> int:
     """Restore the latest checkpoint; returns the step to continue from (0 if none)."""
-    from megatron.core import dist_checkpointing
-
     latest = Path(policy.cfg.checkpoint.dir) / "latest"
     if not latest.exists():
         return 0
     path = latest.parent / latest.read_text().strip()
-    # A fresh optimizer has no state to load into: give it placeholder state first, as
-    # megatron-core itself does before loading (zero-grad step; overwritten by the load).
-    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
-        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
-        if init is not None:
-            init()
-    loaded = dist_checkpointing.load(_sharded_state(policy, is_loading=True), str(path))
-    for i, m in enumerate(policy.model):
-        _unwrap(m).load_state_dict(loaded[f"model{i}"])
-    with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
-        policy.optimizer.load_state_dict(loaded["optimizer"])
-    # Re-link the optimizer's main params with the (restored) model params, as megatron-core's
-    # own training loop does after a load; without it the distributed optimizer keeps updating
-    # stale copies.
-    policy.optimizer.reload_model_params()
+    load_model_and_optimizer(policy.model, policy.optimizer, path)
     state = torch.load(path / f"trainer_rank{rank()}.pt", weights_only=False)
-    _restore_adam_steps(policy, state["adam_steps"])
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["py_rng"])
     if rollout is not None:

@@ -35,7 +35,13 @@ from megatron_gspo.algo import (
     policy_loss,
     vocab_parallel_logprobs,
 )
-from megatron_gspo.megatron.packing import PackedMicroBatch
+from megatron_gspo.megatron.model import Layout
+from megatron_gspo.megatron.packing import (
+    PackedMicroBatch,
+    TrainSequence,
+    pad_multiple,
+    plan_micro_batches,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +108,27 @@ def _policy_loss(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> tuple
         loss,
         num_seqs,
         {"metrics": metrics, "loss": loss.detach().clone(), "num_seqs": num_seqs.clone()},
+    )
+
+
+def plan_for_this_rank(
+    seqs: Sequence[TrainSequence], layout: Layout, max_tokens: int
+) -> list[PackedMicroBatch]:
+    """This rank's packed micro-batches of a mini-batch every rank holds whole: its DP share,
+    its CP shard, padded for sequence parallelism, and as many micro-batches as every other DP
+    rank (a multiple of pp for the interleaved schedule)."""
+    from megatron.core import parallel_state as ps
+
+    cp = ps.get_context_parallel_world_size()
+    return plan_micro_batches(
+        seqs,
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        max_tokens=max_tokens,
+        multiple=pad_multiple(layout.tp, cp, layout.sp),
+        cp_size=cp,
+        cp_rank=ps.get_context_parallel_rank(),
+        count_multiple=layout.pp if layout.vpp else 1,
     )
 
 

@@ -27,7 +27,7 @@ from megatron_gspo.megatron.model import (
     make_provider,
     quiet_megatron,
 )
-from megatron_gspo.megatron.packing import TrainSequence, pad_multiple, plan_micro_batches
+from megatron_gspo.megatron.packing import TrainSequence
 
 NUM_SEQS, MAX_TOKENS = 10, 24
 
@@ -124,20 +124,10 @@ def run_case(bridge: Any, case: dict[str, Any]) -> dict[str, Any]:
     )
     vocab = bridge.hf_pretrained.config.vocab_size
     raw = make_sequences(vocab)
-    dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
-    multiple = pad_multiple(layout.tp, cp, layout.sp)
+    dp = ps.get_data_parallel_world_size()
 
     def plan(seqs: list[TrainSequence]) -> list:
-        return plan_micro_batches(
-            seqs,
-            dp_size=dp,
-            dp_rank=ps.get_data_parallel_rank(),
-            max_tokens=MAX_TOKENS,
-            multiple=multiple,
-            cp_size=cp,
-            cp_rank=ps.get_context_parallel_rank(),
-            count_multiple=layout.pp if layout.vpp else 1,
-        )
+        return mstep.plan_for_this_rank(seqs, layout, MAX_TOKENS)
 
     kind = case.get("kind", "gspo")
     if case.get("plant") == "length_weighted":  # GSPO with A_i scaled by |y_i| / mean |y|

@@ -41,6 +41,9 @@ def _command(tmp: Path, name: str, ckpt: str, steps: int, *extra: str) -> list[s
         "gspo.group_size": GROUP,
         "logging.tensorboard": "false",
         "logging.progress": "false",
+        # the distributed optimizer (the GPU default) also for its checkpoint/resume path; the
+        # plain one is covered by tests/megatron/test_checkpoint.py
+        "optim.use_distributed_optimizer": "true",
     }
     cmd = [
         sys.executable,

@@ -1,0 +1,101 @@
+"""Model + optimizer checkpoints through megatron-core's distributed checkpointing.
+
+Every rank calls `save_model_and_optimizer` / `load_model_and_optimizer` with its own model
+chunks and the (possibly chained, possibly distributed) megatron-core optimizer. The directory
+must exist (the caller owns naming, atomic renames and retention).
+
+Format: megatron-core `torch_dist` with `distrib_optim_sharding_type="dp_reshardable"`. With
+megatron-core 0.19 and no Apex/TE, the default "fully_sharded_model_space" is refused by the
+torch_dist writer (flattened ranges) and "fully_reshardable" fails to load torch Adam's `step`;
+"dp_reshardable" resumes at the same TP/PP/EP layout with any DP size. torch Adam's per-parameter
+`step` is not part of that format, so it is saved next to it (`adam_steps_rank{r}.pt`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The chunk inside megatron-core's DDP wrapper (checkpoint keys without `module.`)."""
+    return getattr(chunk, "module", chunk)
+
+
+def _sharded_state(model: list[torch.nn.Module], optimizer: Any, is_loading: bool) -> dict:
+    model_sd = {
+        f"model{i}": _unwrap(m).sharded_state_dict(metadata=_METADATA) for i, m in enumerate(model)
+    }
+    flat: dict[str, Any] = {}
+    for sd in model_sd.values():
+        flat.update(sd)
+    optim = optimizer.sharded_state_dict(flat, is_loading=is_loading, metadata=_METADATA)
+    return {**model_sd, "optimizer": optim}
+
+
+def _chained(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _adam_steps(optimizer: Any) -> list[float | None]:
+    """torch Adam's per-parameter `step` of each inner optimizer (one value: they step
+    together; None for an optimizer with no state on this rank)."""
+    out: list[float | None] = []
+    for opt in _chained(optimizer):
+        steps = {float(s["step"]) for s in opt.optimizer.state.values() if "step" in s}
+        if len(steps) > 1:
+            raise RuntimeError(f"parameters of one optimizer are at different steps: {steps}")
+        out.append(steps.pop() if steps else None)
+    return out
+
+
+def _restore_adam_steps(optimizer: Any, steps: list[float | None]) -> None:
+    # megatron-core 0.19's dp_reshardable load skips torch Adam's `step` (it expects Apex/TE
+    # optimizers that keep it per group); a reset step would redo Adam's bias correction.
+    # The distributed optimizer's load also leaves ONE step tensor shared by every parameter of
+    # a group, and torch Adam increments it in place once per parameter: each parameter gets a
+    # tensor of its own.
+    for opt, step in zip(_chained(optimizer), steps, strict=True):
+        for s in opt.optimizer.state.values():
+            if step is not None and "step" in s:
+                old = s["step"]
+                s["step"] = (
+                    torch.tensor(step, dtype=old.dtype, device=old.device)
+                    if torch.is_tensor(old)
+                    else step
+                )
+
+
+def save_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, directory: Path) -> None:
+    """Collective: every rank writes its shards of the model and optimizer into `directory`."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(_sharded_state(model, optimizer, False), str(directory))
+    rank = torch.distributed.get_rank()
+    torch.save(_adam_steps(optimizer), Path(directory) / f"adam_steps_rank{rank}.pt")
+
+
+def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, directory: Path) -> None:
+    """Collective: restore what `save_model_and_optimizer` wrote, in place."""
+    from megatron.core import dist_checkpointing
+
+    # A fresh optimizer has no state to load into: give it placeholder state first, as
+    # megatron-core's own loader does (a zero-gradient step; overwritten by the load).
+    for opt in _chained(optimizer):
+        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+        if init is not None:
+            init()
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, True), str(directory))
+    for i, m in enumerate(model):
+        _unwrap(m).load_state_dict(loaded[f"model{i}"])
+    with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
+        optimizer.load_state_dict(loaded["optimizer"])
+    # Re-link the optimizer's main params with the restored model params, as megatron-core's
+    # training loop does after a load.
+    optimizer.reload_model_params()
+    rank = torch.distributed.get_rank()
+    _restore_adam_steps(optimizer, torch.load(Path(directory) / f"adam_steps_rank{rank}.pt"))
