@@ -536,9 +536,18 @@ class TrainConfig:
     """Token budget of a packed micro-batch (prompt + response tokens)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda when available, else cpu (gloo)."""
+    routing_flip_every: int = 1
+    """Measure `moe/routing_flip_rate` (share of (token, MoE layer) whose top-k experts changed
+    between the rollout policy and the updated one) every N steps: two forward passes over each
+    rank's first micro-batch(es). 0 = never."""
 
     def __post_init__(self) -> None:
         _positive("train", steps=self.steps, micro_batch_tokens=self.micro_batch_tokens)
+        _require(
+            self.routing_flip_every >= 0,
+            f"train.routing_flip_every={self.routing_flip_every} must be >= 0 (0 = off); "
+            "change train.routing_flip_every",
+        )
 
 
 @dataclass(**_CFG)

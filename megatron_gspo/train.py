@@ -67,7 +67,7 @@ def _loop(cfg, policy, rollout, sync, log, start, stop) -> None:  # noqa: ANN001
         t1 = time.perf_counter()
         if rollout and cfg.rollout.colocated:
             rollout.engine.release_memory()  # the trainer gets the devices while it updates
-        metrics |= policy.update(seqs)
+        metrics |= policy.update(seqs, step)
         t2 = time.perf_counter()
         if rollout and cfg.rollout.colocated:
             rollout.engine.resume_memory()

@@ -35,6 +35,7 @@ from megatron_gspo.megatron.model import (
     quiet_megatron,
 )
 from megatron_gspo.megatron.packing import TrainSequence
+from megatron_gspo.megatron.routing import RoutingRecorder, routing_flip_rate, routing_snapshot
 from megatron_gspo.rollout import RolloutEngine, SamplingParams
 
 
@@ -135,8 +136,9 @@ class Policy:
     def plan(self, seqs: Sequence[TrainSequence]) -> list:
         return mstep.plan_for_this_rank(seqs, self.layout, self.cfg.train.micro_batch_tokens)
 
-    def update(self, seqs: list[TrainSequence]) -> dict[str, float]:
-        """Recompute pi_old if asked, then one optimizer step per mini-batch (paper: 4)."""
+    def update(self, seqs: list[TrainSequence], step: int) -> dict[str, float]:
+        """Recompute pi_old if asked, then one optimizer step per mini-batch (paper: 4);
+        measure the routing drift this update causes (every `train.routing_flip_every` steps)."""
         temperature = self.cfg.rollout.temperature
         if self.cfg.gspo.pi_old == "recompute":
             fresh = mstep.compute_logprobs(self.model, self.plan(seqs), temperature=temperature)
@@ -144,6 +146,10 @@ class Policy:
                 s.rollout_logp, s.old_logp = list(s.old_logp), fresh[s.seq_id].tolist()
         step_cfg = mstep.StepConfig(loss=self.loss, temperature=temperature)
         n = self.cfg.gspo.mini_batches_per_rollout
+        every = self.cfg.train.routing_flip_every
+        probe = self.plan(seqs[::n])[: self.layout.pp if self.layout.vpp else 1]
+        measure = bool(every) and step % every == 0 and bool(RoutingRecorder(self.model).routers)
+        before = routing_snapshot(self.model, probe) if measure else None
         per_mb: list[dict[str, float]] = []
         for i in range(n):
             mini = seqs[i::n]
@@ -156,6 +162,9 @@ class Policy:
         for k in ("mismatch/abs_logp_diff", "policy/clip_frac", "policy/seq_log_ratio_abs"):
             if k in per_mb[0]:
                 out[f"first_mb/{k}"] = per_mb[0][k]
+        if before is not None:
+            after = routing_snapshot(self.model, probe)
+            out |= routing_flip_rate(before, after, probe, sequence_parallel=self.layout.sp)
         return out
 
 

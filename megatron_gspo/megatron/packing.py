@@ -68,6 +68,7 @@ class PackedMicroBatch:
     old_logp: Tensor  # [T]
     rollout_logp: Tensor | None  # [T]
     mask: Tensor  # [T] float 0/1
+    valid: Tensor  # [T] bool, a real token (prompt or response), not padding
     seq_index: Tensor  # [T] long, 0..S-1
     token_pos: Tensor  # [T] long, index of the predicted response token (-1 where masked)
     advantages: Tensor  # [S] or [T] (per-token)
@@ -121,7 +122,8 @@ def pack(
         ]
     per_token_adv = not isinstance(seqs[0].advantage, float | int)
     cols: dict[str, list[Tensor]] = {
-        k: [] for k in ("ids", "pos", "labels", "old", "roll", "mask", "sidx", "tpos", "adv")
+        k: []
+        for k in ("ids", "pos", "labels", "old", "roll", "mask", "valid", "sidx", "tpos", "adv")
     }
     lengths = []
     for i, s in enumerate(seqs):
@@ -151,6 +153,8 @@ def pack(
         cols["old"].append(old[keep])
         cols["roll"].append(roll[keep])
         cols["mask"].append(mask[keep])
+        real = s.length if s.seq_id >= 0 else 0  # a padding micro-batch's token is not real
+        cols["valid"].append((torch.arange(n) < real)[keep])
         cols["sidx"].append(torch.full((keep.numel(),), i, dtype=torch.long))
         cols["tpos"].append(tpos[keep])
         cols["adv"].append(adv[keep])
@@ -168,6 +172,7 @@ def pack(
         old_logp=torch.cat(cols["old"]),
         rollout_logp=torch.cat(cols["roll"]) if seqs[0].rollout_logp is not None else None,
         mask=torch.cat(cols["mask"]),
+        valid=torch.cat(cols["valid"]),
         seq_index=torch.cat(cols["sidx"]),
         token_pos=torch.cat(cols["tpos"]),
         advantages=advantages,

@@ -19,7 +19,7 @@ Shape legend: `T` packed tokens of a micro-batch on this CP shard, `Vp` vocab sh
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -215,12 +215,43 @@ def train_step(
     return metrics
 
 
-def _logprob_only(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> tuple[Any, ...]:
+def _logprob_rows(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> dict[str, Tensor]:
     logp, _ = _logprobs(logits, mb, cfg)
     keep = mb.token_pos >= 0
     sid = torch.tensor(mb.seq_ids)[mb.seq_index[keep]]
     rows = torch.stack([sid.double(), mb.token_pos[keep].double(), logp[keep].double()], 1)
-    return logp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {"rows": rows.detach()}
+    return {"rows": rows.detach()}
+
+
+@torch.no_grad()
+def forward_only(
+    model: list[torch.nn.Module],
+    micro_batches: Sequence[PackedMicroBatch],
+    reduce: Callable[[PackedMicroBatch, Tensor], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """One forward pass over `micro_batches` through megatron-core's schedule (any pipeline
+    layout); `reduce(mb, logits)` runs on the last stage and its dicts are returned there."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def loss(mb: PackedMicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), reduce(mb, logits)
+
+    def step(data_iterator: Iterator[PackedMicroBatch], m: torch.nn.Module) -> Any:
+        mb = next(data_iterator)
+        return _forward(m, mb), partial(loss, mb)
+
+    return (
+        get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=_iterators(model, micro_batches),
+            model=model,
+            num_microbatches=len(micro_batches),
+            seq_length=max(m.input_ids.size(1) for m in micro_batches),
+            micro_batch_size=1,
+            forward_only=True,
+        )
+        or []
+    )
 
 
 @torch.no_grad()
@@ -236,23 +267,8 @@ def compute_logprobs(
 
     Used to recompute pi_old, and to measure trainer/engine log-prob mismatch.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     cfg = StepConfig(loss=PolicyLossConfig(), temperature=temperature, logprob_chunk=chunk)
-
-    def step(data_iterator: Iterator[PackedMicroBatch], m: torch.nn.Module) -> Any:
-        mb = next(data_iterator)
-        return _forward(m, mb), partial(_logprob_only, mb, cfg)
-
-    outputs = get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=_iterators(model, micro_batches),
-        model=model,
-        num_microbatches=len(micro_batches),
-        seq_length=max(m.input_ids.size(1) for m in micro_batches),
-        micro_batch_size=1,
-        forward_only=True,
-    )
+    outputs = forward_only(model, micro_batches, lambda mb, logits: _logprob_rows(mb, cfg, logits))
     rows = torch.cat([o["rows"] for o in outputs]) if outputs else torch.zeros(0, 3)
     gathered: list[Tensor] = [None] * torch.distributed.get_world_size()  # type: ignore
     torch.distributed.all_gather_object(gathered, rows)

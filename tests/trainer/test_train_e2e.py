@@ -157,6 +157,8 @@ def test_every_step_trains_full_groups_with_finite_metrics(runs) -> None:
             assert math.isfinite(m[k]), (m["step"], k)
         # before its first update the trainer IS the engine's policy: only numerical mismatch
         assert m["first_mb/mismatch/abs_logp_diff"] < 1e-4
+        # routing drift is measured every step on real tokens (EP=2: both ranks' tokens)
+        assert 0.0 <= m["moe/routing_flip_rate"] <= 1.0 and m["moe/routed_token_layers"] > 0
 
 
 def test_engines_serve_the_pushed_weights(runs) -> None:
@@ -173,5 +175,5 @@ def test_resume_after_kill_continues_exactly(runs) -> None:
     a, b, c = runs["a"], runs["b"], runs["c"]
     assert [m["step"] for m in b] == [1, 2] and [m["step"] for m in c] == [3, 4]
     for got, want in zip(b + c, a, strict=True):
-        for k in ("loss", "reward/mean", "grad_norm", "policy/clip_frac"):
+        for k in ("loss", "reward/mean", "grad_norm", "policy/clip_frac", "moe/routing_flip_rate"):
             assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
