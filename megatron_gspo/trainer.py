@@ -81,15 +81,7 @@ class Policy:
     def build(cls, cfg: Config) -> Policy:
         quiet_megatron()
         p = cfg.parallel
-        layout = Layout(
-            tp=p.tp,
-            pp=p.pp,
-            vpp=p.vpp,
-            cp=p.cp,
-            ep=p.ep,
-            etp=p.etp,
-            sequence_parallel=p.sequence_parallel,
-        )
+        layout = Layout.from_config(p)
         init_megatron(layout, seed=cfg.train.seed)
         bridge = load_bridge(cfg.model.hf_path)
         hf = bridge.hf_pretrained.config

@@ -41,6 +41,20 @@ class Layout:
     def sp(self) -> bool:
         return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
 
+    @classmethod
+    def from_config(cls, parallel: Any) -> Layout:
+        """The layout of a validated `megatron_gspo.config.ParallelConfig` (its `dp` is only a
+        check of the world size, done by `ParallelConfig.validate_world`)."""
+        return cls(
+            tp=parallel.tp,
+            pp=parallel.pp,
+            vpp=parallel.vpp,
+            cp=parallel.cp,
+            ep=parallel.ep,
+            etp=parallel.etp,
+            sequence_parallel=parallel.sequence_parallel,
+        )
+
     def name(self) -> str:
         parts = [
             f"{k}{v}"

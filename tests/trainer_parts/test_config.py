@@ -301,3 +301,17 @@ def test_gspo_section_agrees_with_the_loss_config(algorithm):
         tis_mode=g.mismatch_correction,
         tis_cap=g.mismatch_cap,
     )
+
+
+def test_layout_from_config_carries_every_layout_field() -> None:
+    import dataclasses
+
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.megatron.model import Layout
+
+    p = ParallelConfig(tp=2, pp=2, vpp=3, cp=2, ep=4, etp=1, sequence_parallel=True)
+    layout = Layout.from_config(p)
+    shared = {f.name for f in dataclasses.fields(Layout)}
+    assert shared <= {f.name for f in dataclasses.fields(ParallelConfig)}  # dp is config-only
+    for name in shared:
+        assert getattr(layout, name) == getattr(p, name), name
