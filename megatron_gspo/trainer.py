@@ -37,6 +37,7 @@ from megatron_gspo.megatron.model import (
 from megatron_gspo.megatron.packing import TrainSequence
 from megatron_gspo.megatron.routing import RoutingRecorder, routing_flip_rate, routing_snapshot
 from megatron_gspo.rollout import RolloutEngine, SamplingParams
+from megatron_gspo.weights.convert import write_source_info
 
 
 def rank() -> int:
@@ -295,6 +296,8 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
         tmp.mkdir(parents=True)
     torch.distributed.barrier()
     save_model_and_optimizer(policy.model, policy.optimizer, tmp)
+    # hf_config/ + metadata: tools/convert_megatron_to_hf.py turns this step into a HF model
+    write_source_info(tmp, policy.cfg.model.hf_path, policy.bridge, policy.model, policy.layout)
     state = {"step": step, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
     torch.save(state, tmp / f"trainer_rank{rank()}.pt")
     if rollout is not None:

@@ -26,10 +26,19 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
 
 
+def model_sharded_state(
+    model: list[torch.nn.Module], metadata: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The model part of a checkpoint: `model` for one chunk, `model0..` for virtual pipeline
+    chunks, as Megatron-LM nests them. The ShardedTensor keys inside are global (layer offsets,
+    expert ids, TP slices), so the nesting does not constrain resharding. Shared with the
+    conversion tools, so that a training checkpoint converts to HF at any layout."""
+    sds = [_unwrap(m).sharded_state_dict(metadata=metadata) for m in model]
+    return {"model": sds[0]} if len(sds) == 1 else {f"model{i}": sd for i, sd in enumerate(sds)}
+
+
 def _sharded_state(model: list[torch.nn.Module], optimizer: Any, is_loading: bool) -> dict:
-    model_sd = {
-        f"model{i}": _unwrap(m).sharded_state_dict(metadata=_METADATA) for i, m in enumerate(model)
-    }
+    model_sd = model_sharded_state(model, _METADATA)
     flat: dict[str, Any] = {}
     for sd in model_sd.values():
         flat.update(sd)
@@ -91,7 +100,7 @@ def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, direc
             init()
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, True), str(directory))
     for i, m in enumerate(model):
-        _unwrap(m).load_state_dict(loaded[f"model{i}"])
+        _unwrap(m).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
     with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
         optimizer.load_state_dict(loaded["optimizer"])
     # Re-link the optimizer's main params with the restored model params, as megatron-core's

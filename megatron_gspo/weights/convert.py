@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.megatron.checkpoint import model_sharded_state
 from megatron_gspo.megatron.model import (
     Layout,
     build_model,
@@ -110,11 +111,38 @@ def _prepare_output(out_dir: Path, force: bool) -> None:
 
 
 def _sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
-    # One entry per virtual pipeline chunk, as Megatron-LM's own checkpoints nest them; the
-    # ShardedTensor keys inside are global, so the nesting does not constrain resharding.
-    if len(model) == 1:
-        return {"model": model[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(model)}
+    return model_sharded_state(model)
+
+
+def write_source_info(
+    out_dir: Path, hf_dir: str | Path, bridge: Any, model: list[torch.nn.Module], layout: Layout
+) -> dict[str, Any]:
+    """Rank 0 writes `hf_config/` (config, tokenizer and generation files of `hf_dir`) and
+    `mgspo_conversion.json` into a Megatron checkpoint directory, which is all
+    `megatron_to_hf` needs besides the weights. Returns the metadata (on every rank)."""
+    hf_dir = Path(hf_dir)
+    meta = {
+        "format": "torch_dist",
+        "source": str(hf_dir.resolve()),
+        "layout": {
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "vpp": layout.vpp,
+            "cp": layout.cp,
+            "ep": layout.ep,
+            "etp": layout.etp,
+        },
+        "world_size": _world(),
+        "param_dtype": str(next(model[0].parameters()).dtype).removeprefix("torch."),
+        "hf_dtype": str(_hf_dtype(hf_io.hf_config_of(bridge))).removeprefix("torch."),
+    }
+    if _rank() == 0:
+        cfg_dir = Path(out_dir) / HF_CONFIG_DIR
+        cfg_dir.mkdir(exist_ok=True)
+        shutil.copy2(hf_dir / "config.json", cfg_dir / "config.json")
+        hf_io.copy_side_files(hf_dir, cfg_dir)
+        (Path(out_dir) / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
 
 
 def _hf_dtype(hf_config: Any) -> torch.dtype:
@@ -201,27 +229,7 @@ def hf_to_megatron(
     bridge.load_hf_weights(model)
     _say(f"saving torch_dist checkpoint to {out_dir}")
     dist_checkpointing.save(_sharded_state_dict(model), str(out_dir))
-    meta = {
-        "format": "torch_dist",
-        "source": str(hf_dir.resolve()),
-        "layout": {
-            "tp": layout.tp,
-            "pp": layout.pp,
-            "vpp": layout.vpp,
-            "cp": layout.cp,
-            "ep": layout.ep,
-            "etp": layout.etp,
-        },
-        "world_size": _world(),
-        "param_dtype": str(next(model[0].parameters()).dtype).removeprefix("torch."),
-        "hf_dtype": str(_hf_dtype(hf_io.hf_config_of(bridge))).removeprefix("torch."),
-    }
-    if _rank() == 0:
-        cfg_dir = out_dir / HF_CONFIG_DIR
-        cfg_dir.mkdir(exist_ok=True)
-        shutil.copy2(hf_dir / "config.json", cfg_dir / "config.json")
-        hf_io.copy_side_files(hf_dir, cfg_dir)
-        (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    meta = write_source_info(out_dir, hf_dir, bridge, model, layout)
     _barrier()
     _say("done")
     return meta

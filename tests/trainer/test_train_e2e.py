@@ -18,9 +18,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+import torch
 
 from tools import make_tiny_toy
 
@@ -130,10 +132,13 @@ def _wait_for_no_engines(model_dir: Path, timeout: float = 20.0) -> list[int]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     tmp = tmp_path_factory.mktemp("e2e")
     make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
-    out: dict[str, list] = {"a": _train(tmp, "a", "ckpt_a", 4)}
+    out: dict[str, Any] = {
+        "a": _train(tmp, "a", "ckpt_a", 4, "--set", "checkpoint.export_hf_at_end=true")
+    }
     out["b"] = _train_until_killed(tmp, "b", "ckpt_b", 2)
     out["orphans"] = _wait_for_no_engines(tmp / "toy/model")
     out["c"] = _train(tmp, "c", "ckpt_b", 4, "--resume")
+    out["tmp"] = tmp
     return out
 
 
@@ -169,6 +174,30 @@ def test_engines_serve_the_pushed_weights(runs) -> None:
 
 def test_killed_trainer_leaves_no_engine_behind(runs) -> None:
     assert runs["orphans"] == []
+
+
+def test_final_hf_export_equals_the_converted_last_checkpoint(runs) -> None:
+    """Two paths to a HF model of the trained policy agree bitwise: the trainer's export at the
+    end (EP=2 job) and tools/convert_megatron_to_hf.py on its last checkpoint (one rank)."""
+    from safetensors.torch import load_file
+
+    tmp = runs["tmp"]
+    out = tmp / "converted"
+    cmd = [sys.executable, "tools/convert_megatron_to_hf.py", "-i", str(tmp / "ckpt_a/step_000004")]
+    proc = subprocess.run(
+        [*cmd, "-o", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    def weights(d: Path) -> dict:
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    exported, converted = weights(tmp / "ckpt_a/hf_final"), weights(out)
+    initial = weights(tmp / "toy/model")
+    assert exported.keys() == converted.keys() == initial.keys()
+    for k in exported:
+        assert torch.equal(exported[k], converted[k]), k
+    assert any(not torch.equal(exported[k], initial[k]) for k in exported)  # it did train
 
 
 def test_resume_after_kill_continues_exactly(runs) -> None:
