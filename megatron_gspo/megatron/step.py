@@ -194,22 +194,12 @@ def train_step(
 ) -> dict[str, float]:
     """One optimizer step over this rank's micro-batches. Returns reduced metrics, the global
     loss (sum over ranks of the shares), the grad norm and whether the step was applied."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    outputs = get_forward_backward_func()(
-        forward_step_func=partial(policy_forward_step, cfg=cfg),
-        data_iterator=_iterators(model, micro_batches),
-        model=model,
-        num_microbatches=len(micro_batches),
-        seq_length=max(m.input_ids.size(1) for m in micro_batches),
-        micro_batch_size=1,
-        forward_only=False,
-    )
+    outputs = _schedule(model, micro_batches, partial(policy_forward_step, cfg=cfg), False)
     ok, grad_norm, _ = optimizer.step()
-    metrics = reduce_metrics(outputs or [])
+    metrics = reduce_metrics(outputs)
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["update_successful"] = float(bool(ok))
     return metrics
@@ -231,7 +221,6 @@ def forward_only(
 ) -> list[dict[str, Any]]:
     """One forward pass over `micro_batches` through megatron-core's schedule (any pipeline
     layout); `reduce(mb, logits)` runs on the last stage and its dicts are returned there."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def loss(mb: PackedMicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
         return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), reduce(mb, logits)
@@ -240,18 +229,29 @@ def forward_only(
         mb = next(data_iterator)
         return _forward(m, mb), partial(loss, mb)
 
-    return (
-        get_forward_backward_func()(
-            forward_step_func=step,
-            data_iterator=_iterators(model, micro_batches),
-            model=model,
-            num_microbatches=len(micro_batches),
-            seq_length=max(m.input_ids.size(1) for m in micro_batches),
-            micro_batch_size=1,
-            forward_only=True,
-        )
-        or []
+    return _schedule(model, micro_batches, step, True)
+
+
+def _schedule(
+    model: list[torch.nn.Module],
+    micro_batches: Sequence[PackedMicroBatch],
+    forward_step: Callable[..., Any],
+    forward_only: bool,
+) -> list[dict[str, Any]]:
+    """megatron-core's schedule for this layout (no pipelining, 1F1B or interleaved) over
+    `micro_batches`; the loss functions' dicts (last pipeline stage; [] elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=_iterators(model, micro_batches),
+        model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=max(m.input_ids.size(1) for m in micro_batches),  # p2p shapes exchanged
+        micro_batch_size=1,
+        forward_only=forward_only,
     )
+    return outputs or []
 
 
 @torch.no_grad()
