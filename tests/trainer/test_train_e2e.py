@@ -1,7 +1,8 @@
 """The GSPO trainer end to end on 2 CPU ranks (EP=2) with the embedded engine.
 
 Run A trains 4 steps straight. Run B is SIGKILLed (torchrun and its ranks) right after its
-step-2 checkpoint; run C resumes it to step 4. Checks: every step trains on prompts x group_size
+step-2 checkpoint; run C resumes it to step 4. Run D trains 2 steps colocated (engine memory
+released during updates). Checks: every step trains on prompts x group_size
 sequences with finite metrics, the engines serve the pushed weights (per-tensor checksums of
 sent vs engine-held tensors) at the right version, a killed trainer leaves no engine behind,
 and the resumed run reproduces the uninterrupted one.
@@ -138,6 +139,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     out["b"] = _train_until_killed(tmp, "b", "ckpt_b", 2)
     out["orphans"] = _wait_for_no_engines(tmp / "toy/model")
     out["c"] = _train(tmp, "c", "ckpt_b", 4, "--resume")
+    out["d"] = _train(tmp, "d", "ckpt_d", 2, "--set", "rollout.colocated=true")
     out["tmp"] = tmp
     return out
 
@@ -198,6 +200,15 @@ def test_final_hf_export_equals_the_converted_last_checkpoint(runs) -> None:
     for k in exported:
         assert torch.equal(exported[k], converted[k]), k
     assert any(not torch.equal(exported[k], initial[k]) for k in exported)  # it did train
+
+
+def test_colocated_release_and_resume_change_nothing(runs) -> None:
+    """rollout.colocated: the engines free their memory during each update (the embedded engine
+    then refuses to generate) and get it back before the weight push and the next rollout."""
+    for got, want in zip(runs["d"], runs["a"][:2], strict=True):
+        assert got["weights/verified"] == 1.0
+        for k in ("loss", "reward/mean", "grad_norm", "policy/clip_frac"):
+            assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
 
 
 def test_resume_after_kill_continues_exactly(runs) -> None:
