@@ -1,8 +1,10 @@
 """Model + optimizer checkpoints through megatron-core's distributed checkpointing.
 
-Every rank calls `save_model_and_optimizer` / `load_model_and_optimizer` with its own model
-chunks and the (possibly chained, possibly distributed) megatron-core optimizer. The directory
-must exist (the caller owns naming, atomic renames and retention).
+Every rank calls `save_model_and_optimizer` / `load_model_and_optimizer` (training) or
+`save_model` / `load_model_states` (conversion tools) with its own model chunks and, for
+training, the (possibly chained, possibly distributed) megatron-core optimizer. The directory
+must exist (the caller owns naming, atomic renames and retention). Model tensors are keyed
+globally, so the model part loads at any layout; optimizer state resumes at the same TP/PP/EP.
 
 Format: megatron-core `torch_dist` with `distrib_optim_sharding_type="dp_reshardable"`. With
 megatron-core 0.19 and no Apex/TE, the default "fully_sharded_model_space" is refused by the
@@ -35,6 +37,28 @@ def model_sharded_state(
     conversion tools, so that a training checkpoint converts to HF at any layout."""
     sds = [_unwrap(m).sharded_state_dict(metadata=metadata) for m in model]
     return {"model": sds[0]} if len(sds) == 1 else {f"model{i}": sd for i, sd in enumerate(sds)}
+
+
+def _chunk_states(loaded: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
+    return (
+        [loaded["model"]] if num_chunks == 1 else [loaded[f"model{i}"] for i in range(num_chunks)]
+    )
+
+
+def save_model(model: list[torch.nn.Module], directory: str | Path) -> None:
+    """Collective: the model alone (the conversion tools' checkpoints)."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(model_sharded_state(model), str(directory))
+
+
+def load_model_states(model: list[torch.nn.Module], directory: str | Path) -> list[dict]:
+    """Collective: each chunk's state dict for `model`'s layout, read from a checkpoint written
+    by `save_model` or `save_model_and_optimizer` at any layout (optimizer state is not read)."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(model_sharded_state(model), str(directory))
+    return _chunk_states(loaded, len(model))
 
 
 def _sharded_state(model: list[torch.nn.Module], optimizer: Any, is_loading: bool) -> dict:
@@ -99,8 +123,8 @@ def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, direc
         if init is not None:
             init()
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, True), str(directory))
-    for i, m in enumerate(model):
-        _unwrap(m).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
+    for m, sd in zip(model, _chunk_states(loaded, len(model)), strict=True):
+        _unwrap(m).load_state_dict(sd)
     with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
         optimizer.load_state_dict(loaded["optimizer"])
     # Re-link the optimizer's main params with the restored model params, as megatron-core's

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.megatron.checkpoint import model_sharded_state
+from megatron_gspo.megatron.checkpoint import load_model_states, save_model
 from megatron_gspo.megatron.model import (
     Layout,
     build_model,
@@ -108,10 +108,6 @@ def _prepare_output(out_dir: Path, force: bool) -> None:
     if _rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     _barrier()
-
-
-def _sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
-    return model_sharded_state(model)
 
 
 def write_source_info(
@@ -213,8 +209,6 @@ def hf_to_megatron(
     dtype: parameter dtype of the Megatron model (default: fp32 on CPU, bf16 on GPU).
     Returns the metadata written to `mgspo_conversion.json`.
     """
-    from megatron.core import dist_checkpointing
-
     quiet_megatron()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if not (hf_dir / "config.json").is_file():
@@ -228,7 +222,7 @@ def hf_to_megatron(
     _say(f"loading {hf_dir} into a {layout.name()} model on {_world()} ranks")
     bridge.load_hf_weights(model)
     _say(f"saving torch_dist checkpoint to {out_dir}")
-    dist_checkpointing.save(_sharded_state_dict(model), str(out_dir))
+    save_model(model, out_dir)
     meta = write_source_info(out_dir, hf_dir, bridge, model, layout)
     _barrier()
     _say("done")
@@ -239,8 +233,6 @@ def load_megatron(
     ckpt_dir: str | Path, layout: Layout, *, dtype: torch.dtype | None = None
 ) -> tuple[Any, list[torch.nn.Module]]:
     """(bridge, model chunks for `layout`) with weights from a `hf_to_megatron` checkpoint."""
-    from megatron.core import dist_checkpointing
-
     quiet_megatron()
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / META_FILE).is_file() or not (ckpt_dir / HF_CONFIG_DIR).is_dir():
@@ -251,13 +243,12 @@ def load_megatron(
         dtype = getattr(torch, meta["param_dtype"])
     model = build_for_layout(bridge, layout, dtype)
     try:
-        state = dist_checkpointing.load(_sharded_state_dict(model), str(ckpt_dir))
+        states = load_model_states(model, ckpt_dir)
     except Exception as e:  # megatron raises CheckpointingException / KeyError with key lists
         raise ConversionError(
             f"cannot load {ckpt_dir} at layout {layout.name()}: {type(e).__name__}: {e}"
         ) from e
-    for i, m in enumerate(model):
-        sd = state["model"] if len(model) == 1 else state[f"model{i}"]
+    for m, sd in zip(model, states, strict=True):
         missing, unexpected = m.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
