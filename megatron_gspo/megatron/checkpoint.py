@@ -63,10 +63,9 @@ def load_model_states(model: list[torch.nn.Module], directory: str | Path) -> li
 
 def _sharded_state(model: list[torch.nn.Module], optimizer: Any, is_loading: bool) -> dict:
     model_sd = model_sharded_state(model, _METADATA)
-    flat: dict[str, Any] = {}
-    for sd in model_sd.values():
-        flat.update(sd)
-    optim = optimizer.sharded_state_dict(flat, is_loading=is_loading, metadata=_METADATA)
+    # Nested, not flattened: virtual pipeline chunks share local keys (each has its own
+    # "decoder.layers.0..."), and the optimizer matches its params to sharded tensors by identity.
+    optim = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_METADATA)
     return {**model_sd, "optimizer": optim}
 
 

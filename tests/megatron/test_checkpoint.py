@@ -18,20 +18,28 @@ CASES = {
     "dp2-distopt": dict(layout={}, distopt=True),
     "ep2-distopt": dict(layout=dict(ep=2), distopt=True),
 }
+# Two model chunks per rank. Its own launch: with megatron-core 0.19.2, once a process has saved
+# a model + optimizer checkpoint at one layout, a save at another layout fails sharding
+# validation (observed: layers of pipeline rank 1 reported missing; not root-caused). A training
+# process never changes layout; the harness cases do.
+VPP_CASES = {"pp2vpp2-distopt": dict(layout=dict(pp=2, vpp=2), distopt=True)}
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(save_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf", seed=0))
+    path = tmp_path_factory.mktemp("tiny") / "hf"  # 4 layers: pp * vpp chunks
+    return str(save_tiny_hf_checkpoint(path, seed=0, num_hidden_layers=4))
 
 
 @pytest.fixture(scope="module")
 def results(hf_dir: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = str(tmp_path_factory.mktemp("ckpt"))
-    return launch(checkpoint_ranks.main, 2, hf_dir, root, CASES)
+    out = launch(checkpoint_ranks.main, 2, hf_dir, root, CASES)
+    vpp = launch(checkpoint_ranks.main, 2, hf_dir, root, VPP_CASES)
+    return [{**a, **b} for a, b in zip(out, vpp, strict=True)]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *VPP_CASES])
 def test_resume_is_exact(name: str, results: list[dict]) -> None:
     for rank, all_cases in enumerate(results):
         res = all_cases[name]
