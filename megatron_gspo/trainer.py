@@ -140,9 +140,10 @@ class Policy:
         step_cfg = mstep.StepConfig(loss=self.loss, temperature=temperature)
         n = self.cfg.gspo.mini_batches_per_rollout
         every = self.cfg.train.routing_flip_every
-        probe = self.plan(seqs[::n])[: self.layout.pp if self.layout.vpp else 1]
-        measure = bool(every) and step % every == 0 and bool(RoutingRecorder(self.model).routers)
-        before = routing_snapshot(self.model, probe) if measure else None
+        before = probe = None
+        if every and step % every == 0 and RoutingRecorder(self.model).routers:
+            probe = self.plan(seqs[::n])[: self.layout.pp if self.layout.vpp else 1]
+            before = routing_snapshot(self.model, probe)
         per_mb: list[dict[str, float]] = []
         for i in range(n):
             mini = seqs[i::n]
@@ -155,7 +156,7 @@ class Policy:
         for k in ("mismatch/abs_logp_diff", "policy/clip_frac", "policy/seq_log_ratio_abs"):
             if k in per_mb[0]:
                 out[f"first_mb/{k}"] = per_mb[0][k]
-        if before is not None:
+        if before is not None and probe is not None:
             after = routing_snapshot(self.model, probe)
             out |= routing_flip_rate(before, after, probe, sequence_parallel=self.layout.sp)
         return out

@@ -73,33 +73,39 @@ def _chained(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _adam_steps(optimizer: Any) -> list[float | None]:
-    """torch Adam's per-parameter `step` of each inner optimizer (one value: they step
-    together; None for an optimizer with no state on this rank)."""
-    out: list[float | None] = []
+def _params(opt: Any) -> list[torch.Tensor]:
+    """The inner torch optimizer's parameters in param-group order (stable across rebuilds)."""
+    return [p for group in opt.optimizer.param_groups for p in group["params"]]
+
+
+def _adam_steps(optimizer: Any) -> list[list[float | None]]:
+    """torch Adam's `step` of every parameter of every inner optimizer (None: no state yet)."""
+    out = []
     for opt in _chained(optimizer):
-        steps = {float(s["step"]) for s in opt.optimizer.state.values() if "step" in s}
-        if len(steps) > 1:
-            raise RuntimeError(f"parameters of one optimizer are at different steps: {steps}")
-        out.append(steps.pop() if steps else None)
+        state = opt.optimizer.state
+        out.append(
+            [float(state[p]["step"]) if "step" in state.get(p, {}) else None for p in _params(opt)]
+        )
     return out
 
 
-def _restore_adam_steps(optimizer: Any, steps: list[float | None]) -> None:
+def _restore_adam_steps(optimizer: Any, steps: list[list[float | None]]) -> None:
     # megatron-core 0.19's dp_reshardable load skips torch Adam's `step` (it expects Apex/TE
     # optimizers that keep it per group); a reset step would redo Adam's bias correction.
     # The distributed optimizer's load also leaves ONE step tensor shared by every parameter of
     # a group, and torch Adam increments it in place once per parameter: each parameter gets a
     # tensor of its own.
-    for opt, step in zip(_chained(optimizer), steps, strict=True):
-        for s in opt.optimizer.state.values():
-            if step is not None and "step" in s:
-                old = s["step"]
-                s["step"] = (
-                    torch.tensor(step, dtype=old.dtype, device=old.device)
-                    if torch.is_tensor(old)
-                    else step
-                )
+    for opt, opt_steps in zip(_chained(optimizer), steps, strict=True):
+        state = opt.optimizer.state
+        for p, step in zip(_params(opt), opt_steps, strict=True):
+            if step is None or "step" not in state.get(p, {}):
+                continue
+            old = state[p]["step"]
+            state[p]["step"] = (
+                torch.tensor(step, dtype=old.dtype, device=old.device)
+                if torch.is_tensor(old)
+                else step
+            )
 
 
 def save_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, directory: Path) -> None:
