@@ -1,0 +1,172 @@
+"""The wheel is the whole package: built from the source tree, installed into an empty
+directory and used from OUTSIDE the checkout (no repo root on the path), every module imports
+and both ways to start training (the `megatron-gspo-train` console script and
+`python -m megatron_gspo.train`) answer `--help`.
+
+The scripts run from the checkout with PYTHONPATH set, which hides a missing `__init__.py`
+(find_packages() then silently drops the directory from the wheel); only an install shows it.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = "megatron_gspo"
+# Build outputs and caches: never part of a clone, and a stale build/lib would leak into the wheel.
+IGNORE = shutil.ignore_patterns(
+    ".git", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".venv", "runs", "outputs"
+)
+
+
+def _source_files() -> list[str]:
+    """The files a clone of this working tree has (tracked + new, not ignored), repo-relative."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (e.g. an sdist)
+        return []
+    return [f for f in out.split("\0") if f and (ROOT / f).is_file()]
+
+
+def _copy_tree(dst: Path) -> None:
+    # The build runs on a copy: setuptools writes build/ and *.egg-info next to setup.py, which
+    # must not appear in (or be reused from) a checkout several people work in.
+    files = _source_files()
+    if not files:
+        shutil.copytree(ROOT, dst, ignore=IGNORE)
+        return
+    for f in files:
+        (dst / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, dst / f)
+
+
+def _clean_env(site: Path) -> dict[str, str]:
+    """The environment of a user who installed the wheel: PYTHONPATH is the install only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(PYTHONPATH=str(site), PYTHONWARNINGS="ignore", PYTHONNOUSERSITE="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("wheel")
+    src, dist, site, cwd = tmp / "src", tmp / "dist", tmp / "site", tmp / "elsewhere"
+    src.mkdir()
+    cwd.mkdir()
+    _copy_tree(src)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
+    # No network: the venv's setuptools builds it (no isolated build env to download into).
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)]
+    proc = subprocess.run(build, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (wheel,) = dist.glob("*.whl")
+    proc = subprocess.run(
+        [*pip, "install", "--no-deps", "--no-compile", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"site": site, "cwd": cwd, "src": src}
+
+
+def _run(installed: dict[str, Path], args: list[str], timeout: float = 300) -> str:
+    proc = subprocess.run(
+        args,
+        cwd=installed["cwd"],
+        env=_clean_env(installed["site"]),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    out = proc.stdout + proc.stderr
+    what = " ".join(args[1:3])[:120]  # not the whole inline script
+    assert proc.returncode == 0, f"python {what} ... exited {proc.returncode}:\n{out[-6000:]}"
+    return out
+
+
+def _package_files(root: Path) -> set[str]:
+    return {
+        str(p.relative_to(root))
+        for p in (root / PKG).rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+    }
+
+
+def test_every_file_of_the_package_is_installed(installed: dict[str, Path]) -> None:
+    """Each module and each data file under megatron_gspo/ in the source tree is in the wheel
+    (a directory without `__init__.py`, or a non-Python file without package_data, is not)."""
+    # the copy that was built, not the live tree (others may add files meanwhile)
+    missing = sorted(_package_files(installed["src"]) - _package_files(installed["site"]))
+    assert not missing, f"not in the installed wheel: {missing}"
+
+
+IMPORT_ALL = f"""
+import importlib, pkgutil, sys, traceback
+from pathlib import Path
+site, root = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
+assert not any(Path(p or '.').resolve() == root for p in sys.path), sys.path
+import {PKG}
+assert Path({PKG}.__file__).resolve().is_relative_to(site), {PKG}.__file__
+failed, names = [], []
+def onerror(name):
+    failed.append((name, traceback.format_exc()))
+for m in pkgutil.walk_packages({PKG}.__path__, '{PKG}.', onerror=onerror):
+    names.append(m.name)
+    try:
+        mod = importlib.import_module(m.name)
+        assert Path(mod.__file__).resolve().is_relative_to(site), mod.__file__
+    except BaseException:
+        failed.append((m.name, traceback.format_exc()))
+for name, tb in failed:
+    print('FAILED', name, tb, sep='\\n')
+print('imported', len(names), 'modules:', ' '.join(names))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_module_imports_from_the_installed_wheel(installed: dict[str, Path]) -> None:
+    out = _run(installed, [sys.executable, "-c", IMPORT_ALL, str(installed["site"]), str(ROOT)])
+    # the walk found the subpackages (not only the top level)
+    for name in (f"{PKG}.train", f"{PKG}.megatron.model", f"{PKG}.weights.convert"):
+        assert f" {name} " in f"{out.strip()} ", out[-3000:]
+
+
+def _console_script(site: Path, name: str) -> str:
+    (ep_file,) = site.glob(f"{PKG}-*.dist-info/entry_points.txt")
+    eps = configparser.ConfigParser()
+    eps.read(ep_file)
+    return eps["console_scripts"][name]
+
+
+def test_console_entry_point_help(installed: dict[str, Path]) -> None:
+    """`megatron-gspo-train --help` through the wheel's entry point, as pip's launcher calls it."""
+    target = _console_script(installed["site"], "megatron-gspo-train")
+    module, func = target.split(":")
+    launcher = (
+        f"import sys; sys.argv[0] = 'megatron-gspo-train'; "
+        f"from {module} import {func}; sys.exit({func}())"
+    )
+    out = _run(installed, [sys.executable, "-c", launcher, "--help"], timeout=120)
+    assert "usage: megatron-gspo-train" in out and "--config" in out, out[-3000:]
+    script = installed["site"] / "bin" / "megatron-gspo-train"
+    if script.is_file():  # the launcher pip wrote (its shebang is this interpreter)
+        out = _run(installed, [sys.executable, str(script), "--help"], timeout=120)
+        assert "--config" in out, out[-3000:]
+
+
+def test_python_m_train_help(installed: dict[str, Path]) -> None:
+    out = _run(installed, [sys.executable, "-m", f"{PKG}.train", "--help"], timeout=120)
+    assert "--config" in out, out[-3000:]
