@@ -6,7 +6,7 @@ train/inference mismatch and reward, side by side.
         --set rollout.temperature=1.0
 
 Each algorithm runs the example config (same seed, data order and model) through
-`torchrun -m megatron_gspo.train` with `gspo.algorithm` switched (each with its own default
+`torchrun -m megatron_gspo.train` with `loss.kind` switched (each with its own default
 clip range: GSPO 3e-4/4e-4 on the sequence ratio, GRPO 0.2/0.27 on token ratios); the table is
 read from their metrics.jsonl. Reported (mean over steps unless noted):
   flip rate     moe/routing_flip_rate: share of (token, MoE layer) whose top-k experts changed
@@ -56,7 +56,7 @@ def run(algorithm: str, steps: int, config: str, out: Path, extra: list[str]) ->
         "--config",
         config,
         "--set",
-        f"gspo.algorithm={algorithm}",
+        f"loss.kind={algorithm}",
         "--set",
         f"train.steps={steps}",
         "--set",

@@ -1,12 +1,15 @@
 """The run configuration: one YAML file -> nested typed dataclasses, with `--set a.b=c` overrides.
 
-Plain Python only (no Megatron import): the one adapter in `megatron_gspo/megatron/` translates
-these sections into megatron-core objects. Every field carries a docstring (the string literal
-under it; `field_docs()` reads them back for `--help`-style listings), and every check raises a
+No Megatron import: the one adapter in `megatron_gspo/megatron/` translates these sections into
+megatron-core objects. Sections owned by a component are that component's own dataclass
+(`loss` is `algo.PolicyLossConfig`, `parallel` is `layout.Layout`, `weights` is
+`weights.sync.WeightSyncConfig`, `rollout.launch` / `rollout.client` are the launcher's and the
+SGLang client's), so every knob has one name and one check. Every field carries a docstring (the
+string literal under it; `field_docs()` reads them back for `--keys`), and every check raises a
 `ConfigError` whose message names the key to change.
 
-    cfg = load_config("examples/tiny_moe_cpu.yaml", ["gspo.algorithm=grpo", "parallel.ep=2"])
-    dp = cfg.parallel.validate_world(world_size, num_experts=8, num_layers=2, num_heads=4)
+    cfg = load_config("examples/tiny_moe_cpu.yaml", ["loss.kind=grpo", "parallel.ep=2"])
+    dp = cfg.parallel.validate(world_size, hf_config)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_gspo.algo.losses import PolicyLossConfig
 from megatron_gspo.config_io import (
     ConfigError,
     apply_override,
@@ -26,37 +30,34 @@ from megatron_gspo.config_io import (
     field_docs,
     require,
 )
+from megatron_gspo.layout import Layout
+from megatron_gspo.rollout.launch import LaunchConfig
+from megatron_gspo.rollout.sglang_client import ClientConfig
+from megatron_gspo.weights.sync import WeightSyncConfig
 
 __all__ = [
     "CheckpointConfig",
+    "ClientConfig",
     "Config",
     "ConfigError",
     "DataConfig",
     "GspoConfig",
+    "LaunchConfig",
+    "Layout",
     "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
-    "ParallelConfig",
+    "PolicyLossConfig",
     "RewardConfig",
     "RolloutConfig",
     "TrainConfig",
+    "WeightSyncConfig",
     "config_from_dict",
     "dump_config",
     "field_docs",
     "load_config",
     "parse_cli",
 ]
-
-Algorithm = Literal["gspo", "gspo_token", "grpo"]
-
-# The GSPO paper's settings (Zheng et al. 2025, arXiv 2507.18071): sequence-level ratios live in
-# a band two orders of magnitude narrower than GRPO's token-level ones.
-DEFAULT_EPS: dict[str, tuple[float, float]] = {
-    "gspo": (3e-4, 4e-4),
-    "gspo_token": (3e-4, 4e-4),
-    "grpo": (0.2, 0.27),
-}
-
 
 _require = require
 
@@ -100,122 +101,6 @@ class ModelConfig:
 
 
 @dataclass(**_CFG)
-class ParallelConfig:
-    """The parallel layout (megatron-core semantics; DP is what is left of the world)."""
-
-    tp: int = 1
-    """Tensor parallel size."""
-    pp: int = 1
-    """Pipeline parallel size."""
-    vpp: int | None = None
-    """Virtual pipeline stages per pipeline rank (interleaved schedule); None disables it."""
-    cp: int = 1
-    """Context parallel size."""
-    ep: int = 1
-    """Expert parallel size."""
-    etp: int | None = None
-    """Expert tensor parallel size; None means the same as parallel.tp (megatron-core default)."""
-    dp: int | None = None
-    """Data parallel size; None infers world_size / (tp * pp * cp). Set it to assert a layout."""
-    sequence_parallel: bool = False
-    """Sequence parallelism (needs tp > 1; required by megatron-core when tp > 1 and ep > 1)."""
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "ep", "etp", "dp", "vpp"):
-            v = getattr(self, name)
-            _require(
-                v is None or v >= 1, f"parallel.{name}={v} must be >= 1; change parallel.{name}"
-            )
-        _require(
-            self.vpp is None or self.pp > 1,
-            f"parallel.vpp={self.vpp} needs pipeline parallelism; set parallel.pp > 1 or "
-            "parallel.vpp to null",
-        )
-        _require(
-            not self.sequence_parallel or self.tp > 1,
-            "parallel.sequence_parallel=true needs parallel.tp > 1; change parallel.tp or set "
-            "parallel.sequence_parallel=false",
-        )
-        _require(
-            not (self.ep > 1 and self.tp > 1 and not self.sequence_parallel),
-            f"parallel.ep={self.ep} with parallel.tp={self.tp} needs sequence parallelism "
-            "(megatron-core); set parallel.sequence_parallel=true",
-        )
-
-    @property
-    def expert_tp(self) -> int:
-        """The effective expert tensor parallel size (etp, defaulting to tp)."""
-        return self.tp if self.etp is None else self.etp
-
-    def validate_world(
-        self,
-        world_size: int,
-        *,
-        num_layers: int,
-        num_heads: int,
-        num_kv_heads: int | None = None,
-        num_experts: int | None = None,
-    ) -> int:
-        """Check the layout against the world size and the model; return the DP size.
-
-        The rules are megatron-core's: TP x PP x CP x DP == world size; the expert grid
-        ETP x EP x PP must divide the world (expert DP = world / (ETP x EP x PP)), i.e. ETP x EP
-        divides DP x CP x TP; EP divides the number of experts; TP divides the attention (and
-        key-value) heads; PP (x VPP) divides the layers (uneven splits are not exposed here).
-        """
-        _require(world_size >= 1, f"world size {world_size} must be >= 1")
-        model_grid = self.tp * self.pp * self.cp
-        _require(
-            world_size % model_grid == 0,
-            f"world size {world_size} is not divisible by parallel.tp*pp*cp = "
-            f"{self.tp}*{self.pp}*{self.cp} = {model_grid}; change parallel.tp, parallel.pp or "
-            "parallel.cp (or the number of ranks)",
-        )
-        dp = world_size // model_grid
-        if self.dp is not None and self.dp != dp:
-            raise ConfigError(
-                f"parallel.tp*pp*cp*dp = {model_grid}*{self.dp} = {model_grid * self.dp} != world "
-                f"size {world_size}; change parallel.dp (to {dp} or null)"
-            )
-        if num_experts is None:
-            _require(
-                self.ep == 1 and self.etp in (None, 1, self.tp),
-                f"parallel.ep={self.ep} / parallel.etp={self.etp} need an MoE model; the model has "
-                "no experts: set parallel.ep=1 and parallel.etp to null",
-            )
-        else:
-            _require(
-                num_experts % self.ep == 0,
-                f"parallel.ep={self.ep} does not divide model num_experts={num_experts}; change "
-                "parallel.ep",
-            )
-            expert_grid = self.expert_tp * self.ep
-            _require(
-                (dp * self.cp * self.tp) % expert_grid == 0,
-                f"parallel.etp*ep = {self.expert_tp}*{self.ep} = {expert_grid} does not divide "
-                f"dp*cp*tp = {dp}*{self.cp}*{self.tp} = {dp * self.cp * self.tp} (megatron-core "
-                "expert data parallel = world / (etp*ep*pp)); change parallel.ep or parallel.etp",
-            )
-        _require(
-            num_heads % self.tp == 0,
-            f"parallel.tp={self.tp} does not divide model num_attention_heads={num_heads}; "
-            "change parallel.tp",
-        )
-        _require(
-            num_kv_heads is None or num_kv_heads % self.tp == 0,
-            f"parallel.tp={self.tp} does not divide model num_key_value_heads={num_kv_heads}; "
-            "change parallel.tp",
-        )
-        stages = self.pp * (self.vpp or 1)
-        _require(
-            num_layers % stages == 0,
-            f"parallel.pp*vpp = {self.pp}*{self.vpp or 1} = {stages} does not divide model "
-            f"num_layers={num_layers}; change parallel.pp or parallel.vpp",
-        )
-        return dp
-
-
-@dataclass(**_CFG)
 class OptimConfig:
     """Optimizer and learning-rate schedule (one optimizer step per mini-batch)."""
 
@@ -226,9 +111,10 @@ class OptimConfig:
     min_lr: float = 0.0
     """Final learning rate of a decaying schedule."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Decay after warmup, from optim.lr to optim.min_lr over train.steps rollouts."""
+    """After warmup: constant at optim.lr, or decay to optim.min_lr by the last optimizer step
+    (train.steps * gspo.mini_batches_per_rollout). megatron-core's OptimizerParamScheduler."""
     warmup_steps: int = 0
-    """Linear warmup length in optimizer steps."""
+    """Linear warmup from 0 to optim.lr over this many optimizer steps."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
@@ -237,6 +123,8 @@ class OptimConfig:
     """Adam beta2."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
+    sgd_momentum: float = 0.9
+    """SGD momentum (optim.optimizer=sgd)."""
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables clipping."""
     use_distributed_optimizer: bool = True
@@ -244,7 +132,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _positive("optim", lr=self.lr, adam_eps=self.adam_eps)
-        for name in ("adam_beta1", "adam_beta2"):
+        for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
             v = getattr(self, name)
             _require(0 <= v < 1, f"optim.{name}={v} must be in [0, 1); change optim.{name}")
         for name in ("min_lr", "warmup_steps", "weight_decay", "clip_grad"):
@@ -258,18 +146,9 @@ class OptimConfig:
 
 @dataclass(**_CFG)
 class GspoConfig:
-    """The policy-gradient algorithm (GSPO: arXiv 2507.18071; GRPO: arXiv 2402.03300)."""
+    """How a rollout becomes updates: groups, mini-batches, advantages and where pi_old comes
+    from (the loss itself is the `loss` section)."""
 
-    algorithm: Algorithm = "gspo"
-    """gspo (sequence-level ratio), gspo_token (per-token advantages, GSPO paper) or
-    grpo (token-level ratio baseline)."""
-    eps_low: float | None = None
-    """Lower clip range: ratios below 1 - eps_low are clipped. None: 3e-4 for gspo/gspo_token,
-    0.2 for grpo (the GSPO paper's settings). Resolved at load time, so a dumped config
-    carries the number."""
-    eps_high: float | None = None
-    """Upper clip range: ratios above 1 + eps_high are clipped. None: 4e-4 for gspo/gspo_token,
-    0.27 for grpo (the GSPO paper's settings)."""
     group_size: int = 8
     """G: responses sampled per prompt (advantages are relative within a group)."""
     prompts_per_rollout: int = 32
@@ -279,33 +158,13 @@ class GspoConfig:
     pi_old: Literal["engine", "recompute"] = "engine"
     """Where pi_old comes from: the engine's sampling log-probs (the paper's claim: no recompute)
     or a trainer forward pass before the first update."""
-    mismatch_correction: Literal["none", "token", "sequence"] = "none"
-    """Truncated importance correction of trainer pi_old vs engine (needs gspo.pi_old=recompute
-    to have two distributions to compare)."""
-    mismatch_cap: float = 2.0
-    """Truncation cap of the mismatch-correction weight."""
     normalize_std: bool = True
     """Divide group-centred rewards by the group std (false: A_i = r_i - mean)."""
     adv_eps: float = 1e-6
     """Added to the group std before dividing."""
-    log_ratio_clamp: float = 10.0
-    """|mean log-ratio| bound applied before exp, so one garbage sequence cannot give inf/NaN."""
 
     def __post_init__(self) -> None:
-        lo, hi = DEFAULT_EPS[self.algorithm]
-        if self.eps_low is None:
-            self.eps_low = lo
-        if self.eps_high is None:
-            self.eps_high = hi
-        _require(
-            0 <= self.eps_low < 1,
-            f"gspo.eps_low={self.eps_low} must be in [0, 1); change gspo.eps_low",
-        )
-        _require(
-            self.eps_high >= 0, f"gspo.eps_high={self.eps_high} must be >= 0; change gspo.eps_high"
-        )
-        _positive("gspo", mismatch_cap=self.mismatch_cap)
-        _positive("gspo", log_ratio_clamp=self.log_ratio_clamp, adv_eps=self.adv_eps)
+        _positive("gspo", adv_eps=self.adv_eps)
         _require(
             self.group_size >= 2,
             f"gspo.group_size={self.group_size} must be >= 2 (a group of one has no relative "
@@ -321,17 +180,6 @@ class GspoConfig:
             f"gspo.mini_batches_per_rollout={self.mini_batches_per_rollout} equal mini-batches; "
             "change gspo.mini_batches_per_rollout or gspo.prompts_per_rollout",
         )
-        _require(
-            self.mismatch_correction == "none" or self.pi_old == "recompute",
-            f"gspo.mismatch_correction={self.mismatch_correction} compares a recomputed pi_old "
-            "with the engine; set gspo.pi_old=recompute or gspo.mismatch_correction=none",
-        )
-        _require(
-            not (self.mismatch_correction == "token" and self.algorithm == "gspo"),
-            "gspo.mismatch_correction=token needs per-token loss terms, which "
-            "gspo.algorithm=gspo does not have; use gspo.mismatch_correction=sequence or "
-            "gspo.algorithm=gspo_token",
-        )
 
     @property
     def rollout_size(self) -> int:
@@ -341,14 +189,9 @@ class GspoConfig:
 
 @dataclass(**_CFG)
 class RolloutConfig:
-    """Rollout engines (embedded CPU engine or SGLang servers) and sampling parameters."""
+    """Sampling, and the engines: launched by the job (`launch`) or already running
+    (`launch: null` and `client.engine_urls`)."""
 
-    engines: Literal["embedded"] | list[str] = "embedded"
-    """"embedded" (in-process engine, CPU demo and tests) or a list of SGLang server URLs."""
-    router_url: str | None = None
-    """SGLang router URL in front of rollout.engines (requests go there; weights go to each)."""
-    num_embedded_engines: int = 1
-    """How many embedded engines to run (rollout.engines=embedded only)."""
     temperature: float = 1.0
     """Sampling temperature (> 0: RL needs sampled, not greedy, responses)."""
     top_p: float = 1.0
@@ -357,63 +200,30 @@ class RolloutConfig:
     """Top-k sampling; -1 disables it (SGLang convention)."""
     max_new_tokens: int = 1024
     """Maximum response length in tokens."""
-    precision: Literal["bf16", "fp8"] = "bf16"
-    """Engine weight precision; fp8 quantises blockwise on send (SGLang engines only)."""
-    colocated: bool = False
-    """Engines share the trainer's devices: release engine memory while training."""
-    weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
-    """Weight transport to the engines: in-memory tensors, a NCCL/gloo group, or files."""
-    bucket_mb: int = 512
-    """Size of a weight-sync bucket in MiB."""
-    verify_weights_every: int = 1
-    """Compare per-tensor checksums of sent and engine-held weights every N syncs (0 = never;
-    use 0 with real SGLang engines, which fuse q/k/v and gate/up internally)."""
-    request_timeout_s: float = 600.0
-    """HTTP timeout of one generate request."""
+    launch: LaunchConfig | None = field(default_factory=LaunchConfig)
+    """Engines this job starts on rank 0's node (null: use rollout.client.engine_urls)."""
+    client: ClientConfig = field(default_factory=ClientConfig)
+    """How rank 0 reaches the engines (timeouts, retries, router, API key)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.engines, list):
-            _require(
-                len(self.engines) > 0,
-                'rollout.engines is an empty list; give SGLang URLs or "embedded"',
-            )
-            for url in self.engines:
-                _require(
-                    url.startswith(("http://", "https://")),
-                    f"rollout.engines entry {url!r} is not an http(s) URL; fix rollout.engines",
-                )
-        _require(
-            self.router_url is None or self.router_url.startswith(("http://", "https://")),
-            f"rollout.router_url={self.router_url!r} is not an http(s) URL; fix rollout.router_url",
-        )
-        _require(
-            self.router_url is None or self.engines != "embedded",
-            "rollout.router_url needs SGLang engines; set rollout.engines to their URLs or "
-            "rollout.router_url to null",
-        )
-        _require(
-            self.precision == "bf16" or self.engines != "embedded",
-            f"rollout.precision={self.precision} needs SGLang engines (the embedded engine runs "
-            "the trainer dtype); set rollout.precision=bf16",
-        )
         _positive("rollout", temperature=self.temperature, top_p=self.top_p)
         _require(self.top_p <= 1, f"rollout.top_p={self.top_p} must be <= 1; change rollout.top_p")
         _require(
             self.top_k == -1 or self.top_k >= 1,
             f"rollout.top_k={self.top_k} must be -1 (off) or >= 1; change rollout.top_k",
         )
-        _positive(
-            "rollout",
-            max_new_tokens=self.max_new_tokens,
-            bucket_mb=self.bucket_mb,
-            num_embedded_engines=self.num_embedded_engines,
-            request_timeout_s=self.request_timeout_s,
+        _positive("rollout", max_new_tokens=self.max_new_tokens)
+        launched, listed = self.launch is not None, bool(self.client.engine_urls)
+        _require(
+            launched != listed,
+            "set exactly one of rollout.launch (engines this job starts) and "
+            "rollout.client.engine_urls (engines already running; then rollout.launch: null)",
         )
 
     @property
     def embedded(self) -> bool:
-        """True when rollouts run on the in-process engine."""
-        return self.engines == "embedded"
+        """True when rollouts run on engines of this package (the CPU engine)."""
+        return self.launch is not None and self.launch.backend == "embedded"
 
 
 @dataclass(**_CFG)
@@ -536,13 +346,21 @@ class TrainConfig:
     """Token budget of a packed micro-batch (prompt + response tokens)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda when available, else cpu (gloo)."""
+    max_bad_steps: int = 3
+    """Stop after this many consecutive rollout steps whose loss or gradient norm was not
+    finite (each such optimizer step is skipped): write a checkpoint and exit non-zero."""
     routing_flip_every: int = 1
     """Measure `moe/routing_flip_rate` (share of (token, MoE layer) whose top-k experts changed
     between the rollout policy and the updated one) every N steps: two forward passes over each
     rank's first micro-batch(es). 0 = never."""
 
     def __post_init__(self) -> None:
-        _positive("train", steps=self.steps, micro_batch_tokens=self.micro_batch_tokens)
+        _positive(
+            "train",
+            steps=self.steps,
+            micro_batch_tokens=self.micro_batch_tokens,
+            max_bad_steps=self.max_bad_steps,
+        )
         _require(
             self.routing_flip_every >= 0,
             f"train.routing_flip_every={self.routing_flip_every} must be >= 0 (0 = off); "
@@ -558,14 +376,18 @@ class Config:
     """The model to train."""
     data: DataConfig
     """The prompt dataset."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: Layout = field(default_factory=Layout)
     """Parallel layout."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and schedule."""
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy loss: GSPO, GSPO-token or GRPO, clip ranges, mismatch correction."""
     gspo: GspoConfig = field(default_factory=GspoConfig)
-    """Algorithm."""
+    """Groups, mini-batches, advantages, pi_old source."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout engines and sampling."""
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Weight sync from the trainer to the engines after every step."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward function."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -582,10 +404,40 @@ class Config:
             f"of rollout.max_new_tokens={self.rollout.max_new_tokens} plus its prompt; raise "
             "train.micro_batch_tokens or lower rollout.max_new_tokens",
         )
+        _require(
+            self.loss.tis_mode == "none" or self.gspo.pi_old == "recompute",
+            f"loss.tis_mode={self.loss.tis_mode} compares a recomputed pi_old with the engine; "
+            "set gspo.pi_old=recompute or loss.tis_mode=none",
+        )
+        _require(
+            not (self.weights.fp8 and self.rollout.embedded),
+            "weights.fp8=true needs SGLang engines (the embedded engine serves the trainer "
+            "dtype); set weights.fp8=false or rollout.launch.backend=sglang",
+        )
+        optimizer_steps = self.train.steps * self.gspo.mini_batches_per_rollout
+        _require(
+            self.optim.warmup_steps < optimizer_steps,
+            f"optim.warmup_steps={self.optim.warmup_steps} must be below the run's "
+            f"{optimizer_steps} optimizer steps (train.steps * gspo.mini_batches_per_rollout); "
+            "change optim.warmup_steps",
+        )
+        launch = self.rollout.launch
+        if launch is not None and not launch.model_path:
+            launch.model_path = self.model.hf_path  # the engines start from the same model
+        if self.weights.transport == "disk" and self.weights.disk_dir is None:
+            self.weights.disk_dir = f"{self.logging.dir}/weights"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML/JSON-serialisable); `config_from_dict` inverts it."""
-        return dataclasses.asdict(self)
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 # ---------------------------------------------------------------------------------------------

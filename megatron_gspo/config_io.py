@@ -157,13 +157,22 @@ def apply_override(root: type, data: dict[str, Any], override: str) -> None:
             child = node.get(part)
             if not isinstance(child, dict):
                 child = node[part] = {}
-            node, cls = child, tp
+            node, cls = child, _section(tp)
     text = text.strip()
     value = yaml.safe_load(text) if text else ""
     # A string field keeps the literal text: `--set model.hf_path=007` must not become 7.
     if _accepts_str_only(tp) and not isinstance(value, str) and value is not None:
         value = text
     node[parts[-1]] = value
+
+
+def _section(tp: Any) -> Any:
+    """The dataclass inside an optional section type (`LaunchConfig | None`), else `tp`."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        arms = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if len(arms) == 1:
+            return arms[0]
+    return tp
 
 
 def _accepts_str_only(tp: Any) -> bool:

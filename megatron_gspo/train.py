@@ -10,45 +10,41 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from typing import Any
 
 import torch
 
-from megatron_gspo.config import parse_cli
+from megatron_gspo import dist
+from megatron_gspo.config import Config, ConfigError, dump_config, parse_cli
+from megatron_gspo.megatron.policy import Policy
 from megatron_gspo.metrics_log import MetricsLogger
-from megatron_gspo.trainer import (
-    Policy,
-    broadcast,
-    finite_metrics,
-    init_distributed,
-    load_checkpoint,
-    make_rollout,
-    rank,
-    save_checkpoint,
-)
-from megatron_gspo.weights.sync import make_weight_sync
+from megatron_gspo.trainer import Rollout, load_checkpoint, make_rollout, save_checkpoint
+from megatron_gspo.weights.sync import WeightSync
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient (train.max_bad_steps)."""
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, _ = parse_cli(argv)
-    init_distributed()
+    try:
+        cfg, args = parse_cli(argv)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+    if args.dump:
+        print(dump_config(cfg), end="")
+        return
+    dist.init_distributed(cfg.train.device)
     policy = Policy.build(cfg)
     rollout = sync = log = None
     try:  # whatever fails, engines and reward workers are shut down
-        rollout = make_rollout(cfg) if rank() == 0 else None
-        sync = make_weight_sync(
-            policy.bridge,
-            rollout.engine if rollout else [],
-            cfg.rollout.weight_sync,
-            fp8=cfg.rollout.precision == "fp8",
-            bucket_mb=cfg.rollout.bucket_mb,
-            disk_dir=f"{cfg.logging.dir}/weights",
-            verify_every=cfg.rollout.verify_weights_every,
-        )
+        rollout = make_rollout(cfg) if dist.rank() == 0 else None
+        sync = WeightSync(policy.bridge, rollout.engine if rollout else [], cfg.weights)
         start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
         stop = {"now": False}
         signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
         log = MetricsLogger.from_config(
-            cfg.logging, total_steps=cfg.train.steps, config=cfg, rank=rank(), start_step=start
+            cfg.logging, total_steps=cfg.train.steps, config=cfg, rank=dist.rank(), start_step=start
         )
         _loop(cfg, policy, rollout, sync, log, start, stop)
     finally:
@@ -58,44 +54,71 @@ def main(argv: list[str] | None = None) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _loop(cfg, policy, rollout, sync, log, start, stop) -> None:  # noqa: ANN001
+def _loop(
+    cfg: Config,
+    policy: Policy,
+    rollout: Rollout | None,
+    sync: WeightSync,
+    log: MetricsLogger,
+    start: int,
+    stop: dict[str, bool],
+) -> None:
     sync.push(policy.model)  # the engines serve exactly the trainer's weights from step 0
+    bad = 0  # consecutive steps with a skipped (non-finite) update
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         seqs, metrics = rollout.collect() if rollout else (None, None)
-        seqs, metrics = broadcast((seqs, metrics))
+        seqs, metrics = dist.broadcast((seqs, metrics))
         t1 = time.perf_counter()
-        if rollout and cfg.rollout.colocated:
+        if rollout and cfg.rollout.launch and cfg.rollout.launch.colocated:
             rollout.engine.release_memory()  # the trainer gets the devices while it updates
         metrics |= policy.update(seqs, step)
         t2 = time.perf_counter()
-        if rollout and cfg.rollout.colocated:
+        if rollout and cfg.rollout.launch and cfg.rollout.launch.colocated:
             rollout.engine.resume_memory()
         pushed = sync.push(policy.model)
-        metrics |= {
-            "weights/version": pushed.version,
-            "weights/verified": float(pushed.verified),
-            "weights/gb_per_s": pushed.gb_per_s,
-        }
-        metrics |= {
-            "time/train_s": t2 - t1,
-            "time/sync_s": time.perf_counter() - t2,
-            "time/step_s": time.perf_counter() - t0,
-            "perf/tokens_per_s": sum(s.length for s in seqs) / (t2 - t1),
-        }
-        log.log(step + 1, finite_metrics(metrics))
+        metrics |= _step_metrics(pushed, seqs, t0, t1, t2)
+        log.log(step + 1, metrics)
+        bad = bad + 1 if metrics["train/skipped_updates"] else 0
         every = cfg.checkpoint.save_every
-        if stop["now"] or (every and (step + 1) % every == 0) or step + 1 == cfg.train.steps:
+        last = stop["now"] or bad >= cfg.train.max_bad_steps or step + 1 == cfg.train.steps
+        if last or (every and (step + 1) % every == 0):
             save_checkpoint(policy, rollout, step + 1)
-        if broadcast(stop["now"]):
+        if bad >= cfg.train.max_bad_steps:
+            raise TrainingDiverged(
+                f"{bad} consecutive steps (up to step {step + 1}) had a non-finite loss or "
+                f"gradient norm and were skipped (train.max_bad_steps={cfg.train.max_bad_steps});"
+                f" checkpoint written at step {step + 1}. Lower optim.lr, check the data and "
+                "rewards, or resume from an earlier checkpoint."
+            )
+        if dist.broadcast(stop["now"]):
             print(f"[train] SIGTERM: checkpoint written at step {step + 1}", file=sys.stderr)
             return
     if cfg.checkpoint.export_hf_at_end:
         policy.bridge.save_hf_pretrained(policy.model, f"{cfg.checkpoint.dir}/hf_final")
 
 
+def _step_metrics(pushed: Any, seqs: list, t0: float, t1: float, t2: float) -> dict[str, float]:
+    return {
+        "weights/version": pushed.version,
+        "weights/verified": float(pushed.verified),
+        "weights/gb_per_s": pushed.gb_per_s,
+        "time/train_s": t2 - t1,
+        "time/sync_s": time.perf_counter() - t2,
+        "time/step_s": time.perf_counter() - t0,
+        "perf/tokens_per_s": sum(s.length for s in seqs) / (t2 - t1),
+    }
+
+
 def cli() -> None:
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except TrainingDiverged as e:
+        if dist.rank() == 0:
+            print(f"[train] stopped: {e}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ CONTEXT-PARALLEL RANK, so both sum and count scale by the CP size and the ratio 
     mismatch/abs_logp_diff           per token |logp - logp_engine|, logp_engine = rollout_logp if
                                      given, else old_logp (pure mismatch on the first mini-batch)
     mismatch/seq_log_ratio_abs       per sequence |mean_t (logp - logp_engine)|: vs the clip band
+    mismatch/seq_outside_clip        per sequence: that mean log-ratio lies outside
+                                     [log(1 - eps_low), log(1 + eps_high)]
     mismatch/old_rollout_abs_diff    per token |old_logp - rollout_logp| (only with rollout_logp)
     policy/entropy                   per token (only with entropy)
     policy/response_length           per sequence |y_i|
@@ -58,6 +60,7 @@ CONTEXT-PARALLEL RANK, so both sum and count scale by the CP size and the ratio 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
@@ -66,6 +69,7 @@ import torch
 from torch import Tensor
 
 from megatron_gspo.algo.correction import tis_sequence_weights, tis_token_weights
+from megatron_gspo.config_io import require
 
 __all__ = [
     "POLICY_LOSSES",
@@ -117,28 +121,35 @@ class PolicyLossConfig:
     """Upper truncation of the importance weight (> 0)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in _DEFAULT_EPS:
-            raise ValueError(f"kind={self.kind!r}: expected one of {sorted(_DEFAULT_EPS)}")
+        # Messages name the `loss.*` config keys: this class is that config section.
+        require(
+            self.kind in _DEFAULT_EPS,
+            f"loss.kind={self.kind!r} is not one of {sorted(_DEFAULT_EPS)}; change loss.kind",
+        )
         default_low, default_high = _DEFAULT_EPS[self.kind]
         if self.eps_low is None:
             self.eps_low = default_low
         if self.eps_high is None:
             self.eps_high = default_high
-        if not 0.0 <= self.eps_low < 1.0:
-            raise ValueError(f"eps_low={self.eps_low}: must be in [0, 1)")
-        if not self.eps_high >= 0.0:
-            raise ValueError(f"eps_high={self.eps_high}: must be >= 0")
-        if not self.log_ratio_clamp > 0.0:
-            raise ValueError(f"log_ratio_clamp={self.log_ratio_clamp}: must be > 0")
-        if self.tis_mode not in ("none", "token", "sequence"):
-            raise ValueError(f"tis_mode={self.tis_mode!r}: expected 'none', 'token' or 'sequence'")
-        if self.tis_mode == "token" and self.kind == "gspo":
-            raise ValueError(
-                "tis_mode='token' needs per-token loss terms, which kind='gspo' does not have: "
-                "use tis_mode='sequence' (or kind='gspo_token')"
-            )
-        if not self.tis_cap > 0.0:
-            raise ValueError(f"tis_cap={self.tis_cap}: must be > 0")
+        require(
+            0.0 <= self.eps_low < 1.0,
+            f"loss.eps_low={self.eps_low} must be in [0, 1); change loss.eps_low",
+        )
+        require(self.eps_high >= 0.0, f"loss.eps_high={self.eps_high} must be >= 0")
+        require(
+            self.log_ratio_clamp > 0.0,
+            f"loss.log_ratio_clamp={self.log_ratio_clamp} must be > 0; change it",
+        )
+        require(
+            self.tis_mode in ("none", "token", "sequence"),
+            f"loss.tis_mode={self.tis_mode!r} is not none, token or sequence",
+        )
+        require(
+            not (self.tis_mode == "token" and self.kind == "gspo"),
+            "loss.tis_mode=token needs per-token loss terms, which loss.kind=gspo does not "
+            "have; use loss.tis_mode=sequence or loss.kind=gspo_token",
+        )
+        require(self.tis_cap > 0.0, f"loss.tis_cap={self.tis_cap} must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -316,17 +327,26 @@ def _clip_metrics(
     }
 
 
-def _common_metrics(batch: PolicyLossInputs, st: _SeqStats) -> dict[str, Tensor]:
+def _common_metrics(
+    batch: PolicyLossInputs, st: _SeqStats, cfg: PolicyLossConfig
+) -> dict[str, Tensor]:
     m, mf = st.mask, st.mask.float()
     valid = st.valid.float()
     engine = batch.rollout_logp if batch.rollout_logp is not None else batch.old_logp
     lp = batch.logp.detach()
+    assert cfg.eps_low is not None and cfg.eps_high is not None
+    # Would the engine's sequence ratio alone already be clipped? The figure that says whether
+    # engine log-probs are usable as pi_old (meaningful on the first mini-batch).
+    outside = (st.engine_seq_log_ratio < math.log1p(-cfg.eps_low)) | (
+        st.engine_seq_log_ratio > math.log1p(cfg.eps_high)
+    )
     out = {
         "policy/abs_log_ratio": _metric(torch.where(m, (lp - batch.old_logp).abs(), 0), mf),
         "policy/seq_log_ratio": _metric(st.seq_log_ratio.detach() * valid, valid),
         "policy/seq_log_ratio_abs": _metric(st.seq_log_ratio.detach().abs() * valid, valid),
         "mismatch/abs_logp_diff": _metric(torch.where(m, (lp - engine).abs(), 0), mf),
         "mismatch/seq_log_ratio_abs": _metric(st.engine_seq_log_ratio.abs() * valid, valid),
+        "mismatch/seq_outside_clip": _metric(outside.float() * valid, valid),
         "policy/response_length": _metric(st.count, valid),
     }
     if batch.rollout_logp is not None:
@@ -373,7 +393,7 @@ def gspo_loss(
     # This shard's share of l_i (1 without CP); 0 for sequences with no response token.
     share = st.local_count / st.count.clamp_min(1)
     loss = (seq_loss * share).sum() / denominator
-    metrics = _common_metrics(batch, st)
+    metrics = _common_metrics(batch, st, cfg)
     metrics.update(_clip_metrics(ratio, adv, st.valid, cfg))
     return loss, metrics
 
@@ -391,7 +411,7 @@ def _token_level(
     else:
         adv = batch.advantages.detach().to(ratio.dtype)[batch.seq_index]
     term = -_clipped_objective(ratio, adv, cfg)  # [T]
-    metrics = _common_metrics(batch, st)
+    metrics = _common_metrics(batch, st, cfg)
     if cfg.tis_mode == "token":
         if batch.rollout_logp is None:
             raise ValueError("tis_mode='token' needs batch.rollout_logp (the engine log-probs)")

@@ -9,63 +9,33 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_gspo.dist import on_cpu
+from megatron_gspo.layout import Layout
 from megatron_gspo.patches import P2P_ORDER_PATCH, apply_bridge_imports, apply_cpu_runtime
 
+if TYPE_CHECKING:
+    from megatron_gspo.config import ModelConfig, OptimConfig
 
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """A Megatron parallel layout. DP is what is left of the world size."""
+__all__ = [
+    "DTYPES",
+    "Layout",
+    "build_model",
+    "build_optimizer",
+    "build_scheduler",
+    "ddp_config",
+    "export_hf_state",
+    "init_megatron",
+    "load_bridge",
+    "make_provider",
+    "quiet_megatron",
+]
 
-    tp: int = 1
-    """Tensor parallel size."""
-    pp: int = 1
-    """Pipeline parallel size."""
-    vpp: int | None = None
-    """Virtual pipeline chunks per pipeline rank (interleaved 1F1B); None = no interleaving."""
-    cp: int = 1
-    """Context parallel size."""
-    ep: int = 1
-    """Expert parallel size."""
-    etp: int | None = None
-    """Expert tensor parallel size (None: megatron-core's default, equal to tp)."""
-    sequence_parallel: bool | None = None
-    """Sequence parallelism; None turns it on whenever tp > 1 (MoE training requires it)."""
-
-    @property
-    def sp(self) -> bool:
-        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
-
-    @classmethod
-    def from_config(cls, parallel: Any) -> Layout:
-        """The layout of a validated `megatron_gspo.config.ParallelConfig` (its `dp` is only a
-        check of the world size, done by `ParallelConfig.validate_world`)."""
-        return cls(
-            tp=parallel.tp,
-            pp=parallel.pp,
-            vpp=parallel.vpp,
-            cp=parallel.cp,
-            ep=parallel.ep,
-            etp=parallel.etp,
-            sequence_parallel=parallel.sequence_parallel,
-        )
-
-    def name(self) -> str:
-        parts = [
-            f"{k}{v}"
-            for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))
-            if v > 1
-        ]
-        if self.vpp:
-            parts.append(f"vpp{self.vpp}")
-        if self.etp is not None:
-            parts.append(f"etp{self.etp}")
-        return "-".join(parts) or "single"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def quiet_megatron(level: int = logging.WARNING) -> None:
@@ -75,10 +45,6 @@ def quiet_megatron(level: int = logging.WARNING) -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-def on_cpu() -> bool:
-    return not torch.cuda.is_available()
 
 
 def init_megatron(layout: Layout, seed: int = 1234) -> None:
@@ -128,23 +94,32 @@ def load_bridge(hf_path: str | Path) -> Any:
 def make_provider(
     bridge: Any,
     layout: Layout,
+    model: ModelConfig | None = None,
     *,
     dtype: torch.dtype | None = None,
     loss_is_share: bool = True,
-    moe_aux_loss_coeff: float = 0.0,
 ) -> Any:
-    """A finalised `GPTModelProvider` for `layout`.
+    """A finalised `GPTModelProvider` for `layout` and the `model` config section.
 
-    dtype: parameter dtype; default fp32 on CPU and bf16 on GPU.
+    model: dtype, activation recompute, MoE token dispatcher, grouped GEMM and aux-loss weight;
+        None keeps the defaults (fp32 on CPU, bf16 on GPU; no recompute; no aux loss).
+    dtype: overrides model.dtype (the conversion tools pass their own).
     loss_is_share: each micro-batch's loss is already its share of the global mean (our policy
         losses): Megatron must SUM over micro-batches and data-parallel ranks rather than
         average (`calculate_per_token_loss=True`). False keeps Megatron's averaging.
-    moe_aux_loss_coeff: MoE load-balancing loss weight during RL. Default 0: the aux loss is a
-        statistic of each micro-batch's token mix (padding included), so with it on the policy
-        gradient depends on how the batch was split over micro-batches and ranks.
+
+    The MoE aux loss defaults to 0 during RL: it is a statistic of each micro-batch's token mix
+    (padding included), so with it on the policy gradient depends on how the batch was split.
     """
     cpu = on_cpu()
+    if dtype is None and model is not None:
+        dtype = DTYPES[model.dtype]
     dtype = dtype or (torch.float32 if cpu else torch.bfloat16)
+    if cpu and dtype != torch.float32:
+        raise ValueError(
+            f"model.dtype={dtype} on CPU: the CPU path computes in fp32 (the gloo collectives and "
+            "CPU kernels of megatron-core are fp32 here); set model.dtype=fp32"
+        )
     provider = bridge.to_megatron_provider(load_weights=False)
     provider.tensor_model_parallel_size = layout.tp
     provider.pipeline_model_parallel_size = layout.pp
@@ -159,9 +134,12 @@ def make_provider(
     provider.fp16 = dtype == torch.float16
     # RL needs exact, reproducible log-probs; dropout off (Qwen3 trains without it).
     provider.calculate_per_token_loss = loss_is_share
-    provider.moe_aux_loss_coeff = moe_aux_loss_coeff
-    if moe_aux_loss_coeff == 0.0:
+    aux = model.moe_aux_loss_coef if model is not None else 0.0
+    provider.moe_aux_loss_coeff = aux
+    if aux == 0.0:
         provider.moe_router_load_balancing_type = "none"
+    if model is not None:
+        _apply_model_options(provider, model, cpu)
     # Packed micro-batches differ in length: pipeline stages exchange shapes first.
     provider.variable_seq_lengths = layout.pp > 1
     provider.attention_dropout = 0.0
@@ -181,6 +159,35 @@ def make_provider(
         provider.moe_router_fusion = False
     provider.finalize()
     return provider
+
+
+def _apply_model_options(provider: Any, model: ModelConfig, cpu: bool) -> None:
+    """Recompute, dispatcher and grouped GEMM, refused clearly where the device lacks them."""
+    if model.activation_recompute == "full":
+        # Recompute every layer's forward in backward: activations of one layer boundary kept.
+        provider.recompute_granularity = "full"
+        provider.recompute_method = "uniform"
+        provider.recompute_num_layers = 1
+    elif model.activation_recompute == "selective":
+        provider.recompute_granularity = "selective"  # core attention only (megatron default)
+    if model.moe_token_dispatcher == "flex" and cpu:
+        raise ValueError(
+            "model.moe_token_dispatcher=flex needs DeepEP on GPUs; on CPU use alltoall or allgather"
+        )
+    provider.moe_token_dispatcher_type = model.moe_token_dispatcher
+    if model.moe_grouped_gemm:
+        if cpu or not _has_transformer_engine():
+            raise ValueError(
+                "model.moe_grouped_gemm=true needs Transformer Engine on a GPU (its grouped "
+                "linear); set model.moe_grouped_gemm=false or install transformer-engine"
+            )
+        provider.moe_grouped_gemm = True
+
+
+def _has_transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def build_model(
@@ -219,18 +226,9 @@ def export_hf_state(bridge: Any, model: list[torch.nn.Module]) -> dict[str, torc
     }
 
 
-def build_optimizer(
-    model: list[torch.nn.Module],
-    *,
-    lr: float,
-    weight_decay: float = 0.0,
-    adam_beta1: float = 0.9,
-    adam_beta2: float = 0.999,
-    adam_eps: float = 1e-8,
-    clip_grad: float = 1.0,
-    use_distributed_optimizer: bool = False,
-) -> Any:
-    """megatron-core's optimizer (Adam; dense and expert parameters in separate instances)."""
+def build_optimizer(model: list[torch.nn.Module], optim: OptimConfig) -> Any:
+    """megatron-core's optimizer for the `optim` config section (Adam or SGD; dense and expert
+    parameters in separate instances, chained)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -239,18 +237,43 @@ def build_optimizer(
     dtype = next(model[0].parameters()).dtype
     return get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam",
-            lr=lr,
-            weight_decay=weight_decay,
-            adam_beta1=adam_beta1,
-            adam_beta2=adam_beta2,
-            adam_eps=adam_eps,
-            clip_grad=clip_grad,
-            use_distributed_optimizer=use_distributed_optimizer,
+            optimizer=optim.optimizer,
+            lr=optim.lr,
+            min_lr=optim.min_lr,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1,
+            adam_beta2=optim.adam_beta2,
+            adam_eps=optim.adam_eps,
+            sgd_momentum=optim.sgd_momentum,
+            clip_grad=optim.clip_grad,
+            use_distributed_optimizer=optim.use_distributed_optimizer,
             bf16=dtype == torch.bfloat16,
             params_dtype=dtype,
         ),
         model,
+    )
+
+
+def build_scheduler(optimizer: Any, optim: OptimConfig, total_steps: int) -> Any:
+    """megatron-core's `OptimizerParamScheduler`: linear warmup from 0 over optim.warmup_steps,
+    then optim.lr_schedule from optim.lr to optim.min_lr until `total_steps` optimizer steps.
+    Call `.step(1)` after every applied optimizer step; `.state_dict()` goes in checkpoints."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=max(total_steps, optim.warmup_steps + 1),
+        lr_decay_style=optim.lr_schedule,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
 
 

@@ -19,6 +19,7 @@ Shape legend: `T` packed tokens of a micro-batch on this CP shard, `Vp` vocab sh
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_gspo import dist
 from megatron_gspo.algo import (
     PolicyLossConfig,
     PolicyLossInputs,
@@ -35,7 +37,7 @@ from megatron_gspo.algo import (
     policy_loss,
     vocab_parallel_logprobs,
 )
-from megatron_gspo.megatron.model import Layout
+from megatron_gspo.layout import Layout
 from megatron_gspo.megatron.packing import (
     PackedMicroBatch,
     TrainSequence,
@@ -160,28 +162,27 @@ def reduce_metrics(outputs: list[dict[str, Any]]) -> dict[str, float]:
     from megatron.core import parallel_state as ps
 
     names = sorted({k for o in outputs for k in o["metrics"]})
-    stacked = torch.zeros(len(names) + 1, 2)
+    # Collectives run on the job's device (NCCL needs CUDA tensors, gloo CPU ones).
+    stacked = torch.zeros(len(names) + 1, 2, dtype=torch.float64, device=dist.device())
     for o in outputs:
         for i, k in enumerate(names):
             if k in o["metrics"]:
-                stacked[i] += o["metrics"][k].float().cpu()
-        stacked[-1, 0] += float(o["loss"])
-        stacked[-1, 1] += float(o["num_seqs"])
+                stacked[i] += o["metrics"][k].to(stacked)
+        stacked[-1, 0] += o["loss"].to(stacked)
+        stacked[-1, 1] += o["num_seqs"].to(stacked)
     # Names can differ between stages (non-last stages have none): agree on them first.
     all_names: list[list[str]] = [None] * torch.distributed.get_world_size()  # type: ignore
     torch.distributed.all_gather_object(all_names, names)
     union = sorted({k for ns in all_names for k in ns})
-    full = torch.zeros(len(union) + 1, 2)
+    full = torch.zeros(len(union) + 1, 2, dtype=torch.float64, device=dist.device())
     for i, k in enumerate(names):
         full[union.index(k)] = stacked[i]
     full[-1] = stacked[-1]
     if ps.get_tensor_model_parallel_rank() != 0:
         full.zero_()
     torch.distributed.all_reduce(full)
-    out = {
-        k: (full[i, 0] / full[i, 1]).item() if full[i, 1] > 0 else float("nan")
-        for i, k in enumerate(union)
-    }
+    # A metric no rank measured (count 0) is absent: NaN means a non-finite value, nothing else.
+    out = {k: (full[i, 0] / full[i, 1]).item() for i, k in enumerate(union) if full[i, 1] > 0}
     out["loss"] = (full[-1, 0] / full[-1, 1].clamp(min=1)).item()  # mean over sequences
     return out
 
@@ -198,11 +199,36 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = _schedule(model, micro_batches, partial(policy_forward_step, cfg=cfg), False)
-    ok, grad_norm, _ = optimizer.step()
     metrics = reduce_metrics(outputs)
-    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    # megatron-core's fp32 optimizers never look for inf/NaN (only its loss-scaled fp16 path
+    # does), and clipping by a NaN norm would write NaN into every weight: check every rank's
+    # gradients and the global loss, and skip the step everywhere if any is not finite.
+    if math.isfinite(metrics["loss"]) and grads_finite(model):
+        ok, grad_norm, _ = optimizer.step()
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+    else:
+        ok = False
+        metrics["grad_norm"] = float("nan")  # measured: the gradient is not finite
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
     metrics["update_successful"] = float(bool(ok))
     return metrics
+
+
+def grads_finite(model: list[torch.nn.Module]) -> bool:
+    """Whether every gradient on every rank is finite (a collective: call on all ranks)."""
+    bad = torch.zeros(1, device=dist.device())
+    for chunk in model:
+        for p in chunk.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None and not bool(torch.isfinite(g).all()):
+                bad += 1
+                break
+    torch.distributed.all_reduce(bad)
+    return bool(bad.item() == 0)
 
 
 def _logprob_rows(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> dict[str, Tensor]:

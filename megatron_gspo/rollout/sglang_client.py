@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from megatron_gspo.config_io import ConfigError
 from megatron_gspo.rollout import sglang_protocol as proto
 from megatron_gspo.rollout.engine import EngineError, RolloutEngine
 from megatron_gspo.rollout.types import (
@@ -51,8 +52,10 @@ _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio
 class ClientConfig:
     """How the client reaches its engines."""
 
-    engine_urls: list[str]
-    """Base URL of every engine (`http://host:port`); control calls go to each of them."""
+    engine_urls: list[str] = dataclasses.field(default_factory=list)
+    """Base URL of every engine (`http://host:port`); control calls go to each of them. In a run
+    config: only for engines already running (`rollout.launch: null`); launched engines fill
+    it in."""
     router_url: str | None = None
     """If set, `/generate` goes through this `sglang-router` instead of client-side balancing."""
     engine_tp_sizes: list[int] | None = None
@@ -66,11 +69,13 @@ class ClientConfig:
     control_timeout_s: float = 600.0
     """Total timeout of one control call (weight updates can be slow)."""
     connect_timeout_s: float = 10.0
+    """Timeout of opening one TCP connection to an engine."""
     max_retries: int = 6
     """Re-sends of one `/generate` request before giving up."""
     backoff_s: float = 0.2
     """First retry delay; doubles per retry, capped at `backoff_max_s`."""
     backoff_max_s: float = 10.0
+    """Longest retry delay."""
     engine_cooldown_s: float = 5.0
     """How long an engine that failed is skipped."""
     resubmit_aborted: int = 0
@@ -84,13 +89,18 @@ class ClientConfig:
     """Bearer token if the servers run with `--api-key` / `--admin-api-key`."""
 
     def __post_init__(self) -> None:
-        if not self.engine_urls:
-            raise ValueError("ClientConfig.engine_urls must list at least one engine")
+        for url in self.engine_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"rollout.client.engine_urls entry {url!r} is not an http(s) URL; fix it"
+                )
         self.engine_urls = [u.rstrip("/") for u in self.engine_urls]
         if self.engine_tp_sizes is None:
             self.engine_tp_sizes = [1] * len(self.engine_urls)
         if len(self.engine_tp_sizes) != len(self.engine_urls):
-            raise ValueError("ClientConfig.engine_tp_sizes needs one entry per engine_urls")
+            raise ConfigError(
+                "rollout.client.engine_tp_sizes needs one entry per rollout.client.engine_urls"
+            )
 
 
 @dataclasses.dataclass(slots=True)
@@ -116,6 +126,8 @@ class SGLangClient(RolloutEngine):
     """`RolloutEngine` over SGLang's HTTP API (real servers or the embedded engine)."""
 
     def __init__(self, config: ClientConfig) -> None:
+        if not config.engine_urls:
+            raise ValueError("SGLangClient needs at least one engine URL (engine_urls)")
         self.config = config
         self._calls = itertools.count()
         # Engines that failed rest until this time (kept across calls, so a dead engine is not

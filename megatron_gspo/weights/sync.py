@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_gspo.config_io import ConfigError
 from megatron_gspo.rollout.engine import RolloutEngine
 from megatron_gspo.rollout.sglang_protocol import tensor_checksum
 from megatron_gspo.weights import fp8 as fp8_lib
@@ -82,27 +83,28 @@ class WeightSyncConfig:
     """Gather expert weights to EP rank 0 only (the sender), not to every EP rank; False keeps
     megatron-bridge's all-gather (see `stream.experts_to_ep_rank0`)."""
     disk_dir: str | None = None
-    """Root directory of the disk transport (must be visible to the engines)."""
+    """Root directory of the disk transport (must be visible to the engines); None in a run
+    config: `<logging.dir>/weights`."""
     disk_keep: int = 2
     """Versions kept on disk."""
     master_address: str = "127.0.0.1"
     """Address of the sender for the distributed transport's rendezvous."""
     group_name: str = "weight_update_group"
+    """Name of the distributed transport's process group on the engines."""
     backend: str | None = None
     """Distributed transport backend; None: nccl with CUDA, gloo otherwise."""
     timeout_s: float = 600.0
+    """Timeout of the distributed transport's rendezvous and collectives."""
 
     def __post_init__(self) -> None:
         if self.transport not in ("tensor", "distributed", "disk"):
-            raise ValueError(f"weights.transport={self.transport!r}: tensor|distributed|disk")
-        if self.transport == "disk" and not self.disk_dir:
-            raise ValueError("weights.transport=disk needs weights.disk_dir")
+            raise ConfigError(f"weights.transport={self.transport!r}: tensor|distributed|disk")
         if self.bucket_mb <= 0:
-            raise ValueError(f"weights.bucket_mb={self.bucket_mb} must be > 0")
+            raise ConfigError(f"weights.bucket_mb={self.bucket_mb} must be > 0")
         if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ValueError(f"weights.dtype={self.dtype!r} is not a torch dtype name")
+            raise ConfigError(f"weights.dtype={self.dtype!r} is not a torch dtype name")
         if self.verify_every < 0:
-            raise ValueError("weights.verify_every must be >= 0")
+            raise ConfigError("weights.verify_every must be >= 0")
 
     @property
     def bucket_bytes(self) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from megatron_gspo.algo import PolicyLossConfig
+from megatron_gspo.config import OptimConfig
 from megatron_gspo.megatron import step as mstep
 from megatron_gspo.megatron.checkpoint import load_model_and_optimizer, save_model_and_optimizer
 from megatron_gspo.megatron.model import (
@@ -51,7 +52,8 @@ def _build(bridge: Any, layout: Layout, distopt: bool) -> tuple[list, Any]:
     provider = make_provider(bridge, layout)
     model = build_model(provider, ddp_config=ddp_config(distopt), load_from=bridge)
     opt = build_optimizer(
-        model, lr=1e-3, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=distopt
+        model,
+        OptimConfig(lr=1e-3, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=distopt),
     )
     return model, opt
 

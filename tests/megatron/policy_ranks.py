@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from megatron_gspo.algo import PolicyLossConfig
+from megatron_gspo.config import OptimConfig
 from megatron_gspo.megatron import step as mstep
 from megatron_gspo.megatron.model import (
     Layout,
@@ -120,7 +121,7 @@ def run_case(bridge: Any, case: dict[str, Any]) -> dict[str, Any]:
     distopt = case.get("distopt", False)
     model = build_model(provider, ddp_config=ddp_config(distopt), load_from=bridge)
     opt = build_optimizer(
-        model, lr=1e6, adam_eps=1e4, clip_grad=0.0, use_distributed_optimizer=distopt
+        model, OptimConfig(lr=1e6, adam_eps=1e4, clip_grad=0.0, use_distributed_optimizer=distopt)
     )
     vocab = bridge.hf_pretrained.config.vocab_size
     raw = make_sequences(vocab)

@@ -22,6 +22,7 @@ def test_sglang_command_lines_parse_with_sglang(tmp_path):
 
     cfg = LaunchConfig(
         model_path=str(tmp_path),
+        backend="sglang",
         num_engines=2,
         base_port=31000,
         tp_size=4,
@@ -42,14 +43,17 @@ def test_sglang_command_lines_parse_with_sglang(tmp_path):
     assert args.enable_memory_saver and args.enable_weights_cpu_backup
     assert args.enable_deterministic_inference and args.skip_tokenizer_init
     assert (args.dtype, args.quantization, args.weight_version) == ("bfloat16", "fp8", "step-0")
-    plain = prepare_server_args(engine_command(LaunchConfig(model_path="m"), 0)[3:])
+    sglang = LaunchConfig(model_path="m", backend="sglang")
+    plain = prepare_server_args(engine_command(sglang, 0)[3:])
     assert not plain.enable_memory_saver and not plain.enable_deterministic_inference
 
 
 def test_router_command_parses_with_the_router():
     from sglang_router.launch_router import parse_router_args
 
-    cfg = LaunchConfig(model_path="m", num_engines=2, base_port=32000, router=True)
+    cfg = LaunchConfig(
+        model_path="m", backend="sglang", num_engines=2, base_port=32000, router=True
+    )
     cmd = router_command(cfg, python="python")
     assert cmd[:3] == ["python", "-m", "sglang_router.launch_router"]
     args = parse_router_args(cmd[3:])

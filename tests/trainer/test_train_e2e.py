@@ -139,7 +139,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     out["b"] = _train_until_killed(tmp, "b", "ckpt_b", 2)
     out["orphans"] = _wait_for_no_engines(tmp / "toy/model")
     out["c"] = _train(tmp, "c", "ckpt_b", 4, "--resume")
-    out["d"] = _train(tmp, "d", "ckpt_d", 2, "--set", "rollout.colocated=true")
+    out["d"] = _train(tmp, "d", "ckpt_d", 2, "--set", "rollout.launch.colocated=true")
     out["tmp"] = tmp
     return out
 
@@ -163,7 +163,11 @@ def test_every_step_trains_full_groups_with_finite_metrics(runs) -> None:
         ):
             assert math.isfinite(m[k]), (m["step"], k)
         # before its first update the trainer IS the engine's policy: only numerical mismatch
-        assert m["first_mb/mismatch/abs_logp_diff"] < 1e-4
+        # (mismatch/* is measured on the first mini-batch only)
+        assert m["mismatch/abs_logp_diff"] < 1e-4
+        assert m["mismatch/seq_outside_clip"] == 0.0  # fp32 engine and trainer agree
+        assert m["drift/abs_logp_diff"] > m["mismatch/abs_logp_diff"]  # later: the policy moved
+        assert m["train/skipped_updates"] == 0 and m["optim/lr"] == 3e-3
         # routing drift is measured every step on real tokens (EP=2: both ranks' tokens)
         assert 0.0 <= m["moe/routing_flip_rate"] <= 1.0 and m["moe/routed_token_layers"] > 0
 
