@@ -10,7 +10,8 @@ Format: megatron-core `torch_dist` with `distrib_optim_sharding_type="dp_reshard
 megatron-core 0.19 and no Apex/TE, the default "fully_sharded_model_space" is refused by the
 torch_dist writer (flattened ranges) and "fully_reshardable" fails to load torch Adam's `step`;
 "dp_reshardable" resumes at the same TP/PP/EP layout with any DP size. torch Adam's per-parameter
-`step` is not part of that format, so it is saved next to it (`adam_steps_rank{r}.pt`).
+`step` is not part of that format, so it is saved next to it (`adam_steps_rank{r}.pt`) by the
+registered patch `mcore-adam-step-resume` (megatron_gspo/patches/optimizer.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from megatron_gspo.patches.optimizer import resume_hooks
 
 _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -69,64 +72,22 @@ def _sharded_state(model: list[torch.nn.Module], optimizer: Any, is_loading: boo
     return {**model_sd, "optimizer": optim}
 
 
-def _chained(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _params(opt: Any) -> list[torch.Tensor]:
-    """The inner torch optimizer's parameters in param-group order (stable across rebuilds)."""
-    return [p for group in opt.optimizer.param_groups for p in group["params"]]
-
-
-def _adam_steps(optimizer: Any) -> list[list[float | None]]:
-    """torch Adam's `step` of every parameter of every inner optimizer (None: no state yet)."""
-    out = []
-    for opt in _chained(optimizer):
-        state = opt.optimizer.state
-        out.append(
-            [float(state[p]["step"]) if "step" in state.get(p, {}) else None for p in _params(opt)]
-        )
-    return out
-
-
-def _restore_adam_steps(optimizer: Any, steps: list[list[float | None]]) -> None:
-    # megatron-core 0.19's dp_reshardable load skips torch Adam's `step` (it expects Apex/TE
-    # optimizers that keep it per group); a reset step would redo Adam's bias correction.
-    # The distributed optimizer's load also leaves ONE step tensor shared by every parameter of
-    # a group, and torch Adam increments it in place once per parameter: each parameter gets a
-    # tensor of its own.
-    for opt, opt_steps in zip(_chained(optimizer), steps, strict=True):
-        state = opt.optimizer.state
-        for p, step in zip(_params(opt), opt_steps, strict=True):
-            if step is None or "step" not in state.get(p, {}):
-                continue
-            old = state[p]["step"]
-            state[p]["step"] = (
-                torch.tensor(step, dtype=old.dtype, device=old.device)
-                if torch.is_tensor(old)
-                else step
-            )
-
-
 def save_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, directory: Path) -> None:
     """Collective: every rank writes its shards of the model and optimizer into `directory`."""
     from megatron.core import dist_checkpointing
 
+    hooks = resume_hooks()
     dist_checkpointing.save(_sharded_state(model, optimizer, False), str(directory))
     rank = torch.distributed.get_rank()
-    torch.save(_adam_steps(optimizer), Path(directory) / f"adam_steps_rank{rank}.pt")
+    torch.save(hooks.adam_steps(optimizer), Path(directory) / f"adam_steps_rank{rank}.pt")
 
 
 def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, directory: Path) -> None:
     """Collective: restore what `save_model_and_optimizer` wrote, in place."""
     from megatron.core import dist_checkpointing
 
-    # A fresh optimizer has no state to load into: give it placeholder state first, as
-    # megatron-core's own loader does (a zero-gradient step; overwritten by the load).
-    for opt in _chained(optimizer):
-        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
-        if init is not None:
-            init()
+    hooks = resume_hooks()  # upstream workaround: see megatron_gspo.patches.optimizer
+    hooks.init_states_for_load(optimizer)  # placeholder state, overwritten by the load
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, True), str(directory))
     for m, sd in zip(model, _chunk_states(loaded, len(model)), strict=True):
         _unwrap(m).load_state_dict(sd)
@@ -136,4 +97,5 @@ def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, direc
     # training loop does after a load.
     optimizer.reload_model_params()
     rank = torch.distributed.get_rank()
-    _restore_adam_steps(optimizer, torch.load(Path(directory) / f"adam_steps_rank{rank}.pt"))
+    steps = torch.load(Path(directory) / f"adam_steps_rank{rank}.pt")
+    hooks.restore_adam_steps(optimizer, steps)

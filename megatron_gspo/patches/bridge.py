@@ -6,9 +6,11 @@ Needed on CPU machines and on any GPU machine without Transformer Engine install
 from __future__ import annotations
 
 import builtins
+import contextlib
 import importlib.util
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 from megatron_gspo.patches.base import Patch, PatchError
@@ -92,18 +94,87 @@ def _apply_modelopt() -> None:
     sys.modules.setdefault("modelopt.torch.quantization.utils", utils)
 
 
+_EP_GATHER = "megatron.bridge.models.conversion.param_mapping.MegatronParamMapping"
+_EP_GATHER_PARAMS = ["self", "megatron_weights", "megatron_module", "hf_param_name"]
+# The override only acts inside `ep_gather_to_rank0()`: process-global like the bridge's own
+# collectives (every rank enters and leaves the scope in the same export call).
+_ep_scope = {"depth": 0}
+_ep_original: dict[str, Any] = {}
+
+
 def _check_ep_gather() -> None:
     import inspect
 
     from megatron.bridge.models.conversion import param_mapping as pm
 
-    fn = getattr(pm.MegatronParamMapping, "gather_from_ep_ranks", None)
+    fn = _ep_original.get("fn", getattr(pm.MegatronParamMapping, "gather_from_ep_ranks", None))
     params = list(inspect.signature(fn).parameters) if fn else []
-    if params != ["self", "megatron_weights", "megatron_module", "hf_param_name"]:
+    if params != _EP_GATHER_PARAMS:
         raise PatchError(
-            f"MegatronParamMapping.gather_from_ep_ranks changed ({params}); review "
-            "megatron_gspo.weights.stream.experts_to_ep_rank0"
+            f"{_EP_GATHER}.gather_from_ep_ranks changed ({params}); review "
+            "megatron_gspo.patches.bridge._gather_to_ep_rank0"
         )
+
+
+def _gather_to_ep_rank0(self: Any, weights: Any, module: Any, hf_param_name: Any) -> dict:
+    """`gather_from_ep_ranks` with a `gather` to EP rank 0 instead of an all-gather.
+
+    Returns the per-expert dict on EP rank 0 and `{}` elsewhere (the bridge then yields nothing
+    for those names there). Everything else (expert-id arithmetic, the PP-broadcast of the
+    experts-per-rank count) is kept call for call, so all ranks still issue the same collectives
+    in the same order."""
+    import re
+
+    import torch
+    from megatron.bridge.utils.common_utils import extract_expert_number_from_param
+
+    per_rank = None if module is None else self._get_config(module).num_moe_experts
+    per_rank = per_rank // self.ep_size if per_rank is not None else None
+    per_rank = self.broadcast_obj_from_pp_rank(per_rank, "num_experts_per_rank")
+    local = extract_expert_number_from_param(self.megatron_param) % per_rank
+    names = [
+        re.sub(r"experts\.(\d+)", f"experts.{local + per_rank * i}", str(hf_param_name))
+        for i in range(self.ep_size)
+    ]
+    dst = torch.distributed.get_global_rank(self.ep_group, 0)
+    weights = weights.contiguous()
+    if self.ep_rank != 0:
+        torch.distributed.gather(weights, None, dst=dst, group=self.ep_group)
+        return {}
+    parts = [torch.empty_like(weights) for _ in range(self.ep_size)]
+    torch.distributed.gather(weights, parts, dst=dst, group=self.ep_group)
+    return dict(zip(names, parts, strict=True))
+
+
+def gather_from_ep_ranks(
+    self: Any, megatron_weights: Any, megatron_module: Any, hf_param_name: Any
+) -> dict:
+    """Installed on `MegatronParamMapping`: the bridge's all-gather, or inside
+    `ep_gather_to_rank0()` (and with EP > 1) a gather to EP rank 0."""
+    original = _ep_original["fn"]
+    if _ep_scope["depth"] == 0 or self.ep_size == 1:
+        return original(self, megatron_weights, megatron_module, hf_param_name)
+    return _gather_to_ep_rank0(self, megatron_weights, megatron_module, hf_param_name)
+
+
+def _apply_ep_gather() -> None:
+    from megatron.bridge.models.conversion import param_mapping as pm
+
+    if "fn" not in _ep_original:
+        _ep_original["fn"] = pm.MegatronParamMapping.gather_from_ep_ranks
+    pm.MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
+
+
+@contextlib.contextmanager
+def ep_gather_to_rank0() -> Iterator[None]:
+    """While active, the bridge's expert export gathers to EP rank 0 instead of to all EP ranks
+    (applies the `bridge-ep-gather-to-rank0` patch first, with its checks)."""
+    EP_GATHER_PATCH.apply()
+    _ep_scope["depth"] += 1
+    try:
+        yield
+    finally:
+        _ep_scope["depth"] -= 1
 
 
 _COMMON = dict(package="megatron-bridge", versions=BRIDGE_VERSIONS)
@@ -131,10 +202,10 @@ BRIDGE_PATCHES: tuple[Patch, ...] = (
         name="bridge-ep-gather-to-rank0",
         why="The bridge's HF export all-gathers every expert to every EP rank "
         "(MegatronParamMapping.gather_from_ep_ranks); weight sync needs them on the sender only. "
-        "Applied scoped, only during our export, by megatron_gspo.weights.stream."
-        "experts_to_ep_rank0, which runs this check first.",
+        "The installed method gathers to EP rank 0 only inside ep_gather_to_rank0() (entered by "
+        "megatron_gspo.weights.stream.experts_to_ep_rank0) and calls the bridge's own elsewhere.",
         remove_when="megatron-bridge can export experts to one destination rank.",
-        apply_fn=lambda: None,
+        apply_fn=_apply_ep_gather,
         check_fn=_check_ep_gather,
         **_COMMON,
     ),
@@ -143,6 +214,7 @@ EP_GATHER_PATCH = BRIDGE_PATCHES[-1]
 
 
 def apply_bridge_imports() -> None:
-    """Make `import megatron.bridge` and HF export work without TE / modelopt (idempotent)."""
+    """Make `import megatron.bridge` and HF export work without TE / modelopt, and install the
+    EP-gather override (inert outside `ep_gather_to_rank0()`). Idempotent."""
     for patch in BRIDGE_PATCHES:
         patch.apply()

@@ -28,7 +28,6 @@ TP gather); that is cheap next to the experts of a MoE model.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,51 +80,17 @@ def is_sender(sender_rank: int = 0) -> bool:
     return torch.distributed.get_rank() == sender_rank
 
 
-@contextlib.contextmanager
-def experts_to_ep_rank0() -> Iterator[None]:
+def experts_to_ep_rank0() -> contextlib.AbstractContextManager[None]:
     """While active, the bridge's expert export gathers to EP rank 0 instead of to all EP ranks.
 
-    Replaces `MegatronParamMapping.gather_from_ep_ranks` (megatron-bridge 0.6.2) with a
-    `torch.distributed.gather` that returns the per-expert dict on EP rank 0 and `{}` elsewhere
-    (the bridge then yields nothing for those names there). Everything else (expert-id
-    arithmetic, the PP-broadcast of the experts-per-rank count) is kept call for call, so all
-    ranks still issue the same collectives in the same order.
+    The registered patch `bridge-ep-gather-to-rank0` (megatron_gspo/patches/bridge.py) replaces
+    `MegatronParamMapping.gather_from_ep_ranks` (megatron-bridge 0.6.2) with a method that, inside
+    this scope, does a `torch.distributed.gather` returning the per-expert dict on EP rank 0 and
+    `{}` elsewhere, and outside it calls the bridge's own all-gather.
     """
-    from megatron.bridge.models.conversion import param_mapping as pm
-    from megatron.bridge.utils.common_utils import extract_expert_number_from_param
+    from megatron_gspo.patches.bridge import ep_gather_to_rank0
 
-    from megatron_gspo.patches.bridge import EP_GATHER_PATCH
-
-    EP_GATHER_PATCH.check()  # pinned bridge version and the signature we replace
-    original = pm.MegatronParamMapping.gather_from_ep_ranks
-
-    def gather_to_first(
-        self: Any, weights: torch.Tensor, module: Any, hf_param_name: Any
-    ) -> dict[str, torch.Tensor]:
-        if self.ep_size == 1:
-            return original(self, weights, module, hf_param_name)
-        per_rank = None if module is None else self._get_config(module).num_moe_experts
-        per_rank = per_rank // self.ep_size if per_rank is not None else None
-        per_rank = self.broadcast_obj_from_pp_rank(per_rank, "num_experts_per_rank")
-        local = extract_expert_number_from_param(self.megatron_param) % per_rank
-        names = [
-            re.sub(r"experts\.(\d+)", f"experts.{local + per_rank * i}", str(hf_param_name))
-            for i in range(self.ep_size)
-        ]
-        dst = torch.distributed.get_global_rank(self.ep_group, 0)
-        weights = weights.contiguous()
-        if self.ep_rank != 0:
-            torch.distributed.gather(weights, None, dst=dst, group=self.ep_group)
-            return {}
-        parts = [torch.empty_like(weights) for _ in range(self.ep_size)]
-        torch.distributed.gather(weights, parts, dst=dst, group=self.ep_group)
-        return dict(zip(names, parts, strict=True))
-
-    pm.MegatronParamMapping.gather_from_ep_ranks = gather_to_first
-    try:
-        yield
-    finally:
-        pm.MegatronParamMapping.gather_from_ep_ranks = original
+    return ep_gather_to_rank0()
 
 
 def hf_tensors(

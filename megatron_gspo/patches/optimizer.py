@@ -1,0 +1,137 @@
+"""Resuming torch Adam inside megatron-core 0.19's distributed optimizer, without Apex / TE.
+
+Two gaps in megatron-core's own load path, filled by `megatron_gspo.megatron.checkpoint`:
+
+* A freshly built optimizer has no state to load into. megatron-core's loader first fills it
+  with placeholders through the PRIVATE `DistributedOptimizer._init_optimizer_states_with_dummy_
+  values` (a zero-gradient step); we call the same method.
+* torch Adam keeps a `step` per parameter. The `dp_reshardable` format does not round-trip it,
+  and `DistributedOptimizer.load_state_dict` (no Apex/TE branch) puts ONE step tensor, taken
+  from the param groups, into every parameter's state; torch Adam then increments that shared
+  tensor in place once per parameter. We save every parameter's step next to the checkpoint and
+  give each parameter a tensor of its own on load (a reset step would redo bias correction).
+
+`OPTIMIZER_STATE_PATCH.apply()` checks both assumptions and installs the two functions;
+`resume_hooks()` hands them to the checkpoint code, so the fix cannot be used unchecked.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_gspo.patches.base import Patch, PatchError
+from megatron_gspo.patches.pipeline import MCORE_VERSIONS
+
+_DISTRIB = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+_DUMMY_INIT = "_init_optimizer_states_with_dummy_values"
+# The statement in DistributedOptimizer.load_state_dict that shares one step tensor.
+_SHARED_STEP = 's["step"] = step'
+
+
+def chained(optimizer: Any) -> list[Any]:
+    """The megatron-core optimizers inside a (possibly) chained one."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _params(opt: Any) -> list[torch.Tensor]:
+    """The inner torch optimizer's parameters in param-group order (stable across rebuilds)."""
+    return [p for group in opt.optimizer.param_groups for p in group["params"]]
+
+
+def init_states_for_load(optimizer: Any) -> None:
+    """Give a fresh optimizer placeholder state to load into, as megatron-core's loader does.
+
+    Only the distributed optimizer has the method; the others build state in their own
+    `sharded_state_dict(is_loading=True)`."""
+    for opt in chained(optimizer):
+        init = getattr(opt, _DUMMY_INIT, None)
+        if init is not None:
+            init()
+
+
+def adam_steps(optimizer: Any) -> list[list[float | None]]:
+    """torch Adam's `step` of every parameter of every inner optimizer (None: no state yet)."""
+    out = []
+    for opt in chained(optimizer):
+        state = opt.optimizer.state
+        out.append(
+            [float(state[p]["step"]) if "step" in state.get(p, {}) else None for p in _params(opt)]
+        )
+    return out
+
+
+def restore_adam_steps(optimizer: Any, steps: list[list[float | None]]) -> None:
+    """Put back what `adam_steps` saved, one tensor per parameter."""
+    for opt, opt_steps in zip(chained(optimizer), steps, strict=True):
+        state = opt.optimizer.state
+        for p, step in zip(_params(opt), opt_steps, strict=True):
+            if step is None or "step" not in state.get(p, {}):
+                continue
+            old = state[p]["step"]
+            state[p]["step"] = (
+                torch.tensor(step, dtype=old.dtype, device=old.device)
+                if torch.is_tensor(old)
+                else step
+            )
+
+
+@dataclass(frozen=True)
+class ResumeHooks:
+    """What the patch installs: the three steps of an exact optimizer resume."""
+
+    init_states_for_load: Callable[[Any], None]
+    adam_steps: Callable[[Any], list[list[float | None]]]
+    restore_adam_steps: Callable[[Any, list[list[float | None]]], None]
+
+
+_installed: dict[str, ResumeHooks] = {}
+
+
+def _check() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    init = getattr(DistributedOptimizer, _DUMMY_INIT, None)
+    if init is None or list(inspect.signature(init).parameters) != ["self"]:
+        raise PatchError(
+            f"{_DISTRIB}.{_DUMMY_INIT} is gone or takes arguments now: find megatron-core's new "
+            "way to give a fresh optimizer state before a load (megatron_gspo.patches.optimizer)"
+        )
+    if _SHARED_STEP not in inspect.getsource(DistributedOptimizer.load_state_dict):
+        raise PatchError(
+            f"{_DISTRIB}.load_state_dict no longer shares one `step` tensor among parameters: "
+            "check whether torch Adam's per-parameter step now survives a dp_reshardable resume "
+            "and drop the adam_steps side file if so"
+        )
+
+
+def _apply() -> None:
+    _installed["hooks"] = ResumeHooks(init_states_for_load, adam_steps, restore_adam_steps)
+
+
+OPTIMIZER_STATE_PATCH = Patch(
+    name="mcore-adam-step-resume",
+    package="megatron-core",
+    versions=MCORE_VERSIONS,
+    why="Resuming torch Adam (no Apex/TE) from a dp_reshardable checkpoint: a fresh "
+    "DistributedOptimizer has no state to load into (filled through the private "
+    f"{_DUMMY_INIT}, as megatron-core's own loader does), and load_state_dict sets ONE step "
+    "tensor, shared by every parameter and incremented in place once per parameter, so Adam's "
+    "bias correction restarts wrong. Per-parameter steps are saved next to the checkpoint "
+    "(adam_steps_rank{r}.pt) and restored one tensor each.",
+    remove_when="megatron-core round-trips torch Adam's per-parameter step in dp_reshardable "
+    "checkpoints and exposes a public way to initialise optimizer state before a load.",
+    apply_fn=_apply,
+    check_fn=_check,
+)
+OPTIMIZER_PATCHES: tuple[Patch, ...] = (OPTIMIZER_STATE_PATCH,)
+
+
+def resume_hooks() -> ResumeHooks:
+    """Apply the patch (version and assumption checks, once) and return what it installed."""
+    OPTIMIZER_STATE_PATCH.apply()
+    return _installed["hooks"]
