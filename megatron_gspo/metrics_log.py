@@ -1,4 +1,5 @@
-"""The metrics sink: a JSONL line per step, TensorBoard scalars, optional W&B, a console line.
+"""The metrics sink: a JSONL line per step, TensorBoard scalars, optional W&B, a progress bar
+and a per-step text log.
 
 Only global rank 0 writes; on other ranks every method is a no-op, so the loop can call it
 unconditionally. (Named `metrics_log` so that it never shadows the standard `logging` module.)
@@ -6,10 +7,16 @@ unconditionally. (Named `metrics_log` so that it never shadows the standard `log
     with MetricsLogger.from_config(cfg.logging, total_steps=cfg.train.steps) as m:
         m.log(step, {"reward/mean": 0.3, "policy/clip_frac": 0.01, ...})
 
-JSONL format (`<dir>/metrics.jsonl`): `{"step": int, "time": unix seconds, <key>: number, ...}`,
+JSONL format (`<dir>/metrics.jsonl`): `{"step": int, "time": unix seconds, <key>: value, ...}`,
 one object per line, flushed each step, appended across resumes (a reader keeps the last line of
-a repeated step). Non-finite values are written as Python's json does (NaN / Infinity), which
-`json.loads` reads back.
+a repeated step). A value is a JSON number, or for a non-finite value one of the STRINGS
+`"nan"`, `"inf"`, `"-inf"` (strict JSON has no NaN; `float()` reads all three back). Non-finite
+values are never dropped: a diverged loss must show. "Not measured" is an absent key.
+`read_metrics` decodes the file (used by tools/plot_metrics.py and tools/reward_summary.py).
+
+Console (`logging.progress`): a tqdm bar on stderr over the steps, with ETA and a few metrics,
+and the full line of any step with a non-finite metric; `progress=false`: nothing. Either way
+every step's line goes to `<dir>/train.log`.
 """
 
 from __future__ import annotations
@@ -24,7 +31,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONSOLE_KEYS", "MetricsLogger", "global_rank", "to_scalars"]
+__all__ = [
+    "BAR_KEYS",
+    "CONSOLE_KEYS",
+    "MetricsLogger",
+    "global_rank",
+    "jsonl_value",
+    "read_metrics",
+    "to_scalars",
+]
 
 # Shown on the console when present (the loop may log many more).
 CONSOLE_KEYS = (
@@ -36,7 +51,15 @@ CONSOLE_KEYS = (
     "mismatch/abs_logp_diff",
     "perf/tokens_per_s",
     "time/step",
+    "time/step_s",
 )
+# In the progress bar's postfix (short names): what says at a glance whether training is sane.
+BAR_KEYS = {
+    "reward/mean": "reward",
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "policy/clip_frac": "clip",
+}
 
 
 def global_rank() -> int:
@@ -63,6 +86,38 @@ def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
         if isinstance(v, int | float):
             out[str(k)] = float(v)
     return out
+
+
+_NONFINITE = ("nan", "inf", "-inf")
+
+
+def jsonl_value(v: float) -> float | str:
+    """A metric as written to metrics.jsonl: the number, or "nan" / "inf" / "-inf"."""
+    if math.isfinite(v):
+        return v
+    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+
+
+def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
+    """step -> {key: float} from a metrics.jsonl; a later line for the same step replaces the
+    earlier one, non-finite strings become floats, and a cut last line is skipped."""
+    rows: dict[int, dict[str, float]] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                # The last line of a run killed mid-write may be cut; anything else is an error.
+                print(f"{path}:{lineno}: skipping an unreadable line", file=sys.stderr)
+                continue
+            rows[int(row["step"])] = {
+                k: float(v)
+                for k, v in row.items()
+                if isinstance(v, int | float) or v in _NONFINITE  # "nan" etc.; other text: no
+            }
+    return dict(sorted(rows.items()))
 
 
 def _fmt(v: float) -> str:
@@ -97,10 +152,10 @@ class MetricsLogger:
         self.console_keys = tuple(console_keys)
         self.log_every = max(1, log_every)
         self._jsonl = None
+        self._text = None
         self._tb = None
         self._wandb = None
         self._bar = None
-        self._progress = progress
         if not self.enabled:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -109,6 +164,7 @@ class MetricsLogger:
             (self.log_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         if jsonl:
             self._jsonl = open(self.log_dir / "metrics.jsonl", "a", buffering=1)
+        self._text = open(self.log_dir / "train.log", "a", buffering=1, encoding="utf-8")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -131,15 +187,19 @@ class MetricsLogger:
                 self._wandb = wandb.init(
                     project=wandb_project, dir=str(self.log_dir), config=dict(config or {})
                 )
-        if progress and sys.stderr.isatty():
+        if progress:
             from tqdm import tqdm
 
+            tty = sys.stderr.isatty()
             self._bar = tqdm(
                 total=total_steps,
                 initial=start_step,  # a resumed run continues the bar
                 desc="gspo",
                 unit="step",
-                dynamic_ncols=True,
+                dynamic_ncols=tty,
+                ncols=None if tty else 120,
+                mininterval=0,  # steps take seconds: redraw on every one
+                file=sys.stderr,
             )
 
     @classmethod
@@ -178,7 +238,9 @@ class MetricsLogger:
         scalars = to_scalars(metrics)
         if step % self.log_every == 0:
             if self._jsonl is not None:
-                self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
+                row = {"step": step, "time": time.time()}
+                row |= {k: jsonl_value(v) for k, v in scalars.items()}
+                self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
                 self._jsonl.flush()
             if self._tb is not None:
                 for k, v in scalars.items():
@@ -189,27 +251,37 @@ class MetricsLogger:
         self._console(step, scalars)
 
     def console_line(self, step: int, scalars: Mapping[str, float]) -> str:
-        """The short human summary of a step."""
+        """The short human summary of a step: the console keys, then any other metric that is
+        not finite (a diverging value must show even if it is not a console key)."""
         total = f"/{self.total_steps}" if self.total_steps else ""
         parts = [f"step {step}{total}"]
         parts += [f"{k} {_fmt(scalars[k])}" for k in self.console_keys if k in scalars]
+        parts += [
+            f"{k} {_fmt(v)}"
+            for k, v in scalars.items()
+            if not math.isfinite(v) and k not in self.console_keys
+        ]
         return " | ".join(parts)
 
     def _console(self, step: int, scalars: Mapping[str, float]) -> None:
-        if not self._progress:
-            return
+        line = self.console_line(step, scalars)
+        if self._text is not None:
+            self._text.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
         if self._bar is not None:
-            shown = {k.split("/")[-1]: _fmt(scalars[k]) for k in self.console_keys if k in scalars}
+            shown = {short: _fmt(scalars[k]) for k, short in BAR_KEYS.items() if k in scalars}
             self._bar.set_postfix(shown, refresh=False)
-            self._bar.update(1)
-        else:  # not a terminal (a log file): one plain line per step
-            print(self.console_line(step, scalars), file=sys.stderr, flush=True)
+            self._bar.update(max(0, step - self._bar.n))
+            if any(not math.isfinite(v) for v in scalars.values()):
+                self._bar.write(line, file=sys.stderr)  # above the bar, kept in the scrollback
 
     def close(self) -> None:
         """Flush and close every sink."""
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        if self._text is not None:
+            self._text.close()
+            self._text = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

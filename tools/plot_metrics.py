@@ -4,16 +4,17 @@
     python tools/plot_metrics.py runs/tiny/metrics.jsonl --keys reward/mean,policy/loss --smooth 5
 
 One panel per key (default: the reward mean and the clip fractions that are present). Repeated
-steps (a resumed run appends) keep their last value; non-finite values are left as gaps.
+steps (a resumed run appends) keep their last value; non-finite values ("nan"/"inf" in the file)
+are left as gaps.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sys
 from pathlib import Path
+
+from megatron_gspo.metrics_log import read_metrics
 
 DEFAULT_KEYS = (
     "reward/mean",
@@ -21,23 +22,6 @@ DEFAULT_KEYS = (
     "policy/clip_frac_low",
     "policy/clip_frac_high",
 )
-
-
-def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
-    """step -> {key: value}; a later line for the same step replaces the earlier one."""
-    rows: dict[int, dict[str, float]] = {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                # The last line of a run killed mid-write may be cut; anything else is an error.
-                print(f"{path}:{lineno}: skipping an unreadable line", file=sys.stderr)
-                continue
-            rows[int(row["step"])] = row
-    return dict(sorted(rows.items()))
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -69,7 +53,7 @@ def plot(
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.4 * len(keys)), sharex=True, squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         steps = [s for s, r in rows.items() if key in r]
-        values = [float(rows[s][key]) if rows[s][key] is not None else math.nan for s in steps]
+        values = [rows[s][key] for s in steps]
         ax.plot(steps, values, lw=1, alpha=0.4 if smooth > 1 else 1.0, label=key)
         if smooth > 1:
             ax.plot(steps, _smooth(values, smooth), lw=1.8, label=f"{key} (mean of {smooth})")

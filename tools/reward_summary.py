@@ -3,21 +3,30 @@
     python tools/reward_summary.py runs/tiny_moe_cpu/metrics.jsonl [--window 10] [--margin 0.05]
 
 Exit code 0 when last-N mean > first-N mean + margin, 1 otherwise (so scripts can gate on it).
+A non-finite value ("nan"/"inf" in metrics.jsonl) fails the check: it is counted and reported.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
+
+from megatron_gspo.metrics_log import read_metrics
 
 
 def summary(path: str, window: int, key: str = "reward/mean") -> tuple[float, float, int]:
-    rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
-    values = [r[key] for r in rows if key in r]
+    """Mean of the first and of the last `window` values of `key`, and how many there are
+    (a non-finite value makes its mean non-finite)."""
+    values = [r[key] for r in read_metrics(path).values() if key in r]
     if len(values) < 2 * window:
         raise SystemExit(f"{path}: {len(values)} steps with {key}; need at least {2 * window}")
     return sum(values[:window]) / window, sum(values[-window:]) / window, len(values)
+
+
+def nonfinite(path: str, key: str = "reward/mean") -> int:
+    """How many steps logged a non-finite `key`."""
+    return sum(1 for r in read_metrics(path).values() if key in r and not math.isfinite(r[key]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,10 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--key", default="reward/mean")
     a = p.parse_args(argv)
     first, last, n = summary(a.metrics, a.window, a.key)
-    rose = last > first + a.margin
+    rose = last > first + a.margin  # False when either mean is NaN
+    bad = nonfinite(a.metrics, a.key)
     print(
         f"{a.key}: first {a.window} steps {first:.4f}, last {a.window} steps {last:.4f} "
-        f"({n} steps): {'ROSE' if rose else 'did NOT rise'} by margin {a.margin}"
+        f"({n} steps{f', {bad} non-finite' if bad else ''}): "
+        f"{'ROSE' if rose else 'did NOT rise'} by margin {a.margin}"
     )
     return 0 if rose else 1
 

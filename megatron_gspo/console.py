@@ -1,0 +1,142 @@
+"""Keep the main job's console for our own output: third-party chatter goes to a log file.
+
+megatron-core, megatron-bridge, transformers and torch log at import and model-build time
+(megatron-bridge logs a full traceback for every optional import it misses, e.g.
+`FP8GlobalStateManager` without Transformer Engine; deprecation notices; "No CUDA runtime").
+None of it is actionable on a healthy run, and it buries the progress bar, but it is what one
+reads when a run is not healthy, so it is kept, in `<logging.dir>/third_party.log`:
+
+    route_third_party_output(cfg.logging.dir)        # every rank, as early as possible
+    with third_party_stdio(cfg.logging.dir):         # around code that print()s (model build)
+        policy = build(...)
+
+Our own loggers (`megatron_gspo.*`) keep their console handlers. Records already printed
+before the call (e.g. at import time) cannot be taken back: import heavy libraries after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["THIRD_PARTY_LOG", "route_third_party_output", "third_party_stdio"]
+
+THIRD_PARTY_LOG = "third_party.log"
+_OURS = "megatron_gspo"
+_FORMAT = "%(asctime)s {rank} %(levelname)s %(name)s: %(message)s"
+_state: dict[str, Any] = {}
+
+
+def _rank() -> int:
+    from megatron_gspo.metrics_log import global_rank
+
+    return global_rank()
+
+
+def _is_console(handler: logging.Handler) -> bool:
+    if isinstance(handler, logging.FileHandler) or not isinstance(handler, logging.StreamHandler):
+        return False
+    consoles = {sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__}
+    return any(handler.stream is s for s in consoles)
+
+
+def _is_ours(name: str) -> bool:
+    return name == _OURS or name.startswith(_OURS + ".")
+
+
+def _install_add_handler_hook(stream: IO[str]) -> None:
+    # Libraries imported after the routing attach their own console handlers (transformers does
+    # on import, megatron-bridge's import_utils too); those are pointed at the file instead.
+    # Dropping them would not do: a logger with propagate=False and no handler falls back to
+    # logging.lastResort, i.e. stderr.
+    if "real_add_handler" not in _state:
+        _state["real_add_handler"] = logging.Logger.addHandler
+
+        def add_handler(self: logging.Logger, hdlr: logging.Handler) -> None:
+            target = _state.get("stream")
+            if target is not None and _is_console(hdlr) and not _is_ours(self.name):
+                hdlr.setStream(target)
+            _state["real_add_handler"](self, hdlr)
+
+        logging.Logger.addHandler = add_handler  # type: ignore[method-assign]
+    _state["stream"] = stream
+
+
+def route_third_party_output(log_dir: str | Path, *, level: int = logging.INFO) -> Path:
+    """Send every non-`megatron_gspo` logging record (`level` and above) and every Python
+    warning to `<log_dir>/third_party.log` instead of the console; returns that path.
+
+    Call on every rank (records carry the rank; ranks append to one file). Idempotent: a second
+    call with another directory moves the routing there."""
+    path = Path(log_dir) / THIRD_PARTY_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = _state.get("handler")
+    if old is not None and Path(old.baseFilename) == path.resolve():
+        return path
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter(_FORMAT.format(rank=f"rank{_rank()}")))
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if _is_console(h)]:  # e.g. a library's basicConfig()
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level)
+    # Loggers that print by themselves (torch's, megatron-bridge's, ...): through the root.
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if not isinstance(logger, logging.Logger) or _is_ours(name):
+            continue
+        console = [h for h in logger.handlers if _is_console(h)]
+        for h in console:
+            logger.removeHandler(h)
+        if console:
+            logger.propagate = True
+    if old is not None:
+        old.close()
+    _state["handler"] = handler
+    _install_add_handler_hook(handler.stream)
+    logging.captureWarnings(True)  # warnings.warn -> logger "py.warnings" -> the file
+    _keep_ours_on_console()
+    return path
+
+
+def _keep_ours_on_console() -> None:
+    # Our warnings (e.g. a retried rollout request) reached the console through the root's
+    # last-resort handler; the root now writes to the file, so ours get a handler of their own.
+    ours = logging.getLogger(_OURS)
+    if "ours" not in _state:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setLevel(logging.WARNING)
+        handler.setFormatter(logging.Formatter("[%(name)s] %(levelname)s: %(message)s"))
+        _state["real_add_handler"](ours, handler)
+        _state["ours"] = handler
+    ours.propagate = True  # and into the file too, next to the library records around them
+
+
+def _restore() -> None:
+    """Undo `route_third_party_output` (tests): console handlers removed then stay removed."""
+    handler = _state.pop("handler", None)
+    if handler is not None:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    ours = _state.pop("ours", None)
+    if ours is not None:
+        logging.getLogger(_OURS).removeHandler(ours)
+    if "real_add_handler" in _state:
+        logging.Logger.addHandler = _state.pop("real_add_handler")  # type: ignore[method-assign]
+    _state.pop("stream", None)
+    logging.captureWarnings(False)
+
+
+@contextlib.contextmanager
+def third_party_stdio(log_dir: str | Path) -> Iterator[Path]:
+    """Within the block, `print()` to stdout/stderr (and rich/tqdm bars created inside it) go to
+    `<log_dir>/third_party.log`: megatron prints parameter counts, the bridge draws a loading
+    bar. Python-level only: what C++ code writes to the file descriptors is not caught."""
+    path = Path(log_dir) / THIRD_PARTY_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8", buffering=1) as f:
+        with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            yield path
