@@ -24,7 +24,6 @@ import contextvars
 import dataclasses
 import logging
 import os
-import socket
 import threading
 import time
 import types
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.dist import free_port
 from megatron_gspo.rollout.embedded_model import HFPolicy
 from megatron_gspo.rollout.sglang_protocol import deserialize_named_tensors
 
@@ -440,13 +440,6 @@ def _install_sglang_app(model_path: str) -> Any:
         )
         _INSTALLED.update(app=http_server.app, server_args=args)
         return http_server.app
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedServer:

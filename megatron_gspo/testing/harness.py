@@ -9,7 +9,6 @@ traceback.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -20,11 +19,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_gspo.dist import free_port
 
 
 def _worker(

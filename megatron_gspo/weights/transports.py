@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import abc
 import shutil
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_gspo.dist import free_port
 from megatron_gspo.rollout.engine import RolloutEngine
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.stream import Bucket
@@ -102,12 +102,6 @@ class TensorTransport(Transport):
         _end_session(self.engines, version)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def group_world_size(engine: RolloutEngine) -> int:
     """World size of an engine pool's weight-update group (trainer rank 0 + engine ranks)."""
     n = getattr(engine, "weight_update_world_size", None)
@@ -155,7 +149,7 @@ class DistributedTransport(Transport):
         if self.groups:
             return
         for engine, group_name in zip(self.engines, self.group_names, strict=True):
-            port = _free_port(self.master_address)
+            port = free_port(self.master_address)
             world = group_world_size(engine)
             joined = engine.init_weights_update_group(
                 self.master_address, port, group_name=group_name, backend=self.backend

@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_gspo.algo import PolicyLossConfig, cp_seq_sum, policy_loss, vocab_parallel_logprobs
+from megatron_gspo.dist import free_port
 
 from .cases import make_seqs, pack, run_packed, scatter_grad
 from .reference import reference_logprobs
 
 WORLD = 2
 VALID = [("gspo", "sequence"), ("gspo", "none"), ("gspo_token", "token"), ("grpo", "sequence")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_tensor_parallel(rank: int) -> None:
@@ -101,4 +94,4 @@ def _worker(rank: int, port: int) -> None:
 
 @pytest.mark.multirank
 def test_two_gloo_ranks() -> None:
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
