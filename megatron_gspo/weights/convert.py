@@ -8,25 +8,32 @@ megatron-bridge's model mappings (Qwen3-MoE, Qwen3, Llama-style, ...):
   are global (layer offsets, expert ids, TP slices), so the checkpoint can be loaded at any
   other layout (resharding is dist_checkpointing's job).
 * `megatron_to_hf`: build the model for the (possibly different) layout, load the checkpoint,
-  and write HF safetensors shards from the bridge's export on rank 0, in the original HF dtype.
+  and write it with `export_hf`.
+* `export_hf`: the one writer of HF checkpoints from a live model (the converter and the
+  trainer's final export): safetensors shards from the bridge's export on rank 0, in the
+  original HF dtype, next to the source's config, tokenizer and generation files.
 
 The Megatron checkpoint directory also holds `hf_config/` (config.json, tokenizer and
-generation files of the source) and `mgspo_conversion.json`, so the reverse conversion needs
-nothing but the directory.
+generation files of the source) and `mgspo_conversion.json` (with the layout it was written
+at), so the reverse conversion needs nothing but the directory. Layouts are
+`megatron_gspo.layout.Layout`, checked by `Layout.validate` with the flags' names.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_gspo import dist
+from megatron_gspo.config_io import ConfigError
+from megatron_gspo.layout import Layout
 from megatron_gspo.megatron.checkpoint import load_model_states, save_model
 from megatron_gspo.megatron.model import (
-    Layout,
     build_model,
     init_megatron,
     load_bridge,
@@ -45,69 +52,37 @@ class ConversionError(RuntimeError):
     """A conversion cannot proceed (bad layout, missing tensor, existing output, ...)."""
 
 
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _world() -> int:
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
 def _say(msg: str) -> None:
-    if _rank() == 0:
+    if dist.rank() == 0:
         print(f"[convert] {msg}", flush=True)
 
 
-def validate_layout(layout: Layout, hf_config: Any, world_size: int) -> None:
-    """Raise `ConversionError` with the flag to change if `layout` cannot hold this model."""
-    model_par = layout.tp * layout.pp * layout.cp
-    problems = []
-    if world_size % model_par:
-        problems.append(f"world size {world_size} is not a multiple of tp*pp*cp = {model_par}")
-    etp = layout.etp if layout.etp is not None else layout.tp
-    if world_size % (etp * layout.ep * layout.pp):
-        problems.append(
-            f"world size {world_size} is not a multiple of etp*ep*pp = "
-            f"{etp * layout.ep * layout.pp}"
-        )
-    heads = getattr(hf_config, "num_attention_heads", None)
-    kv = getattr(hf_config, "num_key_value_heads", heads)
-    if heads and heads % layout.tp:
-        problems.append(f"--tp {layout.tp} does not divide num_attention_heads={heads}")
-    if kv and kv % layout.tp:
-        problems.append(f"--tp {layout.tp} does not divide num_key_value_heads={kv}")
-    layers = getattr(hf_config, "num_hidden_layers", None)
-    stages = layout.pp * (layout.vpp or 1)
-    if layers and layers % stages:
-        problems.append(f"pp*vpp = {stages} does not divide num_hidden_layers={layers}")
-    experts = getattr(hf_config, "num_experts", None) or getattr(
-        hf_config, "n_routed_experts", None
-    )
-    if layout.ep > 1 and not experts:
-        problems.append(f"--ep {layout.ep} on a dense model (no experts)")
-    if experts and experts % layout.ep:
-        problems.append(f"--ep {layout.ep} does not divide num_experts={experts}")
-    if problems:
-        raise ConversionError(f"layout {layout.name()} does not fit: " + "; ".join(problems))
+def check_layout(layout: Layout, hf_config: Any) -> int:
+    """`Layout.validate` for this job's world size, with the command-line flags' names in the
+    message; raises `ConversionError`. Returns the data-parallel size."""
+    try:
+        return layout.validate(dist.world_size(), hf_config, key="--")
+    except ConfigError as e:
+        raise ConversionError(f"layout {layout.name()} does not fit: {e}") from e
+
+
+def _check_output(out_dir: Path, force: bool) -> None:
+    """Refuse a non-empty output unless `force` (before any work; nothing is deleted here)."""
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise ConversionError(f"{out_dir} exists and is not empty; pass --force to overwrite")
 
 
 def _prepare_output(out_dir: Path, force: bool) -> None:
     """Refuse a non-empty output unless `force`; rank 0 clears it, everyone waits."""
+    _check_output(out_dir, force)
     if out_dir.exists() and any(out_dir.iterdir()):
-        if not force:
-            raise ConversionError(f"{out_dir} exists and is not empty; pass --force to overwrite")
-        _barrier()  # nobody may still be reading it
-        if _rank() == 0:
+        dist.barrier()  # nobody may still be reading it
+        if dist.rank() == 0:
             shutil.rmtree(out_dir)
-    _barrier()
-    if _rank() == 0:
+    dist.barrier()
+    if dist.rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    dist.barrier()
 
 
 def write_source_info(
@@ -120,19 +95,12 @@ def write_source_info(
     meta = {
         "format": "torch_dist",
         "source": str(hf_dir.resolve()),
-        "layout": {
-            "tp": layout.tp,
-            "pp": layout.pp,
-            "vpp": layout.vpp,
-            "cp": layout.cp,
-            "ep": layout.ep,
-            "etp": layout.etp,
-        },
-        "world_size": _world(),
+        "layout": layout.to_dict(),
+        "world_size": dist.world_size(),
         "param_dtype": str(next(model[0].parameters()).dtype).removeprefix("torch."),
         "hf_dtype": str(_hf_dtype(hf_io.hf_config_of(bridge))).removeprefix("torch."),
     }
-    if _rank() == 0:
+    if dist.rank() == 0:
         cfg_dir = Path(out_dir) / HF_CONFIG_DIR
         cfg_dir.mkdir(exist_ok=True)
         shutil.copy2(hf_dir / "config.json", cfg_dir / "config.json")
@@ -141,8 +109,24 @@ def write_source_info(
     return meta
 
 
+def read_source_info(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The metadata `write_source_info` wrote, with `layout` as a `Layout` (the one the
+    checkpoint was written at; it loads at any other)."""
+    path = Path(ckpt_dir) / META_FILE
+    if not path.is_file() or not (Path(ckpt_dir) / HF_CONFIG_DIR).is_dir():
+        raise ConversionError(
+            f"{ckpt_dir} is not a checkpoint written by convert_hf_to_megatron or the trainer "
+            f"(no {META_FILE} and {HF_CONFIG_DIR}/)"
+        )
+    meta = json.loads(path.read_text())
+    meta["layout"] = Layout(**meta["layout"])
+    return meta
+
+
 def _hf_dtype(hf_config: Any) -> torch.dtype:
-    name = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    """The weights' dtype a HF config declares (a `PretrainedConfig` or config.json's dict)."""
+    get = hf_config.get if isinstance(hf_config, dict) else lambda k: getattr(hf_config, k, None)
+    name = get("torch_dtype") or get("dtype")
     if isinstance(name, torch.dtype):
         return name
     if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
@@ -166,7 +150,7 @@ def build_for_layout(
     bridge: Any, layout: Layout, dtype: torch.dtype | None
 ) -> list[torch.nn.Module]:
     """Parallel state + model chunks (no weights loaded) for `layout`."""
-    validate_layout(layout, hf_io.hf_config_of(bridge), _world())
+    check_layout(layout, hf_io.hf_config_of(bridge))
     init_megatron(layout)
     return build_model(make_provider(bridge, layout, dtype=dtype))
 
@@ -188,7 +172,7 @@ def check_hf_tensors(bridge: Any, model: list[torch.nn.Module], hf_dir: Path) ->
     available = set(bridge.hf_pretrained.state.source.get_all_keys())
     missing = sorted(needed - available)
     if torch.distributed.is_initialized():
-        gathered: list[list[str]] = [[] for _ in range(_world())]
+        gathered: list[list[str]] = [[] for _ in range(dist.world_size())]
         torch.distributed.all_gather_object(gathered, missing)
         missing = sorted({n for part in gathered for n in part})
     if missing:
@@ -215,16 +199,19 @@ def hf_to_megatron(
         raise ConversionError(f"{hf_dir} is not a HF checkpoint (no config.json)")
     if not list(hf_dir.glob("*.safetensors")):
         raise ConversionError(f"{hf_dir} has no *.safetensors weights")
-    _prepare_output(out_dir, force)
+    _check_output(out_dir, force)
     bridge = load_bridge(hf_dir)
+    # a layout that does not fit fails here, before --force deletes anything
+    check_layout(layout, hf_io.hf_config_of(bridge))
+    _prepare_output(out_dir, force)
     model = build_for_layout(bridge, layout, dtype)
     check_hf_tensors(bridge, model, hf_dir)
-    _say(f"loading {hf_dir} into a {layout.name()} model on {_world()} ranks")
+    _say(f"loading {hf_dir} into a {layout.name()} model on {dist.world_size()} ranks")
     bridge.load_hf_weights(model)
     _say(f"saving torch_dist checkpoint to {out_dir}")
     save_model(model, out_dir)
     meta = write_source_info(out_dir, hf_dir, bridge, model, layout)
-    _barrier()
+    dist.barrier()
     _say("done")
     return meta
 
@@ -235,9 +222,7 @@ def load_megatron(
     """(bridge, model chunks for `layout`) with weights from a `hf_to_megatron` checkpoint."""
     quiet_megatron()
     ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / META_FILE).is_file() or not (ckpt_dir / HF_CONFIG_DIR).is_dir():
-        raise ConversionError(f"{ckpt_dir} is not a checkpoint written by convert_hf_to_megatron")
-    meta = json.loads((ckpt_dir / META_FILE).read_text())
+    meta = read_source_info(ckpt_dir)
     bridge = config_bridge(ckpt_dir / HF_CONFIG_DIR)
     if dtype is None and meta.get("param_dtype"):
         dtype = getattr(torch, meta["param_dtype"])
@@ -246,7 +231,8 @@ def load_megatron(
         states = load_model_states(model, ckpt_dir)
     except Exception as e:  # megatron raises CheckpointingException / KeyError with key lists
         raise ConversionError(
-            f"cannot load {ckpt_dir} at layout {layout.name()}: {type(e).__name__}: {e}"
+            f"cannot load {ckpt_dir} (written at {meta['layout'].name()}) at layout "
+            f"{layout.name()}: {type(e).__name__}: {e}"
         ) from e
     for m, sd in zip(model, states, strict=True):
         missing, unexpected = m.load_state_dict(sd, strict=False)
@@ -272,17 +258,55 @@ def megatron_to_hf(
     hf_dtype: dtype of the written weights (default: the source HF checkpoint's dtype).
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    _prepare_output(out_dir, force)
+    _check_output(out_dir, force)
     bridge, model = load_megatron(ckpt_dir, layout)
-    hf_config = hf_io.hf_config_of(bridge)
-    hf_dtype = hf_dtype or _hf_dtype(hf_config)
-    _say(f"exporting to {out_dir} as {hf_dtype}")
-    writer = hf_io.ShardWriter(out_dir) if _rank() == 0 else None
+    n = export_hf(
+        bridge,
+        model,
+        out_dir,
+        hf_dir=ckpt_dir / HF_CONFIG_DIR,
+        hf_dtype=hf_dtype,
+        shard_bytes=shard_bytes,
+    )
+    _say("done")
+    return {"tensors": n}
+
+
+def export_hf(
+    bridge: Any,
+    model: list[torch.nn.Module],
+    out_dir: str | Path,
+    *,
+    hf_dir: str | Path,
+    hf_dtype: torch.dtype | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> int:
+    """Write `model` as a HF checkpoint directory `out_dir` (collective: call on every rank).
+
+    The one HF writer: the converter and the trainer's final export (`checkpoint.
+    export_hf_at_end`) both call it, so the two agree bitwise on the same weights.
+    hf_dir: HF directory whose config.json, tokenizer and generation files are copied (the
+        source model, or a converted checkpoint's `hf_config/`).
+    hf_dtype: dtype of the written weights (default: the one hf_dir's config.json declares).
+    Rank 0 writes a sibling `<out_dir>.tmp` and then replaces `out_dir` with it, so an
+    interrupted export never leaves a partial checkpoint and a repeated one no stale shards.
+    Returns the number of tensors written (on rank 0; 0 on the others).
+    """
+    out_dir, hf_dir = Path(out_dir), Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise ConversionError(f"{hf_dir} has no config.json to write next to the weights")
+    config = json.loads((hf_dir / "config.json").read_text())
+    hf_dtype = hf_dtype or _hf_dtype(config)
+    _say(f"exporting to {out_dir} as {str(hf_dtype).removeprefix('torch.')}")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    writer = None
+    if dist.rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        writer = hf_io.ShardWriter(tmp)
     shard: list[tuple[str, torch.Tensor]] = []
     size = 0
-    show = _rank() == 0
     # Experts go to EP rank 0 (the writer) only, not to every EP rank.
-    for name, t in hf_tensors(bridge, model, cpu=True, show_progress=show):
+    for name, t in hf_tensors(bridge, model, cpu=True, show_progress=writer is not None):
         if writer is None:
             continue  # other ranks only take part in the gathers
         t = t.detach().to(hf_dtype).clone()
@@ -295,47 +319,45 @@ def megatron_to_hf(
         if shard:
             writer.write(shard)
         writer.close()
-        src = ckpt_dir / HF_CONFIG_DIR
-        shutil.copy2(src / "config.json", out_dir / "config.json")
-        hf_io.copy_side_files(src, out_dir)
-    _barrier()
-    _say("done")
-    return {"tensors": 0 if writer is None else len(writer.weight_map)}
+        shutil.copy2(hf_dir / "config.json", tmp / "config.json")
+        hf_io.copy_side_files(hf_dir, tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out_dir)
+    dist.barrier()
+    return 0 if writer is None else len(writer.weight_map)
+
+
+def hf_state(bridge: Any, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """The full HF-named state in memory on EVERY rank (tests, small models): the same stream
+    as `export_hf`, with the bridge's expert all-gather so that each rank receives it all."""
+    return {
+        name: t.cpu().clone()
+        for name, t in hf_tensors(bridge, model, cpu=True, experts_to_first=False)
+    }
 
 
 # ---- command line (tools/convert_*.py are thin wrappers) ---------------------------------
-def init_distributed() -> None:
-    """Join the torchrun job (or run as a 1-rank job under plain `python`)."""
-    import os
-
-    if torch.distributed.is_initialized():
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29511")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group("nccl")
-    else:
-        torch.distributed.init_process_group("gloo")
-
-
 def _layout_args(p: Any) -> None:
-    g = p.add_argument_group("parallel layout of the Megatron side")
+    g = p.add_argument_group("parallel layout of the Megatron side (megatron_gspo.layout.Layout)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     g.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     g.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
+    g.add_argument("--cp", type=int, default=1, help="context parallel size")
     g.add_argument("--ep", type=int, default=1, help="expert parallel size")
     g.add_argument("--etp", type=int, default=None, help="expert tensor parallel size")
 
 
 def _layout(ns: Any) -> Layout:
-    return Layout(tp=ns.tp, pp=ns.pp, vpp=ns.vpp, ep=ns.ep, etp=ns.etp)
+    # Sequence parallelism changes no checkpoint tensor, so the layout's default (on when
+    # tp > 1, which MoE with tp > 1 requires) is right for conversion and has no flag.
+    return Layout(tp=ns.tp, pp=ns.pp, vpp=ns.vpp, cp=ns.cp, ep=ns.ep, etp=ns.etp)
 
 
 def cli(direction: str, argv: list[str] | None = None) -> int:
-    """`hf_to_megatron` / `megatron_to_hf` from the command line; returns the exit code."""
+    """`hf_to_megatron` / `megatron_to_hf` from the command line; returns the exit code (2: the
+    layout, input or output is wrong, with a message saying which flag to change)."""
     import argparse
 
     to_megatron = direction == "hf_to_megatron"
@@ -343,7 +365,8 @@ def cli(direction: str, argv: list[str] | None = None) -> int:
         description=(
             "HF checkpoint -> Megatron torch_dist checkpoint"
             if to_megatron
-            else "Megatron torch_dist checkpoint (from convert_hf_to_megatron) -> HF checkpoint"
+            else "Megatron torch_dist checkpoint (from convert_hf_to_megatron or the trainer) "
+            "-> HF checkpoint"
         ),
         epilog="Run with torchrun --nproc-per-node N; world size must fit the layout.",
     )
@@ -356,16 +379,20 @@ def cli(direction: str, argv: list[str] | None = None) -> int:
     else:
         p.add_argument("--hf-dtype", default=None, help="dtype of the written HF weights")
     ns = p.parse_args(argv)
-    init_distributed()
+    try:
+        layout = _layout(ns)
+    except ConfigError as e:  # e.g. --vpp without --pp: argparse's usage error, exit code 2
+        p.error(str(e))
+    dist.init_distributed()
     try:
         if to_megatron:
             dtype = getattr(torch, ns.dtype) if ns.dtype else None
-            hf_to_megatron(ns.input, ns.output, _layout(ns), dtype=dtype, force=ns.force)
+            hf_to_megatron(ns.input, ns.output, layout, dtype=dtype, force=ns.force)
         else:
             hf_dtype = getattr(torch, ns.hf_dtype) if ns.hf_dtype else None
-            megatron_to_hf(ns.input, ns.output, _layout(ns), force=ns.force, hf_dtype=hf_dtype)
+            megatron_to_hf(ns.input, ns.output, layout, force=ns.force, hf_dtype=hf_dtype)
     except ConversionError as e:
-        if _rank() == 0:
+        if dist.rank() == 0:
             print(f"error: {e}", flush=True)
         return 2
     finally:

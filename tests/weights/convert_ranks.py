@@ -1,9 +1,11 @@
 """Rank program of the conversion tests (spawned by tests/weights/test_convert.py).
 
-HF -> torch_dist at TP2, EP2 and PP2; each checkpoint back to HF at its own layout (round
+HF -> torch_dist at TP2, EP2, PP2 and CP2; each checkpoint back to HF at its own layout (round
 trip) and at another one (resharding); logits of a model loaded from a checkpoint written at
-another layout vs the same layout built straight from HF; and the error paths (existing
-output, a layout that does not fit, a checkpoint missing a tensor).
+another layout vs the same layout built straight from HF; the layout recorded in each
+checkpoint; `export_hf` into an existing export (no stale shards) vs the in-memory `hf_state`;
+and the error paths (existing output, a layout that does not fit, a checkpoint missing a
+tensor).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.layout import Layout
 from megatron_gspo.megatron.model import (
-    Layout,
     build_model,
     init_megatron,
     load_bridge,
@@ -24,7 +26,7 @@ from megatron_gspo.megatron.model import (
 )
 from megatron_gspo.weights import convert, hf_io
 
-LAYOUTS = {"tp2": Layout(tp=2), "ep2": Layout(ep=2), "pp2": Layout(pp=2)}
+LAYOUTS = {"tp2": Layout(tp=2), "ep2": Layout(ep=2), "pp2": Layout(pp=2), "cp2": Layout(cp=2)}
 # (checkpoint layout, load layout): the diagonal is a round trip, the rest reshard.
 EXPORTS = [
     ("tp2", "tp2"),
@@ -33,6 +35,8 @@ EXPORTS = [
     ("tp2", "ep2"),
     ("ep2", "pp2"),
     ("pp2", "tp2"),
+    ("cp2", "ep2"),
+    ("tp2", "cp2"),
 ]
 # Logits need a non-pipelined model here (one forward call).
 LOGITS = [("pp2", "tp2"), ("tp2", "ep2"), ("ep2", "tp2")]
@@ -65,6 +69,7 @@ def main(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, layout in LAYOUTS.items():
         convert.hf_to_megatron(hf, root_p / f"mc_{name}", layout)
+        out[f"meta_{name}"] = convert.read_source_info(root_p / f"mc_{name}")["layout"]
     for src, dst in EXPORTS:
         convert.megatron_to_hf(root_p / f"mc_{src}", root_p / f"hf_{src}_{dst}", LAYOUTS[dst])
     torch.distributed.barrier()
@@ -94,6 +99,20 @@ def main(rank: int, world: int, root: str) -> dict[str, Any]:
             "max_diff": float((resharded - direct).abs().max()),
             "shape": tuple(resharded.shape),
         }
+    # export_hf as the trainer calls it (hf_dir: the source model), twice into the same
+    # directory: first in many small shards, then in one; the second replaces the first.
+    bridge, model = convert.load_megatron(root_p / "mc_ep2", LAYOUTS["ep2"])
+    exported = root_p / "exported"
+    out["export_hf_small"] = convert.export_hf(bridge, model, exported, hf_dir=hf, shard_bytes=1)
+    out["export_hf"] = convert.export_hf(bridge, model, exported, hf_dir=hf)
+    in_memory = convert.hf_state(bridge, model)  # on every rank
+    if rank == 0:
+        written = hf_io.load_hf_state(exported)
+        out["export_hf_files"] = sorted(p.name for p in exported.iterdir())
+        out["export_hf_equal"] = written.keys() == in_memory.keys() and all(
+            torch.equal(written[k], in_memory[k]) for k in written
+        )
+    out["hf_state_keys"] = len(in_memory)
     # Error paths (each raises on every rank before any collective could hang).
     out["overwrite"] = _error(convert.hf_to_megatron, hf, root_p / "mc_tp2", LAYOUTS["tp2"])
     out["bad_layout"] = _error(

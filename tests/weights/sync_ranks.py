@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.layout import Layout
 from megatron_gspo.megatron.model import (
-    Layout,
     build_model,
-    export_hf_state,
     init_megatron,
     load_bridge,
     make_provider,
@@ -24,6 +23,7 @@ from megatron_gspo.megatron.model import (
 )
 from megatron_gspo.weights import fp8
 from megatron_gspo.weights.checksum import WeightIntegrityError
+from megatron_gspo.weights.convert import hf_state
 from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
 from tests.weights.fake_engine import FakeEngine
 
@@ -90,7 +90,7 @@ def run_layout(
 ) -> dict[str, Any]:
     init_megatron(layout)
     model = build_model(make_provider(bridge, layout), load_from=bridge)
-    ref = export_hf_state(bridge, model)
+    ref = hf_state(bridge, model)
     out: dict[str, Any] = {}
     for key, (sync, engine) in syncs.items():
         if key == "corrupt":
@@ -202,7 +202,7 @@ def _vpp_distopt(rank: int, tmp: str) -> dict[str, Any]:
     init_megatron(layout)
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     model = build_model(make_provider(bridge, layout), ddp_config=ddp, load_from=bridge)
-    ref = export_hf_state(bridge, model)
+    ref = hf_state(bridge, model)
     engine = FakeEngine("vpp") if rank == 0 else None
     sync = WeightSync(bridge, [engine] if engine else [], WeightSyncConfig(bucket_mb=BUCKET_MB))
     info = _push(sync, model, engine)
