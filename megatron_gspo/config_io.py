@@ -71,7 +71,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         require(isinstance(value, list), f"{key}={value!r} must be a list; change {key}")
         (item_tp,) = typing.get_args(tp)
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         require(isinstance(value, dict), f"{key} must be a mapping, got {value!r}")
         return build_dataclass(tp, value, key)
     if tp is bool:

@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> None:
         stop = {"now": False}
         signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
         log = MetricsLogger.from_config(
-            cfg.logging, total_steps=cfg.train.steps, config=cfg, rank=dist.rank(), start_step=start
+            cfg.logging,
+            total_steps=cfg.train.steps,
+            config=cfg.to_dict(),
+            rank=dist.rank(),
+            start_step=start,
         )
         _loop(cfg, policy, rollout, sync, log, start, stop)
     finally:
@@ -82,20 +86,26 @@ def _loop(
         bad = bad + 1 if metrics["train/skipped_updates"] else 0
         every = cfg.checkpoint.save_every
         last = stop["now"] or bad >= cfg.train.max_bad_steps or step + 1 == cfg.train.steps
-        if last or (every and (step + 1) % every == 0):
+        if cfg.checkpoint.dir and (last or (every and (step + 1) % every == 0)):
             save_checkpoint(policy, rollout, step + 1)
         if bad >= cfg.train.max_bad_steps:
             raise TrainingDiverged(
                 f"{bad} consecutive steps (up to step {step + 1}) had a non-finite loss or "
                 f"gradient norm and were skipped (train.max_bad_steps={cfg.train.max_bad_steps});"
-                f" checkpoint written at step {step + 1}. Lower optim.lr, check the data and "
+                f" {_saved(cfg, step + 1)}. Lower optim.lr, check the data and "
                 "rewards, or resume from an earlier checkpoint."
             )
         if dist.broadcast(stop["now"]):
-            print(f"[train] SIGTERM: checkpoint written at step {step + 1}", file=sys.stderr)
+            print(f"[train] SIGTERM: {_saved(cfg, step + 1)}", file=sys.stderr)
             return
     if cfg.checkpoint.export_hf_at_end:
         policy.bridge.save_hf_pretrained(policy.model, f"{cfg.checkpoint.dir}/hf_final")
+
+
+def _saved(cfg: Config, step: int) -> str:
+    if cfg.checkpoint.dir:
+        return f"checkpoint written at step {step} in {cfg.checkpoint.dir}"
+    return "no checkpoint written (checkpoint.dir is not set)"
 
 
 def _step_metrics(pushed: Any, seqs: list, t0: float, t1: float, t2: float) -> dict[str, float]:

@@ -151,7 +151,7 @@ def make_rollout(cfg: Config) -> Rollout:
 def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
     """Model + optimizer (megatron-core dist checkpoint) and trainer state, written to a
     temporary directory and renamed, so a crash mid-save never leaves a half checkpoint."""
-    root = Path(policy.cfg.checkpoint.dir)
+    root = Path(_checkpoint_dir(policy))
     final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -187,7 +187,7 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
 
 def load_checkpoint(policy: Policy, rollout: Rollout | None) -> int:
     """Restore the latest checkpoint; returns the step to continue from (0 if none)."""
-    latest = Path(policy.cfg.checkpoint.dir) / "latest"
+    latest = Path(_checkpoint_dir(policy)) / "latest"
     if not latest.exists():
         return 0
     path = latest.parent / latest.read_text().strip()
@@ -201,3 +201,10 @@ def load_checkpoint(policy: Policy, rollout: Rollout | None) -> int:
         rollout.loader.load_state_dict(ro["loader"])
         rollout.next_seq_id = ro["next_seq_id"]
     return int(state["step"])
+
+
+def _checkpoint_dir(policy: Policy) -> str:
+    directory = policy.cfg.checkpoint.dir
+    if directory is None:  # the config refuses resume/save_every without it; callers check
+        raise ValueError("checkpoint.dir is not set")
+    return directory

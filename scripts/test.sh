@@ -7,6 +7,11 @@ cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
 start=$(date +%s)
 "$venv/bin/ruff" check . || { echo "[test] ruff check failed"; exit 1; }
+# The central seams are type-checked: the numerics, the config, the policy and the loop.
+MYPY_PATHS=(megatron_gspo/algo megatron_gspo/config.py megatron_gspo/config_io.py
+  megatron_gspo/layout.py megatron_gspo/dist.py megatron_gspo/megatron/policy.py
+  megatron_gspo/trainer.py megatron_gspo/train.py)
+"$venv/bin/mypy" "${MYPY_PATHS[@]}" || { echo "[test] mypy failed"; exit 1; }
 "$venv/bin/python" -m pytest -p no:cacheprovider "$@"
 rc=$?
 echo "[test] suite wall time: $(( $(date +%s) - start )) s on $(nproc) cores"

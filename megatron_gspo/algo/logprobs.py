@@ -43,7 +43,7 @@ def _compute_dtype(logits: Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _all_reduce(x: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
+def _all_reduce(x: Tensor, op: Any, group: dist.ProcessGroup | None) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
 

@@ -243,7 +243,8 @@ class _SeqStats(NamedTuple):
     logp: Tensor  # [T] logp with masked positions zeroed (so garbage there cannot leak)
     old_logp: Tensor  # [T] likewise
     local_count: Tensor  # [S] response tokens of each sequence on this shard
-    count: Tensor  # [S] full-sequence response-token count (through seq_sum)
+    # NamedTuple's own `count` method is shadowed on purpose: the field is the natural name.
+    count: Tensor  # type: ignore[assignment]  # [S] full-sequence response-token count
     valid: Tensor  # [S] bool: count > 0
     seq_log_ratio: Tensor  # [S] clamped mean log-ratio; carries grad iff requested
     inside_clamp: Tensor  # [S] bool: |mean log-ratio| <= clamp (gradient flows)

@@ -174,6 +174,14 @@ def _apply_model_options(provider: Any, model: ModelConfig, cpu: bool) -> None:
         raise ValueError(
             "model.moe_token_dispatcher=flex needs DeepEP on GPUs; on CPU use alltoall or allgather"
         )
+    if model.moe_token_dispatcher == "allgather" and provider.expert_model_parallel_size > 1:
+        # Its all-gather assumes the same token count on every EP rank; our packed
+        # variable-length micro-batches differ per rank (gloo aborts, NCCL would misread).
+        raise ValueError(
+            "model.moe_token_dispatcher=allgather needs equal token counts on every expert-"
+            "parallel rank, which packed micro-batches do not have; use alltoall (or "
+            "parallel.ep=1)"
+        )
     provider.moe_token_dispatcher_type = model.moe_token_dispatcher
     if model.moe_grouped_gemm:
         if cpu or not _has_transformer_engine():

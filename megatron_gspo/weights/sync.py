@@ -243,6 +243,7 @@ class WeightSync:
             dtype=cfg.torch_dtype,
             use_fp8=cfg.fp8,
             fp8_check=cfg.fp8_check,
+            experts_to_first=cfg.experts_to_first,
             stats=report.stats,
             on_tensor=on_tensor,
         )

@@ -304,3 +304,32 @@ def test_low_precision_logp_counts_exactly() -> None:
     assert metrics["policy/response_length"].tolist() == [600.0, 2.0]
     assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("kind", ["gspo", "grpo"])
+def test_seq_outside_clip_counts_sequences_outside_the_band(kind: str) -> None:
+    """mismatch/seq_outside_clip: the share of sequences whose mean engine-vs-trainer log-ratio
+    lies outside [log(1 - eps_low), log(1 + eps_high)], against a float64 count by hand."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [3, 1, 4, 2, 5, 2]
+    # per-sequence offsets: inside the GSPO band, outside on each side, and GRPO-sized ones
+    offsets = [1e-4, -5e-4, 6e-4, 0.0, 0.25, -0.3]
+    seq_index = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    engine = torch.randn(len(seq_index), generator=gen, dtype=torch.float64) - 2
+    logp = engine + torch.tensor(offsets, dtype=torch.float64)[seq_index]
+    inputs = PolicyLossInputs(
+        logp=logp.float(),
+        old_logp=engine.float(),
+        advantages=torch.ones(len(lengths)),
+        seq_index=seq_index,
+        mask=torch.ones(len(seq_index), dtype=torch.bool),
+        num_seqs=len(lengths),
+    )
+    cfg = PolicyLossConfig(kind=kind)
+    _, metrics = policy_loss(inputs, cfg, denominator=1.0)
+    lo, hi = torch.tensor([1 - cfg.eps_low, 1 + cfg.eps_high], dtype=torch.float64).log()
+    mean = torch.tensor(offsets, dtype=torch.float64)
+    want = float(((mean < lo) | (mean > hi)).sum())
+    got_sum, got_count = metrics["mismatch/seq_outside_clip"].tolist()
+    assert (got_sum, got_count) == (want, len(lengths))
+    assert want == (4.0 if kind == "gspo" else 2.0)  # the case covers both sides
