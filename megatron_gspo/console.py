@@ -38,6 +38,7 @@ def _rank() -> int:
 
 
 def _is_console(handler: logging.Handler) -> bool:
+    """Whether `handler` prints to the process's stdout / stderr."""
     if isinstance(handler, logging.FileHandler) or not isinstance(handler, logging.StreamHandler):
         return False
     consoles = {sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__}
@@ -48,7 +49,7 @@ def _is_ours(name: str) -> bool:
     return name == _OURS or name.startswith(_OURS + ".")
 
 
-def _install_add_handler_hook(stream: IO[str]) -> None:
+def _install_add_handler_hook(stream: IO[str] | None) -> None:
     # Libraries imported after the routing attach their own console handlers (transformers does
     # on import, megatron-bridge's import_utils too); those are pointed at the file instead.
     # Dropping them would not do: a logger with propagate=False and no handler falls back to
@@ -58,7 +59,12 @@ def _install_add_handler_hook(stream: IO[str]) -> None:
 
         def add_handler(self: logging.Logger, hdlr: logging.Handler) -> None:
             target = _state.get("stream")
-            if target is not None and _is_console(hdlr) and not _is_ours(self.name):
+            if (
+                target is not None
+                and isinstance(hdlr, logging.StreamHandler)
+                and _is_console(hdlr)
+                and not _is_ours(self.name)
+            ):
                 hdlr.setStream(target)
             _state["real_add_handler"](self, hdlr)
 
@@ -96,7 +102,7 @@ def route_third_party_output(log_dir: str | Path, *, level: int = logging.INFO) 
     if old is not None:
         old.close()
     _state["handler"] = handler
-    _install_add_handler_hook(handler.stream)
+    _install_add_handler_hook(handler.stream)  # FileHandler without delay: open already
     logging.captureWarnings(True)  # warnings.warn -> logger "py.warnings" -> the file
     _keep_ours_on_console()
     return path

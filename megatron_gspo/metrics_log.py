@@ -238,7 +238,7 @@ class MetricsLogger:
         scalars = to_scalars(metrics)
         if step % self.log_every == 0:
             if self._jsonl is not None:
-                row = {"step": step, "time": time.time()}
+                row: dict[str, float | str] = {"step": step, "time": time.time()}
                 row |= {k: jsonl_value(v) for k, v in scalars.items()}
                 self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
                 self._jsonl.flush()

@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> Path:
     if (model_dir / "config.json").exists() and data.exists() and not args.force:
         print(f"[make_tiny_toy] {out} exists (use --force to rebuild)")
         return out
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a sub-second "Writing model shards" bar is noise here
     save_tiny_hf_checkpoint(model_dir, seed=args.seed, perturb_norms=False)
     save_toy_tokenizer(model_dir)
     write_toy_dataset(

@@ -177,7 +177,7 @@ def ep_gather_to_rank0() -> Iterator[None]:
         _ep_scope["depth"] -= 1
 
 
-_COMMON = dict(package="megatron-bridge", versions=BRIDGE_VERSIONS)
+_COMMON: dict[str, Any] = dict(package="megatron-bridge", versions=BRIDGE_VERSIONS)
 BRIDGE_PATCHES: tuple[Patch, ...] = (
     Patch(
         name="bridge-lora-te-import",
