@@ -3,6 +3,10 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/env.sh") || exit 1
+# The real SGLang server runs in its own pinned venv (SGLang pins its own torch); with it built,
+# the tests against the real server must run, never skip.
+engine_venv=$(bash "$root/scripts/engine_env.sh") || exit 1
+export MGSPO_ENGINE_PYTHON="$engine_venv/bin/python" MGSPO_REQUIRE_SGLANG=1
 cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
 start=$(date +%s)

@@ -59,6 +59,18 @@ class LaunchConfig:
     startup_timeout_s: float = 900.0
     log_dir: str | None = None
     """Where each process writes `<name>.log`; None inherits the parent's stdout/stderr."""
+    device: str | None = None
+    """`--device` of the real server; `cpu` runs SGLang's torch-native CPU path (flags, env and
+    the test-only `sgl_kernel` stand-in it needs: `cpu_engine_env`). None: SGLang's default."""
+    python: str | None = None
+    """Interpreter that runs the real server, e.g. the engine venv's `bin/python`
+    (scripts/engine_env.sh: SGLang pins its own torch); None: this process's interpreter."""
+    max_total_tokens: int | None = None
+    """`--max-total-tokens` (KV cache size in tokens). On CPU None means 4096: SGLang would
+    otherwise size the cache from free RAM (~15 GB for a tiny model)."""
+    sleep_on_idle: bool | None = None
+    """`--sleep-on-idle` (an idle scheduler sleeps instead of spinning a core); None: on for
+    CPU, off otherwise."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("sglang", "embedded"):
@@ -78,8 +90,12 @@ class LaunchConfig:
         return f"http://{self.host}:{self.router_port}" if self.router else None
 
 
-def engine_command(cfg: LaunchConfig, i: int, python: str = sys.executable) -> list[str]:
-    """The command line of engine `i`."""
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 4096
+
+
+def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list[str]:
+    """The command line of engine `i` (interpreter: `python`, else `cfg.python`, else ours)."""
+    python = python or (cfg.python if cfg.backend == "sglang" else None) or sys.executable
     port = str(cfg.base_port + i)
     if cfg.backend == "embedded":
         cmd = [python, "-m", "megatron_gspo.rollout.embedded", "--model-path", cfg.model_path]
@@ -87,7 +103,19 @@ def engine_command(cfg: LaunchConfig, i: int, python: str = sys.executable) -> l
         return cmd + list(cfg.extra_args)
     cmd = [python, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
     cmd += ["--host", cfg.host, "--port", port]
-    cmd += ["--tp-size", str(cfg.tp_size), "--base-gpu-id", str(i * cfg.tp_size)]
+    # On CPU the "GPU id" is a NUMA node index (sglang/srt/utils/numa_utils.py): co-located
+    # engines all use node 0 rather than asserting on nodes the machine lacks.
+    base_id = 0 if cfg.device == "cpu" else i * cfg.tp_size
+    cmd += ["--tp-size", str(cfg.tp_size), "--base-gpu-id", str(base_id)]
+    if cfg.device:
+        cmd += ["--device", cfg.device]
+    max_tokens = cfg.max_total_tokens
+    if max_tokens is None and cfg.device == "cpu":
+        max_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
+    if max_tokens is not None:
+        cmd += ["--max-total-tokens", str(max_tokens)]
+    if cfg.sleep_on_idle or (cfg.sleep_on_idle is None and cfg.device == "cpu"):
+        cmd += ["--sleep-on-idle"]
     if cfg.ep_size > 1:
         cmd += ["--ep-size", str(cfg.ep_size)]
     cmd += ["--dtype", cfg.dtype, "--kv-cache-dtype", cfg.kv_cache_dtype]
@@ -104,6 +132,17 @@ def engine_command(cfg: LaunchConfig, i: int, python: str = sys.executable) -> l
     if cfg.deterministic:
         cmd += ["--enable-deterministic-inference"]
     return cmd + list(cfg.extra_args)
+
+
+def cpu_engine_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a real SGLang server on CPU: its CPU engine switched on and our test-only
+    `sgl_kernel` stand-in first on PYTHONPATH (see megatron_gspo/testing/sgl_kernel_stub)."""
+    from megatron_gspo.testing.sgl_kernel_stub import STUB_DIR
+
+    out = dict(env)
+    out["SGLANG_USE_CPU_ENGINE"] = "1"
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUB_DIR), env.get("PYTHONPATH")) if p)
+    return out
 
 
 def router_command(
@@ -147,11 +186,13 @@ class ServerGroup:
         self.router: subprocess.Popen | None = None
         self._logs: list = []
 
-    def _spawn(self, cmd: list[str], name: str) -> subprocess.Popen:
+    def _spawn(self, cmd: list[str], name: str, *, cpu_engine: bool = False) -> subprocess.Popen:
         env = dict(os.environ if self.env is None else self.env)
         # The embedded engine must import this package even from an uninstalled checkout.
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        if cpu_engine:
+            env = cpu_engine_env(env)
         out = None
         if self.cfg.log_dir:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
@@ -166,7 +207,9 @@ class ServerGroup:
     def start(self, *, wait: bool = True) -> ServerGroup:
         """Spawn the engines (and router); by default wait until all are healthy."""
         for i in range(self.cfg.num_engines):
-            self.engines.append(self._spawn(engine_command(self.cfg, i), f"engine{i}"))
+            cpu = self.cfg.backend == "sglang" and self.cfg.device == "cpu"
+            cmd = engine_command(self.cfg, i)
+            self.engines.append(self._spawn(cmd, f"engine{i}", cpu_engine=cpu))
         if wait:
             self.wait_healthy(self.cfg.engine_urls)
         if self.cfg.router:

@@ -6,10 +6,9 @@ and every engine implementing `RolloutEngine.weights_checksum()` agree bit for b
 computed on the host (a device->host copy on GPU) and costs about one memcpy plus sha256 per
 byte, which is why `WeightSyncConfig.verify_every` can thin it out.
 
-Engines report checksums of what they HOLD: the comparison is meaningful when the engine keeps
-the tensors in the dtype they were sent in and under their HF names (the embedded engine with a
-matching dtype). SGLang itself fuses q/k/v and gate/up into internal names, so its per-tensor
-checksums cannot be compared name by name; see the module docstring of `sync.py`.
+Engines report checksums of what they HOLD, in the dtype they hold it: the embedded engine
+under HF names, a real SGLang server under its own fused parameter names (q/k/v, gate/up,
+stacked experts), which `sglang_names.SGLangChecksums` reproduces from the tensors as sent.
 """
 
 from __future__ import annotations

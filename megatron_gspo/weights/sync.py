@@ -6,9 +6,11 @@ them with the configured transport, then checks, when due:
 
 * integrity: the per-tensor checksum of every tensor as sent equals what each engine reports
   through `RolloutEngine.weights_checksum()` (a mismatch raises `WeightIntegrityError` naming
-  the tensor). This needs engines that keep HF names and the sent dtype (the embedded engine
-  with a matching dtype); SGLang fuses q/k/v and gate/up internally, so with real SGLang set
-  `verify_every=0` and rely on its `/weights_checker` for engine-internal consistency.
+  the tensor). Engines that report HF names (the embedded engine) are compared name by name;
+  a real SGLang server reports its own fused parameters (qkv_proj, gate_up_proj, stacked
+  experts w13_weight/w2_weight), which the sender reproduces from what it sent
+  (`sglang_names.SGLangChecksums`), so real servers are verified by default too (one TP rank
+  per engine; FP8 weights are left out: SGLang hashes them dequantised).
 * version: each engine reports the new version (`RolloutEngine.weight_version()`), which
   rollouts then carry.
 
@@ -36,10 +38,10 @@ import torch
 
 from megatron_gspo.config_io import ConfigError
 from megatron_gspo.rollout.engine import RolloutEngine
-from megatron_gspo.rollout.sglang_protocol import tensor_checksum
 from megatron_gspo.weights import fp8 as fp8_lib
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
+from megatron_gspo.weights.sglang_names import SGLangChecksums, reported_in_sglang_naming
 from megatron_gspo.weights.stream import Bucket, StreamStats, is_sender, model_buckets
 from megatron_gspo.weights.transports import (
     DiskTransport,
@@ -72,9 +74,9 @@ class WeightSyncConfig:
     verify_every: int = 1
     """Compare per-tensor checksums with the engines every N syncs (0 = never)."""
     verify_names: Literal["all", "common"] = "all"
-    """all: every sent tensor must be reported by the engine under its HF name; common: only
-    names the engine reports are compared (engines that fuse some weights, e.g. the embedded
-    engine's fused experts)."""
+    """all: every sent tensor must be reported by the engine, under its HF name or, for a real
+    SGLang server, under SGLang's fused parameter name; common: only names the engine reports
+    are compared."""
     check_version: bool = True
     """Require every engine to report the new weight version after a sync."""
     sender_rank: int = 0
@@ -145,6 +147,30 @@ def engine_tensor_checksums(info: dict[str, Any], engine_id: str = "") -> dict[s
         f"engine {engine_id}: no per-tensor checksums of full HF tensors in {sorted(info)} "
         f"({len(ranks)} ranks); set weights.verify_every=0 for tensor-parallel engines"
     )
+
+
+def verify_engines(
+    engines: Sequence[RolloutEngine],
+    sent: SGLangChecksums,
+    *,
+    verify_names: Literal["all", "common"] = "all",
+) -> None:
+    """Raise `WeightIntegrityError` unless every engine holds what was sent.
+
+    Each engine is compared in the naming it reports: SGLang's fused parameter names when it
+    reports them (a real server), else HF names (the embedded engine).
+    """
+    for engine in engines:
+        for engine_id, info in engine.weights_checksum().items():
+            held = engine_tensor_checksums(info, engine_id)
+            expected = sent.result() if reported_in_sglang_naming(held) else sent.hf
+            if verify_names == "common":
+                expected = {n: c for n, c in expected.items() if n in held}
+                if not expected:
+                    raise WeightIntegrityError(
+                        f"engine {engine_id} reports no checksum under any sent name"
+                    )
+            compare_checksums(expected, held, engine_id)
 
 
 def _with_last(buckets: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
@@ -222,8 +248,8 @@ class WeightSync:
         version = str(self.version)
         report = SyncReport(version=self.version)
         verify = cfg.verify_every > 0 and self.version % cfg.verify_every == 0
-        sent_sums: dict[str, str] = {}
-        on_tensor = (lambda n, t: sent_sums.__setitem__(n, tensor_checksum(t))) if verify else None
+        sent_sums = SGLangChecksums()
+        on_tensor = sent_sums.add if verify else None
         error: BaseException | None = None
         start = time.perf_counter()
         try:
@@ -272,18 +298,8 @@ class WeightSync:
         self.local_stats = report.stats
         return self._agree(report, error)
 
-    def _verify(self, sent: dict[str, str]) -> None:
-        for engine in self.engines:
-            for engine_id, info in engine.weights_checksum().items():
-                held = engine_tensor_checksums(info, engine_id)
-                expected = sent
-                if self.config.verify_names == "common":
-                    expected = {n: c for n, c in sent.items() if n in held}
-                    if not expected:
-                        raise WeightIntegrityError(
-                            f"engine {engine_id} reports no checksum under any sent HF name"
-                        )
-                compare_checksums(expected, held, engine_id)
+    def _verify(self, sent: SGLangChecksums) -> None:
+        verify_engines(self.engines, sent, verify_names=self.config.verify_names)
 
     def _check_version(self, version: str) -> None:
         for engine in self.engines:
