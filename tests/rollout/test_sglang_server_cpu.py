@@ -176,6 +176,55 @@ def test_engine_runs_the_sglang_the_stub_was_written_for(engine_python):
     check_sglang_version(version)
 
 
+_LAUNCHER = """
+import sys, time
+from megatron_gspo.rollout.launch import ServerGroup
+from megatron_gspo.testing.sglang_server import cpu_launch_config
+cfg = cpu_launch_config(sys.argv[1], python=sys.argv[2], base_port=int(sys.argv[3]),
+                        log_dir=sys.argv[4])
+group = ServerGroup(cfg).start()
+print(group.engines[0].pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def _group_members(pgid: int) -> list[int]:
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.getpgid(int(d)) == pgid:
+                    pids.append(int(d))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def test_server_dies_with_its_launcher(engine_python, ckpt_a, tmp_path):
+    """SIGKILL the process that launched the server: the server and its scheduler and
+    detokenizer processes go too (no orphan holding a port and memory)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", _LAUNCHER, ckpt_a, engine_python, str(_free_port()), str(tmp_path)]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(launcher.stdout.readline())  # the server is healthy
+        members = _group_members(engine_pid)  # the engine leads its own process group
+        assert engine_pid in members and len(members) >= 3  # server, scheduler, detokenizer
+    finally:
+        launcher.kill()
+        launcher.wait()
+    tic = time.monotonic()
+    while _group_members(engine_pid) and time.monotonic() < tic + 90:
+        time.sleep(0.5)
+    left = _group_members(engine_pid)
+    print(f"[sglang-cpu] server gone {time.monotonic() - tic:.1f} s after its launcher")
+    if left:
+        os.killpg(engine_pid, 9)
+    assert not left, f"processes outlived their launcher: {left}"
+
+
 # ---- generation ---------------------------------------------------------------------------------
 def test_generate_with_logprobs_matches_hf_bf16(server, client, ckpt_a, ckpt_b, hf_bf16):
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True, seed=7)
