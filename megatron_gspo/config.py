@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -494,12 +495,37 @@ def parse_cli(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace
     return load_config(args.config, overrides), args
 
 
+def describe_keys(cfg: Config) -> str:
+    """Every leaf key with its current value and docstring (`python -m megatron_gspo.config
+    --keys`)."""
+    lines: list[str] = []
+
+    def walk(obj: Any, prefix: str) -> None:
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+                continue
+            doc = " ".join(docs.get(f.name, "").split())
+            lines.append(f"{prefix}{f.name} = {value!r}\n    {doc}")
+
+    walk(cfg, "")
+    return "\n".join(lines) + "\n"
+
+
 def _main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    keys = "--keys" in argv
+    if keys:
+        argv.remove("--keys")
+        if "--config" not in argv:  # the two required keys, so the defaults can be shown
+            argv += ["--set", "model.hf_path=MODEL", "--set", "data.train_path=DATA.jsonl"]
     try:
         cfg, _ = parse_cli(argv)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from None
-    print(dump_config(cfg), end="")
+    print(describe_keys(cfg) if keys else dump_config(cfg), end="")
 
 
 if __name__ == "__main__":

@@ -10,16 +10,19 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_gspo import dist
 from megatron_gspo.config import Config, ConfigError, dump_config, parse_cli
-from megatron_gspo.megatron.policy import Policy
+from megatron_gspo.console import route_third_party_output, third_party_stdio
 from megatron_gspo.metrics_log import MetricsLogger
-from megatron_gspo.trainer import Rollout, load_checkpoint, make_rollout, save_checkpoint
 from megatron_gspo.weights.sync import WeightSync
+
+if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
+    from megatron_gspo.megatron.policy import Policy
+    from megatron_gspo.trainer import Rollout
 
 
 class TrainingDiverged(RuntimeError):
@@ -34,11 +37,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.dump:
         print(dump_config(cfg), end="")
         return
+    # Library chatter (import-time tracebacks, deprecations, loading bars) goes to
+    # <logging.dir>/third_party.log; the console keeps our progress bar and messages.
+    route_third_party_output(cfg.logging.dir)
+    from megatron_gspo.megatron.policy import Policy
+    from megatron_gspo.trainer import load_checkpoint, make_rollout
+
     dist.init_distributed(cfg.train.device)
-    policy = Policy.build(cfg)
+    with third_party_stdio(cfg.logging.dir):
+        policy = Policy.build(cfg)
     rollout = sync = log = None
     try:  # whatever fails, engines and reward workers are shut down
-        rollout = make_rollout(cfg) if dist.rank() == 0 else None
+        with third_party_stdio(cfg.logging.dir):
+            rollout = make_rollout(cfg) if dist.rank() == 0 else None
         sync = WeightSync(policy.bridge, rollout.engine if rollout else [], cfg.weights)
         start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
         stop = {"now": False}
@@ -87,6 +98,8 @@ def _loop(
         every = cfg.checkpoint.save_every
         last = stop["now"] or bad >= cfg.train.max_bad_steps or step + 1 == cfg.train.steps
         if cfg.checkpoint.dir and (last or (every and (step + 1) % every == 0)):
+            from megatron_gspo.trainer import save_checkpoint
+
             save_checkpoint(policy, rollout, step + 1)
         if bad >= cfg.train.max_bad_steps:
             raise TrainingDiverged(
@@ -99,7 +112,10 @@ def _loop(
             print(f"[train] SIGTERM: {_saved(cfg, step + 1)}", file=sys.stderr)
             return
     if cfg.checkpoint.export_hf_at_end:
-        policy.bridge.save_hf_pretrained(policy.model, f"{cfg.checkpoint.dir}/hf_final")
+        from megatron_gspo.weights.convert import export_hf
+
+        out = f"{cfg.checkpoint.dir}/hf_final"
+        export_hf(policy.bridge, policy.model, out, hf_dir=cfg.model.hf_path)
 
 
 def _saved(cfg: Config, step: int) -> str:

@@ -5,7 +5,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/env.sh")
 cd "$root"
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
+# OMP_NUM_THREADS set here keeps torchrun from printing its banner about it.
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
 py="$venv/bin/python"
 "$py" tools/make_tiny_toy.py --out runs/tiny_toy
 "$py" -m torch.distributed.run --nproc_per_node 2 -m megatron_gspo.train \

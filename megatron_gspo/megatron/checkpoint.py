@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.patches.optimizer import resume_hooks
+from megatron_gspo.patches.optimizer import chained, resume_hooks
 
 _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -72,13 +72,33 @@ def _sharded_state(model: list[torch.nn.Module], optimizer: Any, is_loading: boo
     return {**model_sd, "optimizer": optim}
 
 
+_FRESH_OPTIMIZER = "optimizer_fresh"
+
+
+def _has_stepped(optimizer: Any) -> bool:
+    """Whether any rank's optimizer holds state (a step was taken); identical on every rank."""
+    from megatron_gspo import dist
+
+    local = any(len(opt.optimizer.state) > 0 for opt in chained(optimizer))
+    flag = torch.tensor([float(local)], device=dist.device())
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def save_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, directory: Path) -> None:
     """Collective: every rank writes its shards of the model and optimizer into `directory`."""
     from megatron.core import dist_checkpointing
 
     hooks = resume_hooks()
-    dist_checkpointing.save(_sharded_state(model, optimizer, False), str(directory))
     rank = torch.distributed.get_rank()
+    if not _has_stepped(optimizer):
+        # megatron-core's distributed optimizer cannot save a state no step has created (its
+        # state_dict asserts on the missing `step`): the model alone is the whole state here.
+        dist_checkpointing.save(model_sharded_state(model, _METADATA), str(directory))
+        if rank == 0:
+            (Path(directory) / _FRESH_OPTIMIZER).write_text("no optimizer step taken yet\n")
+        return
+    dist_checkpointing.save(_sharded_state(model, optimizer, False), str(directory))
     torch.save(hooks.adam_steps(optimizer), Path(directory) / f"adam_steps_rank{rank}.pt")
 
 
@@ -86,6 +106,11 @@ def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, direc
     """Collective: restore what `save_model_and_optimizer` wrote, in place."""
     from megatron.core import dist_checkpointing
 
+    if (Path(directory) / _FRESH_OPTIMIZER).exists():
+        for m, sd in zip(model, load_model_states(model, directory), strict=True):
+            _unwrap(m).load_state_dict(sd)
+        optimizer.reload_model_params()  # fresh optimizer: its main params follow the model
+        return
     hooks = resume_hooks()  # upstream workaround: see megatron_gspo.patches.optimizer
     hooks.init_states_for_load(optimizer)  # placeholder state, overwritten by the load
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, True), str(directory))

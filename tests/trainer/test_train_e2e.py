@@ -33,7 +33,9 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
 PROMPTS, GROUP = 4, 4
 
 
-def _command(tmp: Path, name: str, ckpt: str, steps: int, *extra: str) -> list[str]:
+def _command(
+    tmp: Path, name: str, ckpt: str, steps: int, *extra: str, module: str = "megatron_gspo.train"
+) -> list[str]:
     sets = {
         "model.hf_path": f"{tmp}/toy/model",
         "data.train_path": f"{tmp}/toy/toy.jsonl",
@@ -57,7 +59,7 @@ def _command(tmp: Path, name: str, ckpt: str, steps: int, *extra: str) -> list[s
         "--master_port",
         str(29400 + sum(map(ord, name)) % 500),
         "-m",
-        "megatron_gspo.train",
+        module,
         "--config",
         str(ROOT / "examples/tiny_moe_cpu.yaml"),
     ]
@@ -140,6 +142,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     out["orphans"] = _wait_for_no_engines(tmp / "toy/model")
     out["c"] = _train(tmp, "c", "ckpt_b", 4, "--resume")
     out["d"] = _train(tmp, "d", "ckpt_d", 2, "--set", "rollout.launch.colocated=true")
+    extra = ("--set", "train.max_bad_steps=2", "--set", "checkpoint.save_every=0")
+    cmd = _command(tmp, "nan", "ckpt_nan", 5, *extra, module="tests.trainer.nan_train")
+    out["nan"] = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    # the checkpoint of a run that never stepped its optimizer resumes (a healthy loss now)
+    out["nan_resumed"] = _train(tmp, "nan", "ckpt_nan", 3, "--resume")
     out["tmp"] = tmp
     return out
 
@@ -221,3 +228,24 @@ def test_resume_after_kill_continues_exactly(runs) -> None:
     for got, want in zip(b + c, a, strict=True):
         for k in ("loss", "reward/mean", "grad_norm", "policy/clip_frac", "moe/routing_flip_rate"):
             assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
+
+
+def test_non_finite_steps_are_skipped_logged_and_stop_the_job(runs) -> None:
+    """Planted NaN loss (tests/trainer/nan_train.py): each optimizer step is skipped, the NaN is
+    in metrics.jsonl (not dropped), the engines keep finite weights, and after
+    train.max_bad_steps=2 bad steps the job checkpoints and exits non-zero saying why."""
+    from megatron_gspo.metrics_log import read_metrics
+
+    proc, tmp = runs["nan"], runs["tmp"]
+    assert proc.returncode != 0
+    assert "2 consecutive steps (up to step 2) had a non-finite loss" in proc.stderr
+    assert "checkpoint written at step 2" in proc.stderr
+    assert (tmp / "ckpt_nan/step_000002/trainer_rank0.pt").is_file()  # written at the stop
+    assert (tmp / "ckpt_nan/latest").read_text().strip() == "step_000003"  # and resumed
+    rows = read_metrics(tmp / "nan" / "metrics.jsonl")
+    assert sorted(rows) == [1, 2, 3]
+    assert math.isfinite(rows[3]["loss"]) and rows[3]["train/skipped_updates"] == 0
+    for m in (rows[1], rows[2]):
+        assert math.isnan(m["loss"]) and math.isnan(m["grad_norm"])
+        assert m["train/skipped_updates"] == 4  # every mini-batch
+        assert m["weights/verified"] == 1.0  # the engines hold the (unchanged, finite) weights

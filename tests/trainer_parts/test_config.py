@@ -321,3 +321,12 @@ def test_parse_cli(tmp_path):
         ["--set", BASE[0], "--set", BASE[1], "--set", "checkpoint.dir=/c", "--resume"]
     )
     assert c.checkpoint.resume is True and args.config is None
+
+
+def test_keys_listing_names_every_leaf_with_its_docstring(capsys):
+    from megatron_gspo.config import _main
+
+    _main(["--keys"])
+    out = capsys.readouterr().out
+    assert "optim.lr_schedule = 'constant'\n    After warmup: constant at optim.lr" in out
+    assert "rollout.launch.backend = 'embedded'" in out and "weights.fp8 = False" in out
