@@ -41,10 +41,13 @@ from tests.rollout.helpers import rescore
 pytestmark = pytest.mark.timeout(600)  # a hung server must fail, not stall CI
 
 PROMPTS = [[1, 10 + i, 20 + 2 * i, 30 + 3 * i] for i in range(4)]
-BF16_LOGP_TOL = 0.05
-"""Max |engine - HF bf16 rescoring| per token. Both run bf16 weights but different kernels and
-batch shapes (SGLang: KV-cached decode, its own RMSNorm/rope/MoE; HF: one full forward), so
-they agree to bf16 rounding of the logits, not bitwise."""
+BF16_LOGP_TOL = 0.1
+"""Max |engine - HF bf16 rescoring| per token (measured up to 0.024 over 96 sampled tokens).
+Both run bf16 weights but different kernels and batch shapes (SGLang: KV-cached decode, its own
+RMSNorm/rope/MoE; HF: one full forward), so they agree to bf16 rounding, not bitwise; sampling
+is not reproducible on CPU (see test_same_seed_same_sample), hence the margin."""
+BF16_LOGP_MEAN_TOL = 0.01
+"""Mean |engine - HF bf16 rescoring| per token (measured 0.0008-0.0011)."""
 
 
 def _free_port() -> int:
@@ -238,9 +241,20 @@ def test_generate_with_logprobs_matches_hf_bf16(server, client, ckpt_a, ckpt_b, 
     print(
         f"[sglang-cpu] engine vs HF bf16 log-probs: max {diffs.max():.4g} mean {diffs.mean():.4g}"
     )
-    assert diffs.max() < BF16_LOGP_TOL
+    assert diffs.max() < BF16_LOGP_TOL and diffs.mean() < BF16_LOGP_MEAN_TOL
+    # What an fp32 trainer sees against this bf16 engine (the main job's mismatch), reported.
+    from transformers import AutoModelForCausalLM
+
+    fp32 = AutoModelForCausalLM.from_pretrained(ckpt_a, dtype=torch.float32).eval()
+    d32 = _logp_diffs(fp32, res.samples)
+    print(
+        f"[sglang-cpu] engine bf16 vs HF fp32 log-probs: max {d32.max():.4g} mean {d32.mean():.4g}"
+    )
+    assert d32.max() < BF16_LOGP_TOL and d32.mean() < BF16_LOGP_MEAN_TOL
     # The same check can fail: other weights give clearly different log-probs.
-    assert _logp_diffs(hf_bf16(ckpt_b), res.samples).max() > 10 * BF16_LOGP_TOL
+    wrong = _logp_diffs(hf_bf16(ckpt_b), res.samples)
+    print(f"[sglang-cpu] engine vs other weights: max {wrong.max():.4g} mean {wrong.mean():.4g}")
+    assert not (wrong.max() < BF16_LOGP_TOL and wrong.mean() < BF16_LOGP_MEAN_TOL)
 
 
 def test_groups_and_greedy_reproducibility(server, client):
@@ -323,7 +337,8 @@ def test_weight_update_transport(
         sp = SamplingParams(max_new_tokens=8, ignore_eos=True, seed=11)
         res = client.generate(PROMPTS[:2], sp, n=1)
         assert {s.weight_version for s in res.samples} == {version}
-        assert _logp_diffs(hf_bf16(ckpt_b), res.samples).max() < BF16_LOGP_TOL
+        diffs = _logp_diffs(hf_bf16(ckpt_b), res.samples)
+        assert diffs.max() < BF16_LOGP_TOL and diffs.mean() < BF16_LOGP_MEAN_TOL
     finally:
         transport.close()
         _restore(client, ckpt_a)
