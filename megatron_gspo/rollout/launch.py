@@ -19,23 +19,38 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
+
+from megatron_gspo.config_io import require
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class LaunchConfig:
     """Rollout servers of one job; flags map 1:1 to `sglang.launch_server` options."""
 
-    model_path: str
-    """HF checkpoint directory (the engine loads it once; later weights arrive by sync)."""
+    model_path: str = ""
+    """HF checkpoint directory (the engine loads it once; later weights arrive by sync). Empty
+    in a run config: model.hf_path."""
     num_engines: int = 1
-    """Independent servers (data parallelism; each gets `tp_size` GPUs)."""
-    backend: str = "sglang"
-    """`sglang` (real server, needs a GPU) or `embedded` (the CPU engine of this package)."""
+    """Independent servers (data parallelism; each gets `gpus_per_engine` GPUs)."""
+    backend: Literal["embedded", "sglang"] = "embedded"
+    """`sglang` (the real server) or `embedded` (the CPU engine of this package)."""
     host: str = "127.0.0.1"
+    """Address the engines bind to and are reached at."""
     base_port: int = 30000
-    """Engine i listens on `base_port + i`."""
+    """Engine i listens on `base_port + i`; 0: the job picks free ports when it launches."""
     tp_size: int = 1
+    """Tensor parallel size of each engine (`--tp-size`; GPUs per engine)."""
     ep_size: int = 1
+    """Expert parallel size inside each engine (`--ep-size`)."""
+    dp_size: int = 1
+    """Data parallel replicas inside each engine (`--dp-size`; GPUs per engine: tp x dp).
+    SGLang 0.5.23 refuses tensor and distributed weight updates unless it is 1, so with weight
+    sync scale rollouts with num_engines instead."""
+    base_gpu_id: int = 0
+    """First GPU of engine 0 (`--base-gpu-id`); engine i starts at base_gpu_id + i x tp x dp.
+    0 when colocated (the engines share the trainer's GPUs); on a node where the trainer holds
+    GPUs 0..k-1 and the engines the rest, k."""
     dtype: str = "bfloat16"
     """Activation/weight dtype (`--dtype`)."""
     quantization: str | None = None
@@ -43,6 +58,7 @@ class LaunchConfig:
     kv_cache_dtype: str = "auto"
     """`--kv-cache-dtype` (auto, fp8_e4m3, fp8_e5m2, bf16, ...)."""
     mem_fraction_static: float | None = None
+    """`--mem-fraction-static`: share of GPU memory for weights + KV cache (None: SGLang's)."""
     colocated: bool = False
     """Trainer shares the GPUs: adds `--enable-memory-saver` so memory can be released."""
     weights_cpu_backup: bool = False
@@ -50,13 +66,17 @@ class LaunchConfig:
     deterministic: bool = False
     """`--enable-deterministic-inference` (batch-invariant kernels, ~1.3x slower)."""
     weight_version: str = "default"
-    extra_args: tuple[str, ...] = ()
+    """Version label the engines report before the first weight sync."""
+    extra_args: list[str] = dataclasses.field(default_factory=list)
     """Further `sglang.launch_server` flags, passed through verbatim."""
     router: bool = False
     """Also start `sglang_router.launch_router` in front of the engines."""
     router_port: int = 29999
+    """Port of the router (rollout.launch.router=true)."""
     router_policy: str = "round_robin"
+    """sglang-router load-balancing policy."""
     startup_timeout_s: float = 900.0
+    """How long to wait for every engine to answer /health_generate."""
     log_dir: str | None = None
     """Where each process writes `<name>.log`; None inherits the parent's stdout/stderr."""
     device: str | None = None
@@ -73,10 +93,24 @@ class LaunchConfig:
     CPU, off otherwise."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("sglang", "embedded"):
-            raise ValueError("LaunchConfig.backend must be 'sglang' or 'embedded'")
-        if self.num_engines < 1:
-            raise ValueError("LaunchConfig.num_engines must be >= 1")
+        require(
+            self.backend in ("sglang", "embedded"),
+            f"rollout.launch.backend={self.backend!r} must be sglang or embedded",
+        )
+        require(
+            self.num_engines >= 1,
+            f"rollout.launch.num_engines={self.num_engines} must be >= 1",
+        )
+        for name in ("tp_size", "ep_size", "dp_size"):
+            v = getattr(self, name)
+            require(v >= 1, f"rollout.launch.{name}={v} must be >= 1")
+        require(
+            self.base_gpu_id >= 0, f"rollout.launch.base_gpu_id={self.base_gpu_id} must be >= 0"
+        )
+
+    @property
+    def gpus_per_engine(self) -> int:
+        return self.tp_size * self.dp_size
 
     def engine_url(self, i: int) -> str:
         return f"http://{self.host}:{self.base_port + i}"
@@ -105,8 +139,10 @@ def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list
     cmd += ["--host", cfg.host, "--port", port]
     # On CPU the "GPU id" is a NUMA node index (sglang/srt/utils/numa_utils.py): co-located
     # engines all use node 0 rather than asserting on nodes the machine lacks.
-    base_id = 0 if cfg.device == "cpu" else i * cfg.tp_size
+    base_id = 0 if cfg.device == "cpu" else cfg.base_gpu_id + i * cfg.gpus_per_engine
     cmd += ["--tp-size", str(cfg.tp_size), "--base-gpu-id", str(base_id)]
+    if cfg.dp_size > 1:
+        cmd += ["--dp-size", str(cfg.dp_size)]
     if cfg.device:
         cmd += ["--device", cfg.device]
     max_tokens = cfg.max_total_tokens

@@ -144,7 +144,39 @@ def test_engine_killed_mid_batch_loses_and_duplicates_nothing(subprocess_engine,
     assert not _alive(victim.pid)
 
 
-@pytest.mark.parametrize("bad", [dict(backend="vllm"), dict(num_engines=0)])
+def test_dp_and_gpu_placement_parse_with_sglang():
+    """`dp_size` lands as `--dp-size`; engine i starts at base_gpu_id + i * tp * dp, so engines
+    tile the node's GPUs without overlap (colocated: from 0, the trainer's GPUs; dedicated:
+    after the trainer's)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    cfg = LaunchConfig(
+        model_path="m", backend="sglang", num_engines=3, tp_size=2, dp_size=2, base_gpu_id=4
+    )
+    assert cfg.gpus_per_engine == 4
+    parsed = [prepare_server_args(engine_command(cfg, i, python="python")[3:]) for i in range(3)]
+    assert [a.base_gpu_id for a in parsed] == [4, 8, 12]
+    assert {(a.tp_size, a.dp_size) for a in parsed} == {(2, 2)}
+    plain = prepare_server_args(
+        engine_command(LaunchConfig(model_path="m", backend="sglang"), 0)[3:]
+    )
+    assert (plain.dp_size, plain.base_gpu_id) == (1, 0)
+    # On CPU the id is a NUMA node: every engine stays on node 0 whatever base_gpu_id says.
+    cpu = LaunchConfig(model_path="m", backend="sglang", device="cpu", base_gpu_id=3)
+    cmd = engine_command(cpu, 1)
+    assert cmd[cmd.index("--base-gpu-id") + 1] == "0"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(backend="vllm"),
+        dict(num_engines=0),
+        dict(dp_size=0),
+        dict(tp_size=0),
+        dict(base_gpu_id=-1),
+    ],
+)
 def test_launch_config_validates(bad):
     with pytest.raises(ValueError):
         LaunchConfig(model_path="m", **bad)
