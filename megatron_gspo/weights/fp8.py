@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import torch
 
@@ -144,6 +145,36 @@ def quantisation_config(block: int = BLOCK, not_converted: list[str] | None = No
     if not_converted:
         cfg["modules_to_not_convert"] = sorted(not_converted)
     return cfg
+
+
+def _cfg_get(hf_config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(hf_config, dict):
+        return hf_config.get(key, default)
+    return getattr(hf_config, key, default)
+
+
+def not_converted_modules(hf_config: Any) -> list[str]:
+    """HF linear modules that stay BF16 under FP8 (what `is_quantised_name` does not quantise):
+    lm_head, and per decoder layer of a MoE model the router (`mlp.gate`) and, where the model
+    has one, the shared-expert gate. Listed so that the engine builds them unquantised too."""
+    names = ["lm_head"]
+    n_layers = int(_cfg_get(hf_config, "num_hidden_layers", 0) or 0)
+    moe = any(
+        _cfg_get(hf_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
+    shared_gate = bool(_cfg_get(hf_config, "shared_expert_intermediate_size"))
+    for i in range(n_layers if moe else 0):
+        names.append(f"model.layers.{i}.mlp.gate")
+        if shared_gate:
+            names.append(f"model.layers.{i}.mlp.shared_expert_gate")
+    return names
+
+
+def quantization_config_for(hf_config: Any, block: int = BLOCK) -> dict:
+    """The `quantization_config` an engine needs to serve what FP8 sync sends for this model
+    (quant_method fp8, e4m3, `[block, block]` weight blocks, dynamic activation scales), from
+    its HF config (a `PretrainedConfig` or a config.json dict)."""
+    return quantisation_config(block, not_converted=not_converted_modules(hf_config))
 
 
 def quantise_named(

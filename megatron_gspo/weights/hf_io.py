@@ -118,3 +118,42 @@ def load_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(f)))
     return state
+
+
+def write_fp8_checkpoint(
+    src_dir: str | Path, out_dir: str | Path, *, shard_bytes: int = 2 * 1024**3
+) -> Path:
+    """Block-FP8 copy of a HF checkpoint, for launching an FP8 engine that FP8 sync can update.
+
+    An engine builds FP8 parameters (and `weight_scale_inv`) only when its checkpoint's
+    config.json carries a `quantization_config`; the sync then sends exactly those tensors.
+    Decoder linear weights become e4m3 with 128x128 block scales (`fp8.quantise_named`),
+    everything else BF16; config.json gets `fp8.quantization_config_for` of the source config;
+    tokenizer files are copied.
+    """
+    from safetensors import safe_open
+
+    from megatron_gspo.weights import fp8
+
+    src, out = Path(src_dir), Path(out_dir)
+    config = json.loads((src / "config.json").read_text())
+    writer = ShardWriter(out)
+    shard: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                for n, t in fp8.quantise_named(name, fh.get_tensor(name), check=True):
+                    shard.append((n, t))
+                    size += t.numel() * t.element_size()
+                if size >= shard_bytes:
+                    writer.write(shard)
+                    shard, size = [], 0
+    if shard:
+        writer.write(shard)
+    writer.close()
+    write_config(
+        out, config, dtype=torch.bfloat16, quantization_config=fp8.quantization_config_for(config)
+    )
+    copy_side_files(src, out)
+    return out
