@@ -61,6 +61,9 @@ class LaunchConfig:
     """`--mem-fraction-static`: share of GPU memory for weights + KV cache (None: SGLang's)."""
     colocated: bool = False
     """Trainer shares the GPUs: adds `--enable-memory-saver` so memory can be released."""
+    offload_trainer: bool = True
+    """With colocated: the trainer's parameters, gradients and optimizer state move to host
+    memory while the engines generate (megatron/offload.py)."""
     weights_cpu_backup: bool = False
     """`--enable-weights-cpu-backup`: keep weights across release/resume."""
     deterministic: bool = False
