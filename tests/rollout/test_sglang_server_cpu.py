@@ -179,6 +179,26 @@ def test_engine_runs_the_sglang_the_stub_was_written_for(engine_python):
     check_sglang_version(version)
 
 
+def test_stub_keeps_sglang_off_its_amx_kernels(engine_python):
+    """In the engine venv, with the stand-in: the two ops exist, `convert_weight_packed` does
+    not, so SGLang's AMX detection is False even on an AMX CPU (no kernel is ever asked for)."""
+    import subprocess
+
+    code = (
+        "import torch, sgl_kernel\n"
+        "from sglang.srt.utils.common import _is_intel_amx_backend_available as amx\n"
+        "ops = torch.ops.sgl_kernel\n"
+        "print(hasattr(ops, 'initialize'), hasattr(ops, 'init_cpu_threads_env'), amx())\n"
+        "print(sgl_kernel.__file__)\n"
+    )
+    env = cpu_engine_env({k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    out = subprocess.run(
+        [engine_python, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    assert out[0] == "True True False"
+    assert out[1].startswith(str(STUB_DIR))
+
+
 _LAUNCHER = """
 import sys, time
 from megatron_gspo.rollout.launch import ServerGroup
