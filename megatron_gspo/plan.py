@@ -1,0 +1,701 @@
+"""Launch planner: does this config fit N nodes x G GPUs of M GB, before anything is allocated?
+
+    python -m megatron_gspo.plan --config FILE --nodes N --gpus-per-node G --gpu-mem-gb M \
+        [--rollout-nodes R] [--hf-config DIR] [--json OUT] [--emit-launch DIR --hosts h1,h2,..]
+
+1. The layout is checked by `Layout.validate` (the trainer's own check: world size, experts per
+   EP rank, heads per TP rank, layers per stage) plus the engine layout; an invalid case exits 2
+   with a message naming the config key to change.
+2. Parameters per rank come from megatron-core itself: the model of each pipeline stage is built
+   on the `meta` device (no memory) inside a fake process group of the real world size, through
+   the same megatron-bridge provider as the trainer (`megatron/model.make_provider`).
+3. Per-GPU memory is estimated from those counts with the formula printed under the table
+   (`memory_formula()`), and the weight-sync bytes per step at a stated bandwidth.
+
+Exit codes: 0 fits, 1 does not fit (the verdict says what), 2 invalid config or layout.
+`--emit-launch DIR` also writes what the Slurm scripts start (NUL-separated argv files for each
+engine and the router, the trainer's `--set` overrides), so SGLang flags have one source:
+`rollout.launch.engine_command`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import io
+import json
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_gspo.config import Config, ConfigError, load_config
+from megatron_gspo.config_io import require
+from megatron_gspo.layout import Layout, _num_experts
+from megatron_gspo.rollout.launch import LaunchConfig, engine_command, router_command
+
+__all__ = [
+    "GiB",
+    "MemoryEstimate",
+    "Plan",
+    "StageParams",
+    "count_params",
+    "make_plan",
+    "memory_formula",
+    "main",
+]
+
+GiB = 1024**3
+FP8_BLOCK = 128
+# SGLang's own default share when rollout.launch.mem_fraction_static is null (0.5.x picks
+# 0.79-0.88 by GPU size and TP; the middle is used so a missing setting is not optimistic).
+SGLANG_DEFAULT_MEM_FRACTION = 0.85
+# CUDA context, NCCL communicators and workspace per process, held whatever the model.
+PROCESS_OVERHEAD_GB = 3.0
+# What a colocated engine keeps while released (memory saver: CUDA context + allocator).
+RELEASED_ENGINE_GB = 1.0
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters held by one rank of a pipeline stage (every TP/EP rank holds the same count)."""
+
+    stage: int
+    total: int
+    expert: int
+
+    @property
+    def dense(self) -> int:
+        return self.total - self.expert
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per GPU of the most loaded pipeline stage, by part."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    overhead: float
+    engine_train: float
+    engine_rollout: float
+
+    @property
+    def trainer_static(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.overhead
+
+    @property
+    def train_peak(self) -> float:
+        return self.trainer_static + self.activations + self.engine_train
+
+    @property
+    def rollout_peak(self) -> float:
+        return self.trainer_static + self.engine_rollout
+
+
+@dataclass
+class Plan:
+    """Everything the planner decided; `to_json()` is what `--json` writes."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_mem_gb: float
+    rollout_nodes: int
+    trainer_world: int
+    layout: dict[str, Any]
+    dp: int
+    expert_dp: int
+    stages: list[StageParams]
+    total_params: int
+    memory: MemoryEstimate
+    micro_batches: int
+    in_flight: float
+    engine: dict[str, Any]
+    sync: dict[str, float]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stages"] = [dict(dataclasses.asdict(s), dense=s.dense) for s in self.stages]
+        m = self.memory
+        d["memory_gb"] = {
+            k: v / GiB
+            for k, v in dict(
+                dataclasses.asdict(m),
+                trainer_static=m.trainer_static,
+                train_peak=m.train_peak,
+                rollout_peak=m.rollout_peak,
+            ).items()
+        }
+        del d["memory"]
+        d["fits"] = self.fits
+        return d
+
+
+# ---------------------------------------------------------------------------------------------
+# parameter counts from megatron-core
+
+
+def count_params(hf_dir: str | Path, layout: Layout, world_size: int) -> list[StageParams]:
+    """Per-rank parameter counts of every pipeline stage, from megatron-core's own modules.
+
+    Each stage's model chunks (all virtual stages) are built on the `meta` device for one rank
+    of that stage, in a fake process group of `world_size` ranks, so TP/EP/PP sharding is
+    megatron-core's, not a formula's. Must run before this process joins a real group.
+    """
+    import torch
+    import torch.distributed as tdist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_gspo.megatron.model import make_provider, quiet_megatron
+    from megatron_gspo.patches import apply_bridge_imports, apply_cpu_runtime
+
+    require(not tdist.is_initialized(), "count_params needs a process without a process group")
+    quiet_megatron(logging.ERROR)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # Import-time notices of optional back-ends (TE, FP8) are noise in a planner's output.
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        apply_cpu_runtime()  # no-op on a GPU machine; the build itself never touches a device
+        apply_bridge_imports()
+        from megatron.bridge import AutoBridge
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from transformers import AutoConfig
+
+    bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(str(hf_dir)))
+    stages = []
+    for stage in range(layout.pp):
+        # megatron-core's default rank order puts PP outermost: stage s starts at s * W/pp.
+        rank = stage * (world_size // layout.pp)
+        tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=layout.tp,
+                pipeline_model_parallel_size=layout.pp,
+                virtual_pipeline_model_parallel_size=layout.vpp,
+                context_parallel_size=layout.cp,
+                expert_model_parallel_size=layout.ep,
+                expert_tensor_parallel_size=layout.etp,
+                create_gloo_process_groups=False,
+            )
+            assert parallel_state.get_pipeline_model_parallel_rank() == stage
+            # fp32 and no grouped GEMM: the CPU build path; parameter counts do not depend on
+            # either (TE's grouped and fused modules hold the same tensors).
+            provider = make_provider(bridge, layout, None, dtype=torch.float32)
+            provider.perform_initialization = False
+            provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+            total = expert = 0
+            with torch.device("meta"):
+                for vp in range(layout.vpp or 1):
+                    chunk = provider.provide(vp_stage=vp if layout.vpp else None)
+                    for name, p in chunk.named_parameters():
+                        total += p.numel()
+                        expert += p.numel() if ".experts." in name else 0
+            stages.append(StageParams(stage=stage, total=total, expert=expert))
+        finally:
+            parallel_state.destroy_model_parallel()
+            tdist.destroy_process_group()
+    return stages
+
+
+def hf_tensor_bytes(hf: Any, *, dtype_bytes: int, fp8: bool) -> tuple[int, int]:
+    """(parameters, bytes sent per weight sync) of the whole HF model, by tensor shape.
+
+    FP8: every decoder `*_proj.weight` (weights/fp8.py's rule) goes as 1 byte per element plus
+    one fp32 scale per 128x128 block; everything else as `dtype_bytes`. The shapes are those of
+    the HF checkpoint (Qwen3-MoE / Qwen3 / Llama-style names), derived from config.json.
+    """
+    h, v, layers = hf.hidden_size, hf.vocab_size, hf.num_hidden_layers
+    d = getattr(hf, "head_dim", None) or h // hf.num_attention_heads
+    q, kv = hf.num_attention_heads * d, hf.num_key_value_heads * d
+    experts = _num_experts(hf) or 0
+    f_moe = getattr(hf, "moe_intermediate_size", 0)
+    f = getattr(hf, "intermediate_size", 0)
+    mlp_only = set(getattr(hf, "mlp_only_layers", []) or [])
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    proj: list[tuple[int, int]] = []
+    other = 0
+    for layer in range(layers):
+        proj += [(q, h), (kv, h), (kv, h), (h, q)]
+        other += 2 * h + 2 * d  # input / post-attention norms, q / k norms
+        if experts and layer not in mlp_only and (layer + 1) % step == 0:
+            proj += [(f_moe, h), (f_moe, h), (h, f_moe)] * experts
+            other += experts * h  # router
+        else:
+            proj += [(f, h), (f, h), (h, f)]
+    other += v * h * (1 if hf.tie_word_embeddings else 2) + h  # embeddings, lm head, final norm
+    params = other + sum(r * c for r, c in proj)
+    if not fp8:
+        return params, params * dtype_bytes
+    scales = sum(math.ceil(r / FP8_BLOCK) * math.ceil(c / FP8_BLOCK) for r, c in proj)
+    return params, other * dtype_bytes + sum(r * c for r, c in proj) + 4 * scales
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+
+
+def memory_formula() -> str:
+    """The estimate, as printed under the table (symbols defined there)."""
+    return f"""\
+memory per GPU (most loaded pipeline stage; P = its parameters, Pd dense + Pe expert):
+  weights     = b_p * P            b_p = 2 (bf16) or 4 (fp32)
+  grads       = 4 * P              megatron DDP grad buffer (grad_reduce_in_fp32)
+  optimizer   = (m + s) * (Pd / (dp*cp) + Pe / edp) with optim.use_distributed_optimizer
+                (else (m + s) * P); m = 4 (fp32 main copy) if b_p = 2, s = 8 Adam / 4 SGD
+  activations = inflight * L_stage * per_layer + logits (last stage); T = micro_batch_tokens
+     per_layer (recompute none or selective*) = attention + moe, b = 2 bytes (bf16):
+       attention  b*(2h + 2*nq*d + 2*nkv*d) * T/(cp*tp)
+       moe        (b*2h + 8E) * T/(cp*tp) + imb * k*T*etp/(cp*tp) * b*(2h + 3*f/etp)
+     per_layer (recompute full) = b*h*T/(cp*tp), plus one layer's full working set
+     logits     = 6 * T/cp * V/tp (bf16 logits + fp32 log-softmax chunk)
+     inflight   = min(pp - stage, micro-batches), * (1 + (pp-1)/(pp*vpp)) if interleaved
+     *selective recompute re-runs core attention only, which flash attention does not store
+  overhead    = {PROCESS_OVERHEAD_GB} GiB per process (CUDA context, NCCL buffers)
+  engine      = colocated: mem_fraction_static * M while rolling out, {RELEASED_ENGINE_GB} GiB
+                while released (trainer-launched engines; engines started outside the trainer
+                are not released, so their full share counts while training too)
+  weight sync = HF bytes of the model (bf16, or FP8: 1 B/elem of *_proj weights + an fp32
+                scale per 128x128 block) / the stated bandwidth
+assumptions: routing balanced up to imb (--moe-imbalance), packed micro-batches filled to T,
+sequences at their longest, bf16 activations, no CPU offload, fragmentation in the overhead."""
+
+
+def _activations(
+    hf: Any, cfg: Config, layout: Layout, layers_stage: int, imbalance: float
+) -> tuple[float, float]:
+    """(bytes of one micro-batch's layer activations on a stage, bytes of the logits)."""
+    b = 2 if cfg.model.dtype != "fp32" else 4
+    T = cfg.train.micro_batch_tokens
+    h, v = hf.hidden_size, hf.vocab_size
+    d = getattr(hf, "head_dim", None) or h // hf.num_attention_heads
+    nq, nkv = hf.num_attention_heads, hf.num_key_value_heads
+    experts, k = _num_experts(hf) or 0, getattr(hf, "num_experts_per_tok", 1)
+    f = getattr(hf, "moe_intermediate_size", 0) if experts else hf.intermediate_size
+    tok = T / (layout.cp * layout.tp)  # tokens per rank of a sequence-parallel tensor
+    attn = b * (2 * h + 2 * nq * d + 2 * nkv * d) * tok
+    if experts:
+        etp = layout.expert_tp
+        routed = imbalance * k * T * etp / (layout.cp * layout.tp)
+        mlp = (b * 2 * h + 8 * experts) * tok + routed * b * (2 * h + 3 * f / etp)
+    else:
+        mlp = b * (2 * h + 3 * f) * tok
+    full_layer = attn + mlp
+    if cfg.model.activation_recompute == "full":
+        per_stage = layers_stage * b * h * tok + full_layer
+    else:
+        per_stage = layers_stage * full_layer
+    return per_stage, 6 * (T / layout.cp) * (v / layout.tp)
+
+
+def _micro_batches(cfg: Config, dp: int, prompt_tokens: int) -> int:
+    """Packed micro-batches per mini-batch per DP rank (sequences at their longest)."""
+    seqs = cfg.gspo.rollout_size / cfg.gspo.mini_batches_per_rollout / dp
+    tokens = seqs * (prompt_tokens + cfg.rollout.max_new_tokens)
+    return max(1, math.ceil(tokens / cfg.train.micro_batch_tokens))
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+
+
+def _hf_config(path: str | Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"cannot read config.json from model.hf_path={path} ({e}); set model.hf_path or "
+            "pass --hf-config DIR"
+        ) from None
+
+
+def make_plan(
+    cfg: Config,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_mem_gb: float,
+    rollout_nodes: int = 0,
+    hf_dir: str | Path | None = None,
+    engines_external: bool = False,
+    sync_gb_per_s: float = 25.0,
+    prompt_tokens: int | None = None,
+    moe_imbalance: float = 1.0,
+) -> Plan:
+    """Check `cfg` on `nodes` x `gpus_per_node` GPUs and estimate memory; ConfigError if the
+    layout is invalid (the message names the key)."""
+    require(nodes >= 1 and gpus_per_node >= 1, "--nodes and --gpus-per-node must be >= 1")
+    require(
+        0 <= rollout_nodes < nodes,
+        f"--rollout-nodes={rollout_nodes} must leave at least one of --nodes={nodes} to train",
+    )
+    hf_dir = hf_dir or cfg.model.hf_path
+    hf = _hf_config(hf_dir)
+    layout = cfg.parallel
+    world = (nodes - rollout_nodes) * gpus_per_node
+    dp = layout.validate(world, hf)
+    edp = world // (layout.expert_tp * layout.ep * layout.pp)
+    launch = cfg.rollout.launch or LaunchConfig(backend="sglang")
+    if cfg.rollout.launch is not None:
+        _check_engines(launch, hf, gpus_per_node)
+    stages = count_params(hf_dir, layout, world)
+    mem_bytes = gpu_mem_gb * GiB
+    colocated = rollout_nodes == 0 and launch.colocated
+    # ----- trainer memory of each stage; the worst one is reported
+    b_p = 4 if cfg.model.dtype == "fp32" else 2
+    per_layer_stage = hf.num_hidden_layers // layout.pp
+    prompt = prompt_tokens or cfg.data.max_prompt_tokens or 1024
+    mbs = _micro_batches(cfg, dp, prompt)
+    layers_act, logits_act = _activations(hf, cfg, layout, per_layer_stage, moe_imbalance)
+    frac = launch.mem_fraction_static or SGLANG_DEFAULT_MEM_FRACTION
+    engine_rollout = frac * mem_bytes if colocated else 0.0
+    engine_train = 0.0
+    if colocated:
+        engine_train = engine_rollout if engines_external else RELEASED_ENGINE_GB * GiB
+    worst: MemoryEstimate | None = None
+    worst_inflight = 0.0
+    for s in stages:
+        master = 4 if b_p == 2 else 0  # fp32 main params behind bf16 weights
+        state = 8 if cfg.optim.optimizer == "adam" else 4
+        if cfg.optim.use_distributed_optimizer:  # sharded over DPxCP (dense), expert DP
+            opt_elems = s.dense / (dp * layout.cp) + s.expert / edp
+        else:
+            opt_elems = s.total
+        # 1F1B: stage s holds the activations of up to pp - s micro-batches; the interleaved
+        # schedule warms up more of them (megatron's (1 + (pp-1)/(pp*vpp)) factor).
+        inflight = min(layout.pp - s.stage, mbs)
+        if layout.vpp:
+            inflight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
+        last = s.stage == layout.pp - 1
+        act = inflight * layers_act + (logits_act if last else 0.0)
+        est = MemoryEstimate(
+            weights=b_p * s.total,
+            grads=4 * s.total,
+            optimizer=(master + state) * opt_elems,
+            activations=act,
+            overhead=PROCESS_OVERHEAD_GB * GiB,
+            engine_train=engine_train,
+            engine_rollout=engine_rollout,
+        )
+        if worst is None or est.train_peak > worst.train_peak:
+            worst, worst_inflight = est, inflight
+    assert worst is not None
+    # ----- engines
+    engine_gpus = (rollout_nodes or nodes) * gpus_per_node
+    num_engines = engine_gpus // launch.tp_size
+    dtype_bytes = 4 if launch.dtype in ("float32", "fp32") else 2
+    send_dtype_bytes = 4 if (cfg.weights.dtype == "float32") else 2
+    params, engine_bytes = hf_tensor_bytes(
+        hf, dtype_bytes=2, fp8=cfg.weights.fp8 or launch.quantization == "fp8"
+    )
+    _, sync_bytes = hf_tensor_bytes(hf, dtype_bytes=send_dtype_bytes, fp8=cfg.weights.fp8)
+    engine_weights = engine_bytes / launch.tp_size
+    d = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    kv_heads = max(1, hf.num_key_value_heads // launch.tp_size)
+    kv_b = 1 if "fp8" in launch.kv_cache_dtype else dtype_bytes
+    kv_per_token = 2 * hf.num_hidden_layers * kv_heads * d * kv_b
+    kv_tokens = max(0.0, frac * mem_bytes - engine_weights) / kv_per_token
+    seq_tokens = prompt + cfg.rollout.max_new_tokens
+    concurrent = cfg.gspo.rollout_size / max(1, num_engines)
+    engine = dict(
+        num_engines=num_engines,
+        tp_size=launch.tp_size,
+        gpus=engine_gpus,
+        weights_gb=engine_weights / GiB,
+        mem_fraction_static=frac,
+        kv_cache_tokens=int(kv_tokens),
+        kv_sequences=int(kv_tokens // seq_tokens),
+        samples_per_engine=concurrent,
+        colocated=colocated,
+    )
+    sync = dict(
+        bytes=float(sync_bytes),
+        gb_per_s=sync_gb_per_s,
+        seconds=sync_bytes / 1e9 / sync_gb_per_s,
+        fp8=float(cfg.weights.fp8),
+    )
+    problems = []
+    if worst.train_peak > mem_bytes:
+        problems.append(
+            f"trainer needs {worst.train_peak / GiB:.1f} GiB per GPU while training "
+            f"> {gpu_mem_gb:g}; raise parallel.ep/pp/tp, set model.activation_recompute=full or "
+            "lower train.micro_batch_tokens"
+        )
+    if colocated and worst.rollout_peak > mem_bytes:
+        problems.append(
+            f"colocated rollout needs {worst.rollout_peak / GiB:.1f} GiB per GPU (trainer state "
+            f"{worst.trainer_static / GiB:.1f} + engine {engine_rollout / GiB:.1f}) > "
+            f"{gpu_mem_gb:g}; lower rollout.launch.mem_fraction_static or use rollout nodes"
+        )
+    if engine_weights >= frac * mem_bytes:
+        problems.append(
+            f"engine weights {engine_weights / GiB:.1f} GiB per GPU do not fit "
+            f"rollout.launch.mem_fraction_static={frac} of {gpu_mem_gb:g} GiB; raise "
+            "rollout.launch.tp_size or use FP8 (rollout.launch.quantization=fp8)"
+        )
+    if num_engines < 1:
+        problems.append(
+            f"rollout.launch.tp_size={launch.tp_size} exceeds the {engine_gpus} engine GPUs"
+        )
+    return Plan(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        gpu_mem_gb=gpu_mem_gb,
+        rollout_nodes=rollout_nodes,
+        trainer_world=world,
+        layout=layout.to_dict(),
+        dp=dp,
+        expert_dp=edp,
+        stages=stages,
+        total_params=params,
+        memory=worst,
+        micro_batches=mbs,
+        in_flight=worst_inflight,
+        engine=engine,
+        sync=sync,
+        problems=problems,
+    )
+
+
+def _check_engines(launch: LaunchConfig, hf: Any, gpus_per_node: int) -> None:
+    """SGLang's own layout rules for one engine, named by config key."""
+    tp = launch.tp_size
+    require(tp >= 1, f"rollout.launch.tp_size={tp} must be >= 1")
+    require(
+        gpus_per_node % tp == 0,
+        f"rollout.launch.tp_size={tp} does not divide --gpus-per-node={gpus_per_node} (an engine "
+        "stays on one node); change rollout.launch.tp_size",
+    )
+    require(
+        hf.num_attention_heads % tp == 0,
+        f"rollout.launch.tp_size={tp} does not divide the model's num_attention_heads="
+        f"{hf.num_attention_heads}; change rollout.launch.tp_size",
+    )
+    experts = _num_experts(hf)
+    ep = launch.ep_size
+    require(
+        ep == 1 or (tp % ep == 0 and experts is not None and experts % ep == 0),
+        f"rollout.launch.ep_size={ep} must divide rollout.launch.tp_size={tp} and the model's "
+        f"num_experts={experts}; change rollout.launch.ep_size",
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    """The table and verdict printed by the CLI."""
+    m = plan.memory
+    lay = Layout(**plan.layout)
+    rows = [
+        (
+            "GPUs",
+            f"{plan.nodes} nodes x {plan.gpus_per_node} = {plan.nodes * plan.gpus_per_node}"
+            f" ({plan.gpu_mem_gb:g} GiB each); trainer {plan.trainer_world}",
+        ),
+        ("layout", f"{lay.name()} dp{plan.dp} expert-dp{plan.expert_dp} sp={lay.sp}"),
+        ("params (model)", f"{plan.total_params / 1e9:.2f} B"),
+    ]
+    for s in plan.stages:
+        rows.append(
+            (
+                f"params/rank stage {s.stage}",
+                f"{s.total / 1e9:.3f} B ({s.expert / 1e9:.3f} B expert)",
+            )
+        )
+    rows += [
+        ("weights", f"{m.weights / GiB:.1f} GiB"),
+        ("grads", f"{m.grads / GiB:.1f} GiB"),
+        ("optimizer", f"{m.optimizer / GiB:.1f} GiB"),
+        (
+            "activations",
+            f"{m.activations / GiB:.1f} GiB ({plan.micro_batches} micro-batches, "
+            f"{plan.in_flight:.2f} in flight)",
+        ),
+        ("overhead", f"{m.overhead / GiB:.1f} GiB"),
+        (
+            "engine (colocated)",
+            f"{m.engine_rollout / GiB:.1f} GiB rollout, {m.engine_train / GiB:.1f} GiB train",
+        ),
+        ("peak training", f"{m.train_peak / GiB:.1f} GiB"),
+        ("peak rollout", f"{m.rollout_peak / GiB:.1f} GiB"),
+    ]
+    e = plan.engine
+    rows += [
+        (
+            "engines",
+            f"{e['num_engines']} x TP{e['tp_size']} on {e['gpus']} GPUs"
+            f"{' (colocated)' if e['colocated'] else ''}",
+        ),
+        (
+            "engine weights/GPU",
+            f"{e['weights_gb']:.1f} GiB (mem_fraction_static {e['mem_fraction_static']})",
+        ),
+        (
+            "engine KV cache",
+            f"{e['kv_cache_tokens']:,} tokens = {e['kv_sequences']} sequences "
+            f"of max length per engine; {e['samples_per_engine']:.0f} samples per engine/rollout",
+        ),
+        (
+            "weight sync/step",
+            f"{plan.sync['bytes'] / 1e9:.1f} GB "
+            f"({'FP8' if plan.sync['fp8'] else 'bf16'}) = {plan.sync['seconds']:.1f} s at "
+            f"{plan.sync['gb_per_s']:g} GB/s",
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    verdict = "FITS" if plan.fits else "DOES NOT FIT: " + "; ".join(plan.problems)
+    return "\n".join(lines) + f"\nverdict: {verdict}\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# launch files for the Slurm scripts
+
+
+def emit_launch(
+    cfg: Config,
+    plan: Plan,
+    hosts: list[str],
+    out_dir: str | Path,
+    *,
+    engine_python: str | None = None,
+) -> None:
+    """Write what the Slurm scripts start: `engine<i>.argv` + `engine<i>.host` (NUL-separated
+    argv from `rollout.launch.engine_command`), `router.argv` (disaggregated), and
+    `trainer.sets` (the trainer's `--set` overrides, NUL-separated), for `hosts` (the job's
+    nodes in Slurm order: trainer nodes first, then rollout nodes)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    require(
+        len(hosts) == plan.nodes,
+        f"--hosts lists {len(hosts)} nodes but --nodes={plan.nodes}",
+    )
+    trainer_hosts = hosts[: plan.nodes - plan.rollout_nodes]
+    engine_hosts = hosts[plan.nodes - plan.rollout_nodes :] or trainer_hosts
+    launch = copy.deepcopy(cfg.rollout.launch or LaunchConfig(backend="sglang"))
+    launch.model_path = launch.model_path or cfg.model.hf_path
+    per_node = plan.gpus_per_node // launch.tp_size
+    urls, i = [], 0
+    for host in engine_hosts:
+        node = copy.deepcopy(launch)
+        node.host = host
+        node.num_engines = per_node
+        for j in range(per_node):
+            argv = engine_command(node, j, python=engine_python or launch.python or "python3")
+            (out / f"engine{i}.argv").write_bytes(_nul(argv))
+            (out / f"engine{i}.host").write_text(host)
+            urls.append(node.engine_url(j))
+            i += 1
+    sets = [
+        "rollout.launch=null",
+        f"rollout.client.engine_urls=[{','.join(urls)}]",
+        f"rollout.client.engine_tp_sizes=[{','.join([str(launch.tp_size)] * len(urls))}]",
+    ]
+    if plan.rollout_nodes:
+        router = copy.deepcopy(launch)
+        router.host = engine_hosts[0]
+        argv = router_command(
+            router, python=engine_python or launch.python or "python3", worker_urls=urls
+        )
+        (out / "router.argv").write_bytes(_nul(argv))
+        (out / "router.host").write_text(router.host)
+        sets.append(f"rollout.client.router_url=http://{router.host}:{router.router_port}")
+        # Separate nodes share no memory: weights go over a process group with the engines.
+        sets += ["weights.transport=distributed", f"weights.master_address={trainer_hosts[0]}"]
+    elif cfg.weights.transport == "distributed":
+        sets.append(f"weights.master_address={trainer_hosts[0]}")
+    (out / "trainer.sets").write_bytes(_nul(sets))
+    (out / "engine_urls").write_text("\n".join(urls) + "\n")
+
+
+def _nul(items: list[str]) -> bytes:
+    return b"".join(s.encode() + b"\0" for s in items)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="YAML run config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    p.add_argument("--nodes", type=int, required=True, help="nodes of the job (all of them)")
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--gpu-mem-gb", type=float, required=True, help="memory per GPU (GiB)")
+    p.add_argument(
+        "--rollout-nodes",
+        type=int,
+        default=0,
+        help="nodes given to SGLang engines only (disaggregated); 0: colocated",
+    )
+    p.add_argument("--hf-config", help="directory with config.json (default: model.hf_path)")
+    p.add_argument(
+        "--engines-external",
+        action="store_true",
+        help="colocated engines started outside the trainer (not released)",
+    )
+    p.add_argument(
+        "--sync-gb-per-s",
+        type=float,
+        default=25.0,
+        help="weight-sync bandwidth (default 25 GB/s: one 400 Gb/s NIC at ~50%%)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="longest prompt (default data.max_prompt_tokens, else 1024)",
+    )
+    p.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=1.0,
+        help="most loaded expert rank / mean (routed activations)",
+    )
+    p.add_argument("--json", help="also write the plan as JSON here")
+    p.add_argument("--emit-launch", metavar="DIR", help="write engine/router/trainer launch files")
+    p.add_argument("--hosts", help="comma-separated node names (with --emit-launch)")
+    p.add_argument("--engine-python", help="interpreter of the engines (with --emit-launch)")
+    p.add_argument("--quiet", action="store_true", help="no table (verdict only)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        plan = make_plan(
+            cfg,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            gpu_mem_gb=args.gpu_mem_gb,
+            rollout_nodes=args.rollout_nodes,
+            hf_dir=args.hf_config,
+            engines_external=args.engines_external,
+            sync_gb_per_s=args.sync_gb_per_s,
+            prompt_tokens=args.prompt_tokens,
+            moe_imbalance=args.moe_imbalance,
+        )
+        if args.emit_launch:
+            hosts = [h for h in (args.hosts or "").split(",") if h]
+            emit_launch(cfg, plan, hosts, args.emit_launch, engine_python=args.engine_python)
+    except ConfigError as e:
+        print(f"plan: invalid config: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan.to_json(), indent=1))
+    if args.quiet:
+        print(format_plan(plan).splitlines()[-1])
+    else:
+        print(format_plan(plan) + "\n" + memory_formula())
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
