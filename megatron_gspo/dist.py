@@ -2,6 +2,23 @@
 
 Every module that needs a free port, the rank, a broadcast or the job's device asks here, so the
 CPU (gloo) and GPU (NCCL) paths differ in exactly one function (`init_distributed`).
+
+Device rule (issue 12), two layers, both on purpose:
+
+* Every tensor the job hands to a tensor collective or to the model lives on `device()`:
+  micro-batches are moved there when planned, loss/metric/routing/bookkeeping tensors are
+  created there. megatron-core's own process groups (TP, EP, DP, PP, CP) are NCCL-only on GPU,
+  and our loss runs collectives on them (vocab-parallel log-softmax), so "CPU tensors are
+  fine on the default group" would be a rule with exceptions; one rule without exceptions is
+  checked by tests/megatron/test_devices.py.
+* On GPU the default group is still created as `cpu:gloo,cuda:nccl`: object collectives
+  (`broadcast` below, `all_gather_object`) and barriers then run over gloo on host memory.
+  That is where the non-zero ranks wait while rank 0 generates a rollout: a host-side wait
+  under `timeout_s` instead of an NCCL kernel parked on the GPU, and a CPU tensor reaching
+  the default group by mistake works instead of failing on a cluster.
+
+`timeout_s` (config `train.dist_timeout_s`) bounds every collective of the default group,
+including those waits, so it must exceed the longest rollout (torch's default is 10 minutes).
 """
 
 from __future__ import annotations
@@ -58,7 +75,8 @@ def on_cpu() -> bool:
 def init_distributed(choice: DeviceChoice = "auto", *, timeout_s: float | None = None) -> None:
     """Join torchrun's env:// rendezvous (or become a 1-rank job under plain `python`).
 
-    gloo on CPU, NCCL on GPU. `timeout_s` bounds every collective (None: torch's default).
+    gloo on CPU; `cpu:gloo,cuda:nccl` on GPU (see the module docstring). `timeout_s` bounds
+    every collective of the default group (None: torch's default, 10 minutes).
     """
     set_device(resolve_device(choice))
     if torch.distributed.is_initialized():
@@ -73,7 +91,12 @@ def init_distributed(choice: DeviceChoice = "auto", *, timeout_s: float | None =
     kwargs: dict[str, Any] = {}
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-    torch.distributed.init_process_group("nccl" if device().type == "cuda" else "gloo", **kwargs)
+    torch.distributed.init_process_group(backend_for(device()), **kwargs)
+
+
+def backend_for(dev: torch.device) -> str:
+    """The default group's backend string for the job's device (see the module docstring)."""
+    return "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
 
 
 def rank() -> int:

@@ -122,7 +122,8 @@ class CPUCoreAttention(MegatronModule):
         # [t, b, np, hn] x [tk, b, np, hn] -> [b, np, t, tk]
         scores = torch.einsum("qbnh,kbnh->bnqk", query.float(), key.float()) * self.softmax_scale
         allowed = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        # The layout is host bookkeeping; the mask goes where the scores are.
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
         probs = self.dropout(torch.softmax(scores, dim=-1).to(value.dtype))
         context = torch.einsum("bnqk,kbnh->qbnh", probs, value)
         t, b = context.shape[:2]

@@ -60,7 +60,8 @@ class TrainSequence:
 
 @dataclass(kw_only=True)
 class PackedMicroBatch:
-    """One THD micro-batch as seen by one CP shard. Tensors are on CPU; move with `.to()`."""
+    """One THD micro-batch as seen by one CP shard. Built on the host by `pack`; the training
+    code receives it on the job's device (`megatron.step.plan_for_this_rank` calls `.to`)."""
 
     input_ids: Tensor  # [1, T]
     position_ids: Tensor  # [1, T]
@@ -82,6 +83,7 @@ class PackedMicroBatch:
         self.num_seqs = len(self.seq_ids)
 
     def to(self, device: torch.device | str) -> PackedMicroBatch:
+        """Every tensor field on `device` (in place; returns self for chaining)."""
         for name, value in vars(self).items():
             if isinstance(value, Tensor):
                 setattr(self, name, value.to(device))

@@ -22,10 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_gspo import dist
 from megatron_gspo.megatron.packing import PackedMicroBatch
 
 Snapshot = dict[str, list[Tensor]]
-"""Router name -> one routing map per micro-batch, `[T, E]` bool, in micro-batch order."""
+"""Router name -> one routing map per micro-batch, `[T, E]` bool, in micro-batch order, on the
+device the router ran on."""
 
 
 class RoutingRecorder:
@@ -47,7 +49,9 @@ class RoutingRecorder:
         for name, mod in self.routers.items():
 
             def hook(_m: Any, _inp: Any, out: Any, name: str = name) -> None:
-                self.maps[name].append(out[1].detach().bool().cpu())
+                # Kept where the router ran (the job's device): no host sync per router call,
+                # and the flip count and its all-reduce happen on that device too.
+                self.maps[name].append(out[1].detach().bool())
 
             self._handles.append(mod.register_forward_hook(hook))
         return self
@@ -95,14 +99,15 @@ def routing_flip_rate(
     from megatron.core import parallel_state as ps
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    counts = torch.zeros(2, dtype=torch.float64)  # flips, (token, layer) pairs
+    # On the job's device: the all-reduce below runs on the default group (NCCL on GPU).
+    counts = torch.zeros(2, dtype=torch.float64, device=dist.device())  # flips, pairs
     for name, maps in before.items():
         for mb, b, a in zip(micro_batches, maps, after[name], strict=True):
             valid = _router_tokens(mb, tp, tp_rank, sequence_parallel)
             if valid.numel() != b.size(0):
                 raise RuntimeError(f"router {name}: {b.size(0)} tokens, {valid.numel()} expected")
             changed = (b != a).any(dim=-1) & valid
-            counts += torch.tensor([changed.sum().item(), valid.sum().item()])
+            counts += torch.stack([changed.sum(), valid.sum()]).to(counts)
     if tp > 1 and not sequence_parallel and tp_rank != 0:
         counts.zero_()  # TP ranks route the same tokens: count them once
     torch.distributed.all_reduce(counts)

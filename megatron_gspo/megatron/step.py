@@ -105,7 +105,8 @@ def _policy_loss(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> tuple
     # Sum of per-sequence losses; Megatron divides by the global sequence count (num_tokens).
     loss, metrics = policy_loss(batch, cfg.loss, denominator=1.0, seq_sum=seq_sum)
     real = sum(1 for i in mb.seq_ids if i >= 0)
-    num_seqs = torch.tensor(real if g["cp_rank"] == 0 else 0, dtype=torch.int)
+    # On the loss's device: megatron-core sums it into its own device counter and all-reduces.
+    num_seqs = torch.tensor(real if g["cp_rank"] == 0 else 0, dtype=torch.int, device=loss.device)
     return (
         loss,
         num_seqs,
@@ -118,11 +119,12 @@ def plan_for_this_rank(
 ) -> list[PackedMicroBatch]:
     """This rank's packed micro-batches of a mini-batch every rank holds whole: its DP share,
     its CP shard, padded for sequence parallelism, and as many micro-batches as every other DP
-    rank (a multiple of pp for the interleaved schedule)."""
+    rank (a multiple of pp for the interleaved schedule), on the job's device (`dist.device()`:
+    the model's inputs and the loss's inputs must live with the model)."""
     from megatron.core import parallel_state as ps
 
     cp = ps.get_context_parallel_world_size()
-    return plan_micro_batches(
+    planned = plan_micro_batches(
         seqs,
         dp_size=ps.get_data_parallel_world_size(),
         dp_rank=ps.get_data_parallel_rank(),
@@ -132,6 +134,9 @@ def plan_for_this_rank(
         cp_rank=ps.get_context_parallel_rank(),
         count_multiple=layout.pp if layout.vpp else 1,
     )
+    # Packed on the host (cheap Python bookkeeping), moved once here, the one place every
+    # caller (train step, log-prob recompute, routing probe) gets its micro-batches from.
+    return [mb.to(dist.device()) for mb in planned]
 
 
 def _forward(model: torch.nn.Module, mb: PackedMicroBatch) -> Tensor:
@@ -234,7 +239,7 @@ def grads_finite(model: list[torch.nn.Module]) -> bool:
 def _logprob_rows(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> dict[str, Tensor]:
     logp, _ = _logprobs(logits, mb, cfg)
     keep = mb.token_pos >= 0
-    sid = torch.tensor(mb.seq_ids)[mb.seq_index[keep]]
+    sid = torch.tensor(mb.seq_ids, device=mb.seq_index.device)[mb.seq_index[keep]]
     rows = torch.stack([sid.double(), mb.token_pos[keep].double(), logp[keep].double()], 1)
     return {"rows": rows.detach()}
 
@@ -249,7 +254,8 @@ def forward_only(
     layout); `reduce(mb, logits)` runs on the last stage and its dicts are returned there."""
 
     def loss(mb: PackedMicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), reduce(mb, logits)
+        zero = torch.tensor(0, dtype=torch.int, device=logits.device)  # megatron sums it on device
+        return logits.sum() * 0.0, zero, reduce(mb, logits)
 
     def step(data_iterator: Iterator[PackedMicroBatch], m: torch.nn.Module) -> Any:
         mb = next(data_iterator)
@@ -296,6 +302,9 @@ def compute_logprobs(
     cfg = StepConfig(loss=PolicyLossConfig(), temperature=temperature, logprob_chunk=chunk)
     outputs = forward_only(model, micro_batches, lambda mb, logits: _logprob_rows(mb, cfg, logits))
     rows = torch.cat([o["rows"] for o in outputs]) if outputs else torch.zeros(0, 3)
+    # Host memory for the object collective: a pickled CUDA tensor is unpickled onto the
+    # sender's GPU index on every receiver (and the default group's object device is the CPU).
+    rows = rows.cpu()
     gathered: list[Tensor] = [None] * torch.distributed.get_world_size()  # type: ignore
     torch.distributed.all_gather_object(gathered, rows)
     table: dict[int, dict[int, float]] = {}
