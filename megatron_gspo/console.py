@@ -32,9 +32,9 @@ _state: dict[str, Any] = {}
 
 
 def _rank() -> int:
-    from megatron_gspo.metrics_log import global_rank
+    from megatron_gspo import dist
 
-    return global_rank()
+    return dist.rank()
 
 
 def _is_console(handler: logging.Handler) -> bool:

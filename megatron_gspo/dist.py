@@ -100,7 +100,10 @@ def backend_for(dev: torch.device) -> str:
 
 
 def rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    """The global rank: torch.distributed's once initialised, before that torchrun's $RANK."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def world_size() -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -35,7 +34,6 @@ __all__ = [
     "BAR_KEYS",
     "CONSOLE_KEYS",
     "MetricsLogger",
-    "global_rank",
     "jsonl_value",
     "read_metrics",
     "to_scalars",
@@ -62,16 +60,10 @@ BAR_KEYS = {
 }
 
 
-def global_rank() -> int:
-    """This process's global rank: torch.distributed when initialised, else $RANK, else 0."""
-    try:
-        import torch.distributed as dist
+def _rank() -> int:
+    from megatron_gspo import dist  # lazily: the plotting tools import this module without torch
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:
-        pass
-    return int(os.environ.get("RANK", "0"))
+    return dist.rank()
 
 
 def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -146,7 +138,7 @@ class MetricsLogger:
         log_every: int = 1,
         start_step: int = 0,
     ) -> None:
-        self.enabled = (global_rank() if rank is None else rank) == 0
+        self.enabled = (_rank() if rank is None else rank) == 0
         self.log_dir = Path(log_dir)
         self.total_steps = total_steps
         self.console_keys = tuple(console_keys)

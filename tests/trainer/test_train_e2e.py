@@ -25,6 +25,7 @@ import psutil
 import pytest
 import torch
 
+from megatron_gspo.dist import free_port
 from tools import make_tiny_toy
 
 pytestmark = pytest.mark.multirank
@@ -57,7 +58,7 @@ def _command(
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(29400 + sum(map(ord, name)) % 500),
+        str(free_port()),  # concurrent runs of this test must not collide
         "-m",
         module,
         "--config",
