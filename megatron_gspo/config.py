@@ -354,6 +354,11 @@ class TrainConfig:
     """Measure `moe/routing_flip_rate` (share of (token, MoE layer) whose top-k experts changed
     between the rollout policy and the updated one) every N steps: two forward passes over each
     rank's first micro-batch(es). 0 = never."""
+    dist_timeout_s: float = 3600.0
+    """Timeout in seconds of every collective of the default process group. While rank 0
+    generates a rollout the other ranks wait in one (a broadcast), so it must exceed the
+    longest rollout plus reward and weight sync; torch's own default, 600 s, is too short
+    for long RL generations."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -361,6 +366,7 @@ class TrainConfig:
             steps=self.steps,
             micro_batch_tokens=self.micro_batch_tokens,
             max_bad_steps=self.max_bad_steps,
+            dist_timeout_s=self.dist_timeout_s,
         )
         _require(
             self.routing_flip_every >= 0,

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_gspo.megatron.policy import Policy
     from megatron_gspo.trainer import load_checkpoint, make_rollout
 
-    dist.init_distributed(cfg.train.device)
+    dist.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
     with third_party_stdio(cfg.logging.dir):
         policy = Policy.build(cfg)
     rollout = sync = log = None

@@ -89,7 +89,7 @@ _MIXING_ALLOWED = {
     torch.Tensor.__repr__,
     torch.Tensor.__format__,
     torch.Tensor.data.__set__,  # type: ignore[attr-defined]
-    torch.Tensor.grad.__set__,  # type: ignore[attr-defined]
+    torch.Tensor.grad.__set__,  # type: ignore[attr-defined,union-attr]
     torch.Tensor.set_,
 }
 _PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

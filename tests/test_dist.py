@@ -1,0 +1,106 @@
+"""`train.dist_timeout_s` reaches the default process group (issue 12): while rank 0 generates,
+the other ranks wait in `dist.broadcast`; that wait is bounded by the configured timeout, not
+by torch's 10-minute default. Two spawned gloo ranks, the real `dist.init_distributed`."""
+
+from __future__ import annotations
+
+import ast
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_gspo import dist
+from megatron_gspo.config import ConfigError, load_config
+
+GENERATE_S = 5.0  # how long rank 0 "generates" before it broadcasts the rollout
+
+
+def _config(timeout_s: float) -> Any:
+    return load_config(
+        None,
+        [
+            "model.hf_path=unused",
+            "data.train_path=unused.jsonl",
+            "train.device=cpu",
+            f"train.dist_timeout_s={timeout_s}",
+        ],
+    )
+
+
+def _rank(rank: int, port: int, timeout_s: float, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
+    )
+    cfg = _config(timeout_s)
+    dist.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)  # as train.py
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            time.sleep(GENERATE_S)
+            dist.broadcast("rollout")
+            results.put((rank, "sent", time.monotonic() - start))
+        else:
+            got = dist.broadcast(None)
+            results.put((rank, f"received {got}", time.monotonic() - start))
+    except RuntimeError as e:
+        results.put((rank, f"error: {e}", time.monotonic() - start))
+    results.close()
+    results.join_thread()  # the queue's feeder thread must flush before the hard exit
+    os._exit(0)  # no destroy_process_group: after a timeout the peer may be gone
+
+
+def _run(timeout_s: float) -> dict[int, tuple[str, float]]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = dist.free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, timeout_s, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out: dict[int, tuple[str, float]] = {}
+    deadline = time.monotonic() + 60
+    while len(out) < 2 and time.monotonic() < deadline:
+        try:
+            rank, what, took = results.get(timeout=1)
+        except Exception:  # noqa: BLE001 - queue.Empty: keep waiting until the deadline
+            if all(not p.is_alive() for p in procs):
+                break
+            continue
+        out[rank] = (what, took)
+        if rank == 1 and what.startswith("error"):
+            break  # rank 0 is still "generating": nobody will receive its broadcast
+    for p in procs:
+        p.kill()
+        p.join()
+    return out
+
+
+def test_waiting_rank_times_out_at_the_configured_timeout() -> None:
+    out = _run(timeout_s=1.0)
+    what, took = out[1]
+    assert what.startswith("error") and "timed out" in what.lower(), what
+    assert 0.9 < took < GENERATE_S - 1, took  # the configured 1 s, not the rollout's 5 s
+
+
+def test_a_long_enough_timeout_lets_the_rank_wait_for_the_rollout() -> None:
+    out = _run(timeout_s=30.0)
+    assert out[1][0] == "received rollout" and out[1][1] >= GENERATE_S - 0.5
+    assert out[0][0] == "sent"
+
+
+def test_timeout_is_checked_and_wired() -> None:
+    with pytest.raises(ConfigError, match="train.dist_timeout_s"):
+        _config(0)
+    # train.py hands the key to init_distributed (the one call that creates the group).
+    tree = ast.parse((Path(dist.__file__).parent / "train.py").read_text())
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "dist.init_distributed"
+    ]
+    assert [ast.unparse(k.value) for c in calls for k in c.keywords if k.arg == "timeout_s"] == [
+        "cfg.train.dist_timeout_s"
+    ]
