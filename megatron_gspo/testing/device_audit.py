@@ -122,7 +122,7 @@ class DeviceAudit(TorchFunctionMode):
         super().__init__()
         self._marked: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.violations: list[str] = []
-        self._seen: set[str] = set()
+        self._seen: set[tuple[str, str]] = set()
         self._object_depth = 0
         self.counts = {"collectives": 0, "model_calls": 0, "object_collectives": 0}
         self._handles: list[Any] = []
@@ -180,11 +180,12 @@ class DeviceAudit(TorchFunctionMode):
                 chunk.register_forward_pre_hook(self.check_model_inputs, with_kwargs=True)
             )
 
-    def violation(self, what: str) -> None:
-        msg = f"{what} at {_where()}"
-        if msg not in self._seen:
-            self._seen.add(msg)
-            self.violations.append(msg)
+    def violation(self, what: str, example: str = "") -> None:
+        """Record `what` once per source location (`example`: the first instance's shapes)."""
+        where = _where()
+        if (what, where) not in self._seen:
+            self._seen.add((what, where))
+            self.violations.append(f"{what} {example} at {where}")
 
     # -- checks --------------------------------------------------------------------------
     def check_collective(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -196,8 +197,8 @@ class DeviceAudit(TorchFunctionMode):
         for t in leaves:
             if isinstance(t, torch.Tensor) and not self.on_device(t):
                 self.violation(
-                    f"torch.distributed.{name} got a host tensor {tuple(t.shape)} {t.dtype} "
-                    f"(job device {dist.device()})"
+                    f"torch.distributed.{name} got a host tensor",
+                    f"{tuple(t.shape)} {t.dtype} (job device {dist.device()})",
                 )
 
     def check_object_payload(
@@ -206,7 +207,7 @@ class DeviceAudit(TorchFunctionMode):
         self.counts["object_collectives"] += 1
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and self.on_device(t):
-                self.violation(f"torch.distributed.{name} pickles a device tensor {tuple(t.shape)}")
+                self.violation(f"torch.distributed.{name} pickles a device tensor", str(t.shape))
 
     def check_model_inputs(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         self.counts["model_calls"] += 1
@@ -219,9 +220,9 @@ class DeviceAudit(TorchFunctionMode):
         for t in leaves:
             if isinstance(t, torch.Tensor) and self.on_device(t) != want:
                 self.violation(
-                    f"model input {tuple(t.shape)} {t.dtype} on "
-                    f"{'the device' if self.on_device(t) else 'the host'}, parameters on "
-                    f"{'the device' if want else 'the host'}"
+                    f"model input on {'the device' if self.on_device(t) else 'the host'}, "
+                    f"parameters on {'the device' if want else 'the host'}:",
+                    f"{tuple(t.shape)} {t.dtype}",
                 )
 
     # -- the mode ------------------------------------------------------------------------
@@ -297,7 +298,7 @@ class DeviceAudit(TorchFunctionMode):
         places = {self.on_device(t) for t in tensors if t.dim() > 0}
         if len(places) > 1:
             shapes = [(tuple(t.shape), "device" if self.on_device(t) else "host") for t in tensors]
-            self.violation(f"{name} mixes device and host tensors {shapes}")
+            self.violation(f"{name} mixes device and host tensors", str(shapes))
 
 
 # What a tensor on the simulated device reports.

@@ -5,6 +5,7 @@ the job's device is a simulated accelerator), on 2 gloo ranks, for two layouts."
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -26,8 +27,10 @@ LAYOUTS = {
 STEP = ("gspo.mini_batches_per_rollout=2", "train.routing_flip_every=1")
 
 
-def whole_step(hf_dir: str, overrides: tuple[str, ...]) -> dict[str, Any]:
+def whole_step(hf_dir: str, overrides: tuple[str, ...]) -> tuple[Policy, dict[str, Any]]:
+    start = time.monotonic()
     policy = Policy.build(config(hf_dir, *STEP, *overrides))
+    built = time.monotonic()
     seqs = sequences(policy)
     with device_audit.audit() as audit:
         audit.watch(policy.model, policy.optimizer)
@@ -35,32 +38,35 @@ def whole_step(hf_dir: str, overrides: tuple[str, ...]) -> dict[str, Any]:
         logprobs = mstep.compute_logprobs(policy.model, policy.plan(seqs))
         stepped = checkpoint._has_stepped(policy.optimizer)
         exported = sum(len(b.tensors) for b in model_buckets(policy.bridge, policy.model))
-    return dict(
+    return policy, dict(
         violations=audit.violations,
         counts=audit.counts,
         metrics=metrics,
         logprobs=len(logprobs),
         stepped=stepped,
         exported=exported,
+        seconds=dict(build=built - start, audited=time.monotonic() - built),
     )
 
 
-def planted(hf_dir: str) -> list[str]:
-    """The audit's teeth, on the code as it was before issue 12: micro-batches left on the host
-    (nobody called `PackedMicroBatch.to`) and a routing count all-reduced from a host tensor."""
-    policy = Policy.build(config(hf_dir))
+def planted(policy: Policy) -> list[str]:
+    """The audit's teeth, on the code path as it was before issue 12: micro-batches left on the
+    host (nobody called `PackedMicroBatch.to`) and a count all-reduced from a host tensor (the
+    routing probe's reduction)."""
     seqs = sequences(policy)
     with device_audit.audit() as audit:
         audit.watch(policy.model, policy.optimizer)
         host = [mb.to("cpu") for mb in policy.plan(seqs)]
-        mstep.train_step(
-            policy.model, policy.optimizer, host, mstep.StepConfig(loss=policy.cfg.loss)
-        )
+        step_cfg = mstep.StepConfig(loss=policy.cfg.loss)
+        mstep.train_step(policy.model, policy.optimizer, host, step_cfg)
         torch.distributed.all_reduce(torch.zeros(2, dtype=torch.float64))
     return audit.violations
 
 
 def main(rank: int, world: int, hf_dir: str) -> dict[str, Any]:
-    out: dict[str, Any] = {name: whole_step(hf_dir, o) for name, o in LAYOUTS.items()}
-    out["planted"] = planted(hf_dir)
+    out: dict[str, Any] = {}
+    for name, overrides in LAYOUTS.items():
+        policy, out[name] = whole_step(hf_dir, overrides)
+        if "planted" not in out:
+            out["planted"] = planted(policy)
     return out

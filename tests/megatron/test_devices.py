@@ -48,3 +48,9 @@ def test_audit_catches_the_pre_fix_code_path(results: list[dict]) -> None:
         assert "model input" in planted and "on the host, parameters on the device" in planted
         assert "torch.distributed.all_reduce got a host tensor (2,)" in planted
         assert "mixes device and host tensors" in planted  # the loss's inputs vs the logits
+
+
+def test_report_times(results: list[dict]) -> None:
+    """Not a check: the audit's cost, shown with `pytest -s`."""
+    for layout in sorted(devices_ranks.LAYOUTS):
+        print(layout, {k: round(v, 1) for k, v in results[0][layout]["seconds"].items()})
