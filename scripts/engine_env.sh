@@ -3,7 +3,7 @@
 #
 # Separate from the trainer's venv (scripts/env.sh) because sglang pins its own torch
 # (constraints-engine.txt says why). Cached outside the clone, keyed by the hash of
-# constraints-engine.txt, built once under a lock (~3.5 min, ~11 GB: torch's CUDA build plus
+# constraints-engine.txt, built once under a lock (~4 min, ~11 GB: torch's CUDA build plus
 # sglang's GPU kernel stack, all unused on CPU but part of the unmodified install).
 #   MGSPO_CACHE   where venvs are kept (default ~/.cache/megatron-gspo)
 set -euo pipefail
@@ -31,7 +31,7 @@ if [ ! -f "$venv/.complete" ]; then
   flock 9  # another clone may be building the same venv
   if [ ! -f "$venv/.complete" ]; then
     py=$(find_python312)
-    echo "[engine-env] building $venv with $py (one time: ~3.5 min, ~11 GB)" >&2
+    echo "[engine-env] building $venv with $py (one time: ~4 min, ~11 GB)" >&2
     start=$(date +%s)
     rm -rf "$venv"
     "$py" -m venv "$venv"
