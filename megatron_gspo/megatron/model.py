@@ -28,7 +28,6 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "ddp_config",
-    "export_hf_state",
     "init_megatron",
     "load_bridge",
     "make_provider",
@@ -224,14 +223,6 @@ def _float16_module() -> Any:
     from megatron.core.transformer.module import Float16Module
 
     return Float16Module
-
-
-def export_hf_state(bridge: Any, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """The full HF-named state dict, gathered from every shard (each rank gets all of it)."""
-    return {
-        name: t.detach().cpu().clone()
-        for name, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)
-    }
 
 
 def build_optimizer(model: list[torch.nn.Module], optim: OptimConfig) -> Any:

@@ -18,13 +18,13 @@ from megatron_gspo.megatron.model import (
     build_model,
     build_optimizer,
     ddp_config,
-    export_hf_state,
     init_megatron,
     load_bridge,
     make_provider,
     quiet_megatron,
 )
 from megatron_gspo.megatron.packing import TrainSequence
+from megatron_gspo.weights.convert import hf_state
 from tests.megatron.policy_ranks import make_sequences
 
 STEPS, SAVE_AFTER = 4, 2
@@ -101,7 +101,7 @@ def run_case(bridge: Any, rank: int, ckpt: str, case: dict[str, Any]) -> dict[st
             torch.distributed.barrier()
             save_model_and_optimizer(model, opt, Path(ckpt))
             saved_state = _optimizer_state(opt)
-    straight = export_hf_state(bridge, model)
+    straight = hf_state(bridge, model)
 
     model, opt = _build(bridge, layout, distopt)
     load_model_and_optimizer(model, opt, Path(ckpt))
@@ -109,7 +109,7 @@ def run_case(bridge: Any, rank: int, ckpt: str, case: dict[str, Any]) -> dict[st
     resumed_metrics = [_step(bridge, model, opt, layout, seed=s) for s in range(SAVE_AFTER, STEPS)]
     return {
         "straight": straight,
-        "resumed": export_hf_state(bridge, model),
+        "resumed": hf_state(bridge, model),
         "metrics": metrics[SAVE_AFTER:],
         "resumed_metrics": resumed_metrics,
         "saved_state": saved_state,

@@ -17,12 +17,12 @@ from megatron_gspo.megatron.cpu_attention import zigzag_indices
 from megatron_gspo.megatron.model import (
     Layout,
     build_model,
-    export_hf_state,
     init_megatron,
     load_bridge,
     make_provider,
     quiet_megatron,
 )
+from megatron_gspo.weights.convert import hf_state
 
 BATCH, SEQ = 4, 16
 
@@ -164,7 +164,7 @@ def run_layout(
     )
     ok, grad_norm, _ = opt.step()
     assert ok
-    state = export_hf_state(bridge, model)
+    state = hf_state(bridge, model)
     # Full logits of the whole batch, in dp order, on the last pipeline stage.
     if logits is not None and dp > 1:
         parts = [torch.empty_like(logits) for _ in range(dp)]

@@ -22,13 +22,13 @@ from megatron_gspo.megatron.model import (
     build_model,
     build_optimizer,
     ddp_config,
-    export_hf_state,
     init_megatron,
     load_bridge,
     make_provider,
     quiet_megatron,
 )
 from megatron_gspo.megatron.packing import TrainSequence
+from megatron_gspo.weights.convert import hf_state
 
 NUM_SEQS, MAX_TOKENS = 10, 24
 
@@ -149,7 +149,7 @@ def run_case(bridge: Any, case: dict[str, Any]) -> dict[str, Any]:
         "metrics": metrics,
         "current": current,
         "num_micro_batches": len(mbs),
-        "weights": export_hf_state(bridge, model),
+        "weights": hf_state(bridge, model),
     }
 
 
