@@ -8,39 +8,13 @@
 #   MGSPO_CACHE   where venvs are kept (default ~/.cache/megatron-gspo)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-hash=$(sha256sum "$root/constraints-engine.txt" | cut -c1-16)
-cache=${MGSPO_CACHE:-$HOME/.cache/megatron-gspo}
-venv="$cache/engine-venv-$hash"
+source "$root/scripts/venv_lib.sh"
 
-find_python312() {
-  local c
-  if c=$(command -v python3.12 2>/dev/null) && "$c" -c 'import sys' 2>/dev/null; then
-    echo "$c"; return
-  fi
-  for c in "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 \
-           "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do
-    if [ -x "$c" ]; then echo "$c"; return; fi
-  done
-  echo "error: Python 3.12 not found; install it, e.g. 'pyenv install 3.12'" >&2
-  exit 1
+install_engine() {
+  "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+    -r "$root/constraints-engine.txt"
+  "$1/bin/python" -c 'import sglang.srt.server_args'  # fail here, not in the first test
 }
 
-if [ ! -f "$venv/.complete" ]; then
-  mkdir -p "$cache"
-  exec 9>"$cache/.lock-engine-$hash"
-  flock 9  # another clone may be building the same venv
-  if [ ! -f "$venv/.complete" ]; then
-    py=$(find_python312)
-    echo "[engine-env] building $venv with $py (one time: ~4 min, ~11 GB)" >&2
-    start=$(date +%s)
-    rm -rf "$venv"
-    "$py" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check pip==26.3 >&2
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-      -r "$root/constraints-engine.txt" >&2
-    "$venv/bin/python" -c 'import sglang.srt.server_args' >&2  # fail here, not in the first test
-    touch "$venv/.complete"
-    echo "[engine-env] ready in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)" >&2
-  fi
-fi
-echo "$venv"
+mgspo_cached_venv engine-venv "$(sha256sum "$root/constraints-engine.txt" | cut -c1-16)" \
+  install_engine
