@@ -24,11 +24,13 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import io
 import json
 import logging
 import math
 import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,15 +311,38 @@ def _micro_batches(cfg: Config, dp: int, prompt_tokens: int) -> int:
 
 
 def _hf_config(path: str | Path) -> Any:
-    from transformers import AutoConfig
-
+    """config.json as attributes (plain JSON: the checks and formulas need no transformers)."""
     try:
-        return AutoConfig.from_pretrained(str(path))
+        data = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"cannot read config.json from model.hf_path={path} ({e}); set model.hf_path or "
             "pass --hf-config DIR"
         ) from None
+    data.setdefault("tie_word_embeddings", False)
+    return types.SimpleNamespace(**data)
+
+
+def cached_count_params(
+    hf_dir: str | Path, layout: Layout, world_size: int, cache: str | Path | None
+) -> list[StageParams]:
+    """`count_params`, memoised in a JSON file keyed by (config.json, layout, world size): a
+    requeued job or a second script run skips the megatron import and the meta build."""
+    if cache is None:
+        return count_params(hf_dir, layout, world_size)
+    text = (Path(hf_dir) / "config.json").read_text()
+    key = hashlib.sha256(
+        json.dumps([text, layout.to_dict(), world_size], sort_keys=True).encode()
+    ).hexdigest()
+    path = Path(cache)
+    table = json.loads(path.read_text()) if path.exists() else {}
+    if key not in table:
+        table[key] = [dataclasses.asdict(s) for s in count_params(hf_dir, layout, world_size)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table))
+        tmp.replace(path)
+    return [StageParams(**s) for s in table[key]]
 
 
 def make_plan(
@@ -329,6 +354,7 @@ def make_plan(
     rollout_nodes: int = 0,
     hf_dir: str | Path | None = None,
     engines_external: bool = False,
+    counts_cache: str | Path | None = None,
     sync_gb_per_s: float = 25.0,
     prompt_tokens: int | None = None,
     moe_imbalance: float = 1.0,
@@ -349,7 +375,7 @@ def make_plan(
     launch = cfg.rollout.launch or LaunchConfig(backend="sglang")
     if cfg.rollout.launch is not None:
         _check_engines(launch, hf, gpus_per_node)
-    stages = count_params(hf_dir, layout, world)
+    stages = cached_count_params(hf_dir, layout, world, counts_cache)
     mem_bytes = gpu_mem_gb * GiB
     colocated = rollout_nodes == 0 and launch.colocated
     # ----- trainer memory of each stage; the worst one is reported
@@ -583,6 +609,8 @@ def emit_launch(
     engine_hosts = hosts[plan.nodes - plan.rollout_nodes :] or trainer_hosts
     launch = copy.deepcopy(cfg.rollout.launch or LaunchConfig(backend="sglang"))
     launch.model_path = launch.model_path or cfg.model.hf_path
+    if plan.rollout_nodes:  # engines on nodes of their own: nothing to release memory to
+        launch.colocated = False
     per_node = plan.gpus_per_node // launch.tp_size
     urls, i = [], 0
     for host in engine_hosts:
@@ -608,6 +636,7 @@ def emit_launch(
         )
         (out / "router.argv").write_bytes(_nul(argv))
         (out / "router.host").write_text(router.host)
+        (out / "router_url").write_text(f"http://{router.host}:{router.router_port}\n")
         sets.append(f"rollout.client.router_url=http://{router.host}:{router.router_port}")
         # Separate nodes share no memory: weights go over a process group with the engines.
         sets += ["weights.transport=distributed", f"weights.master_address={trainer_hosts[0]}"]
@@ -662,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="most loaded expert rank / mean (routed activations)",
     )
+    p.add_argument("--counts-cache", help="JSON file memoising the parameter counts")
     p.add_argument("--json", help="also write the plan as JSON here")
     p.add_argument("--emit-launch", metavar="DIR", help="write engine/router/trainer launch files")
     p.add_argument("--hosts", help="comma-separated node names (with --emit-launch)")
@@ -678,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
             rollout_nodes=args.rollout_nodes,
             hf_dir=args.hf_config,
             engines_external=args.engines_external,
+            counts_cache=args.counts_cache,
             sync_gb_per_s=args.sync_gb_per_s,
             prompt_tokens=args.prompt_tokens,
             moe_imbalance=args.moe_imbalance,

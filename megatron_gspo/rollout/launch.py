@@ -94,6 +94,10 @@ class LaunchConfig:
     sleep_on_idle: bool | None = None
     """`--sleep-on-idle` (an idle scheduler sleeps instead of spinning a core); None: on for
     CPU, off otherwise."""
+    api_key: str | None = None
+    """`--api-key` of every engine (both backends): requests without `Authorization: Bearer
+    <key>` get 401, weight pushes included (health probes stay open, as in SGLang). The job's
+    client sends it (rollout.client.api_key, which it defaults)."""
 
     def __post_init__(self) -> None:
         require(
@@ -137,6 +141,8 @@ def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list
     if cfg.backend == "embedded":
         cmd = [python, "-m", "megatron_gspo.rollout.embedded", "--model-path", cfg.model_path]
         cmd += ["--port", port, "--weight-version", cfg.weight_version]
+        if cfg.api_key:
+            cmd += ["--api-key", cfg.api_key]
         return cmd + list(cfg.extra_args)
     cmd = [python, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
     cmd += ["--host", cfg.host, "--port", port]
@@ -170,6 +176,8 @@ def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list
         cmd += ["--enable-weights-cpu-backup"]
     if cfg.deterministic:
         cmd += ["--enable-deterministic-inference"]
+    if cfg.api_key:
+        cmd += ["--api-key", cfg.api_key]
     return cmd + list(cfg.extra_args)
 
 

@@ -109,9 +109,12 @@ def test_cli_prints_table_formula_and_verdict(tiny: Path, tmp_path: Path) -> Non
     plan = json.loads(out.read_text())
     (stage,) = plan["stages"]
     m = plan["memory_gb"]
-    # fp32 on CPU, Adam, distributed optimizer over dp=1 (ep2 uses the 2 ranks): 4 + 4 + 12 B
+    # fp32 on CPU (no main copy), Adam (8 B), distributed optimizer: dense state sharded over
+    # dp=2, expert state over expert-dp = 2 / ep2 = 1
+    assert plan["dp"] == 2 and plan["expert_dp"] == 1
     assert m["weights"] == pytest.approx(4 * stage["total"] / 2**30)
-    assert m["optimizer"] == pytest.approx(8 * stage["total"] / 2**30)
+    assert m["grads"] == pytest.approx(4 * stage["total"] / 2**30)
+    assert m["optimizer"] == pytest.approx(8 * (stage["dense"] / 2 + stage["expert"]) / 2**30)
     # a 2 GiB GPU cannot hold the 3 GiB per-process overhead, the verdict says so (exit 1)
     small = _plan_cli(tiny, tmp_path, "--nodes", "1", "--gpus-per-node", "2", "--gpu-mem-gb", "2")
     assert small.returncode == 1 and "DOES NOT FIT" in small.stdout, small.stdout
