@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -181,6 +181,22 @@ def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list
     return cmd + list(cfg.extra_args)
 
 
+# What torchrun gives each trainer rank. The job launches engines from rank 0, and an engine
+# (SGLang runs torch.distributed of its own, one process per TP rank) must not see the
+# trainer's rank, world size or rendezvous as its own.
+TORCHRUN_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+
+
+def server_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without the trainer rank's torchrun variables (TORCHRUN_VARS, TORCHELASTIC_*)."""
+    return {
+        k: v for k, v in env.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC")
+    }
+
+
 def cpu_engine_env(env: dict[str, str]) -> dict[str, str]:
     """`env` for a real SGLang server on CPU: its CPU engine switched on and our test-only
     `sgl_kernel` stand-in first on PYTHONPATH (see megatron_gspo/testing/sgl_kernel_stub)."""
@@ -234,7 +250,7 @@ class ServerGroup:
         self._logs: list = []
 
     def _spawn(self, cmd: list[str], name: str, *, cpu_engine: bool = False) -> subprocess.Popen:
-        env = dict(os.environ if self.env is None else self.env)
+        env = server_env(os.environ if self.env is None else self.env)
         # The embedded engine must import this package even from an uninstalled checkout.
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

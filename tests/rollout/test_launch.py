@@ -3,7 +3,9 @@ subprocess engine that dies mid-batch loses and duplicates no sample; no orphans
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import threading
 import time
 
@@ -165,6 +167,26 @@ def test_dp_and_gpu_placement_parse_with_sglang():
     cpu = LaunchConfig(model_path="m", backend="sglang", device="cpu", base_gpu_id=3)
     cmd = engine_command(cpu, 1)
     assert cmd[cmd.index("--base-gpu-id") + 1] == "0"
+
+
+def test_engines_do_not_inherit_the_trainer_ranks_rendezvous(tmp_path, monkeypatch):
+    """An engine launched from torchrun's rank 0 starts without RANK/WORLD_SIZE/MASTER_* (and
+    TORCHELASTIC_*): SGLang's own process group must not take the trainer's for its own."""
+    from megatron_gspo.rollout.launch import TORCHRUN_VARS
+
+    for k in TORCHRUN_VARS:
+        monkeypatch.setenv(k, "7")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("MGSPO_KEEP_ME", "1")
+    out = tmp_path / "env.json"
+    cfg = LaunchConfig(model_path="m", backend="embedded", log_dir=str(tmp_path))
+    group = ServerGroup(cfg)
+    dump = f"import json, os; json.dump(dict(os.environ), open({str(out)!r}, 'w'))"
+    group._spawn([sys.executable, "-c", dump], "envdump").wait(timeout=60)
+    group.shutdown()
+    env = json.loads(out.read_text())
+    assert env["MGSPO_KEEP_ME"] == "1"
+    assert not [k for k in env if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC")]
 
 
 @pytest.mark.parametrize(
