@@ -129,12 +129,16 @@ def make_rollout(cfg: Config) -> Rollout:
             launch_cfg = dataclasses.replace(
                 launch_cfg, log_dir=str(Path(cfg.logging.dir) / "engines")
             )
+        # One key: the engines we start demand the one our client sends.
+        api_key = launch_cfg.api_key or client.api_key
+        launch_cfg = dataclasses.replace(launch_cfg, api_key=api_key)
         servers = launch(launch_cfg)
         client = dataclasses.replace(
             client,
             engine_urls=launch_cfg.engine_urls,
             router_url=client.router_url or launch_cfg.router_url,
             engine_tp_sizes=[launch_cfg.tp_size] * launch_cfg.num_engines,
+            api_key=api_key,
         )
     engine = SGLangClient(client)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)

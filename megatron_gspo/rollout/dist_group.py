@@ -8,10 +8,62 @@ never meet; this mirrors that construction so the trainer need not import SGLang
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import os
+import socket
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+def tcp_init_method(address: str, port: int) -> str:
+    """`tcp://host:port`, IPv6 literals in brackets (as SGLang's `NetworkAddress.to_tcp`)."""
+    host = f"[{address}]" if ":" in address else address
+    return f"tcp://{host}:{port}"
+
+
+def interface_of(address: str) -> str | None:
+    """The local network interface that holds `address` (None if none does, or on loopback).
+
+    Needs psutil (installed with the pinned environment); without it, None.
+    """
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(address, None)}
+    except OSError:
+        return None
+    if any(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip in ips):
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] in ips for a in addrs):
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def gloo_device_on(address: str) -> Iterator[None]:
+    """Make the gloo group built inside bind the interface that holds `address`.
+
+    Gloo advertises to its peers the address of the device it creates, by default the one the
+    host name resolves to (often 127.0.0.1 or 127.0.1.1: unreachable from another node). The
+    rendezvous address is the one the engines reach us at, so the device goes on its interface.
+    `GLOO_SOCKET_IFNAME` set by the user wins.
+    """
+    iface = None if os.environ.get("GLOO_SOCKET_IFNAME") else interface_of(address)
+    if iface is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = iface  # read when the gloo backend is constructed
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def init_weight_update_group(
@@ -34,22 +86,24 @@ def init_weight_update_group(
     )
 
     timeout = timedelta(seconds=timeout_s)
-    init_method = f"tcp://{master_address}:{master_port}"
+    init_method = tcp_init_method(master_address, master_port)
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
+    device = gloo_device_on(master_address) if backend == "gloo" else contextlib.nullcontext()
     # Private torch API, as in SGLang: it is the only way to build a group that does not
     # need (or disturb) the default process group the trainer already has.
-    pg, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        Backend(backend),
-        store,
-        group_name=group_name,
-        backend_options=None,
-        timeout=timeout,
-    )
+    with device:
+        pg, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            store,
+            group_name=group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 

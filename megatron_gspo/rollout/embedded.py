@@ -11,8 +11,10 @@ Run as a server process:
 
     python -m megatron_gspo.rollout.embedded --model-path DIR --port 30000
 
-or in-process (tests): `EmbeddedServer(model_path, port).start()` ... `.stop()`. Several
-in-process servers may run at once: SGLang's app reads one global tokenizer manager, so that
+or in-process (tests): `EmbeddedServer(model_path, port).start()` ... `.stop()`. With
+`--api-key` (`api_key=`) every request needs `Authorization: Bearer <key>` and gets SGLang's
+401 without it, decided by SGLang's own `decide_request_auth` per route (health probes open).
+Several in-process servers may run at once: SGLang's app reads one global tokenizer manager, so that
 global is a proxy that dispatches to the manager of the server the request arrived on.
 """
 
@@ -442,6 +444,30 @@ def _install_sglang_app(model_path: str) -> Any:
         return http_server.app
 
 
+def _authorized(app: Any, scope: dict[str, Any], api_key: str) -> bool:
+    """SGLang's decision for this request (its `add_api_key_middleware` logic), per server:
+    the app is shared by every in-process server, so the key cannot be app middleware."""
+    from sglang.srt.utils.auth import _get_auth_level_from_app_and_scope, decide_request_auth
+
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    decision = decide_request_auth(
+        method=scope["method"],
+        path=scope["path"],
+        authorization_header=headers.get("authorization"),
+        api_key=api_key,
+        admin_api_key=None,
+        auth_level=_get_auth_level_from_app_and_scope(app, scope),
+    )
+    return decision.allowed
+
+
+async def _unauthorized(scope: Any, receive: Any, send: Any) -> None:
+    """SGLang's 401 body (its middleware sends the same JSON)."""
+    from starlette.responses import JSONResponse
+
+    await JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+
+
 class EmbeddedServer:
     """One embedded engine: SGLang's app + `EmbeddedTokenizerManager` on 127.0.0.1:port."""
 
@@ -452,8 +478,10 @@ class EmbeddedServer:
         *,
         weight_version: str = "default",
         return_original_logprob: bool = False,
+        api_key: str | None = None,
     ) -> None:
         self.model_path = str(model_path)
+        self.api_key = api_key
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.policy = HFPolicy(self.model_path, return_original_logprob=return_original_logprob)
@@ -464,6 +492,9 @@ class EmbeddedServer:
         tm = self.tm
 
         async def asgi(scope, receive, send):
+            if api_key and scope["type"] == "http" and not _authorized(app, scope, api_key):
+                await _unauthorized(scope, receive, send)
+                return
             token = _CURRENT_TM.set(tm)
             try:
                 await app(scope, receive, send)
@@ -512,19 +543,7 @@ class EmbeddedServer:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m megatron_gspo.rollout.embedded --model-path DIR --port P`."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1", choices=["127.0.0.1"])
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument(
-        "--return-original-logprob",
-        action="store_true",
-        default=os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0") in ("1", "true"),
-        help="T=1 log-probs, like SGLANG_RETURN_ORIGINAL_LOGPROB=1",
-    )
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     torch.set_num_threads(args.num_threads)
     # CPU tensors sent by /update_weights_from_tensor come from an unrelated process.
     torch.multiprocessing.set_sharing_strategy("file_system")
@@ -534,7 +553,26 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.port,
         weight_version=args.weight_version,
         return_original_logprob=args.return_original_logprob,
+        api_key=args.api_key,
     ).serve_forever()
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of `main` (tests parse launch commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", choices=["127.0.0.1"])
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--api-key", default=None, help="bearer token every request must carry")
+    p.add_argument(
+        "--return-original-logprob",
+        action="store_true",
+        default=os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0") in ("1", "true"),
+        help="T=1 log-probs, like SGLANG_RETURN_ORIGINAL_LOGPROB=1",
+    )
+    return p
 
 
 if __name__ == "__main__":

@@ -429,17 +429,19 @@ class SGLangClient(RolloutEngine):
         weight_version: str | None = None,
         flush_cache: bool = True,
     ) -> None:
-        payloads, bucket = proto.serialize_flattened_bucket(named_tensors)
+        # One flattened copy for all engines, one payload per TP rank of each engine (SGLang's
+        # rank r reads entry r: an engine given fewer entries than ranks fails its update).
+        bucket = proto.flatten_bucket(named_tensors)
         bodies = {
             url: {
-                "serialized_named_tensors": payloads * tp,
+                "serialized_named_tensors": proto.bucket_payloads(bucket, tp),
                 "load_format": "flattened_bucket",
                 "flush_cache": flush_cache,
                 "weight_version": weight_version,
             }
-            for url, tp in zip(self.config.engine_urls, self.config.engine_tp_sizes)
+            for url, tp in zip(self.config.engine_urls, self.config.engine_tp_sizes, strict=True)
         }
-        # The payload is a handle onto `bucket`'s memory: keep it alive until every engine
+        # The payloads are handles onto `bucket`'s memory: keep it alive until every engine
         # answered (result() below), as SGLang requires.
         self._in_thread("/update_weights_from_tensor", bodies).result()
         del bucket

@@ -190,18 +190,30 @@ def serialize_flattened_bucket(
 ) -> tuple[list[str], Any]:
     """`serialized_named_tensors` for `load_format="flattened_bucket"`, one entry per TP rank.
 
-    Returns (payloads, bucket): keep `bucket` alive until the HTTP call returns, since the
-    payload is a shared-memory / CUDA-IPC handle, not a copy. CPU tensors cross unrelated
-    processes only with the `file_system` sharing strategy, so it is switched on here
-    (the embedded engine does the same on its side).
+    SGLang's TP rank r decodes entry r only (`TpModelWorker.deserialize_own_rank`), so an
+    engine of TP size t needs t entries. Each entry is its own `MultiprocessingSerializer`
+    call, as SGLang's `Engine._serialize_tensors_per_rank` does: a CUDA-IPC handle is
+    reference-counted per serialisation, and one copy opened by two ranks would release the
+    producer's memory twice. Returns (payloads, bucket): keep `bucket` alive until the HTTP
+    call returns, since a payload is a shared-memory / CUDA-IPC handle, not a copy. CPU tensors
+    cross unrelated processes only with the `file_system` sharing strategy, so it is switched
+    on here (the embedded engine does the same on its side).
     """
-    serializer, _ = _sglang_weight_sync()
-    if any(not t.is_cuda for _, t in named_tensors):
-        torch.multiprocessing.set_sharing_strategy("file_system")
     bucket = flatten_bucket(named_tensors)
-    obj = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
-    payload = serializer.serialize(obj, output_str=True)
-    return [payload] * tp_size, bucket
+    return bucket_payloads(bucket, tp_size), bucket
+
+
+def bucket_payloads(bucket: Any, tp_size: int) -> list[str]:
+    """`tp_size` separate serialisations of one `FlattenedTensorBucket` (see above): several
+    engines share one flattened copy of the weights, each rank gets its own handle."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size={tp_size} must be >= 1")
+    serializer, _ = _sglang_weight_sync()
+    flat = bucket.get_flattened_tensor()
+    if not flat.is_cuda:
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    obj = {"flattened_tensor": flat, "metadata": bucket.get_metadata()}
+    return [serializer.serialize(obj, output_str=True) for _ in range(tp_size)]
 
 
 def deserialize_named_tensors(

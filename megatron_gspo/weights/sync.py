@@ -89,8 +89,14 @@ class WeightSyncConfig:
     config: `<logging.dir>/weights`."""
     disk_keep: int = 2
     """Versions kept on disk."""
-    master_address: str = "127.0.0.1"
-    """Address of the sender for the distributed transport's rendezvous."""
+    master_address: str | None = None
+    """Address of the sender for the distributed transport's rendezvous, which every engine
+    rank connects to (and the sender's gloo device binds). None: the local address that routes
+    to the engines (`transports.routable_address`; a remote engine's route, never loopback,
+    when any engine is on another host)."""
+    master_port: int = 0
+    """Port of that rendezvous (one group per engine pool: pool i uses `master_port + i`);
+    0: a free port, picked per pool."""
     group_name: str = "weight_update_group"
     """Name of the distributed transport's process group on the engines."""
     backend: str | None = None
@@ -107,6 +113,8 @@ class WeightSyncConfig:
             raise ConfigError(f"weights.dtype={self.dtype!r} is not a torch dtype name")
         if self.verify_every < 0:
             raise ConfigError("weights.verify_every must be >= 0")
+        if not 0 <= self.master_port < 65536:
+            raise ConfigError(f"weights.master_port={self.master_port}: 0 (free) or a TCP port")
 
     @property
     def bucket_bytes(self) -> int:
@@ -213,16 +221,14 @@ class WeightSync:
             return DistributedTransport(
                 self.engines,
                 master_address=cfg.master_address,
+                master_port=cfg.master_port,
                 group_name=cfg.group_name,
                 backend=cfg.backend,
                 timeout_s=cfg.timeout_s,
             )
         qcfg = None
         if cfg.fp8:
-            n_layers = int(getattr(hf_io.hf_config_of(self.bridge), "num_hidden_layers", 0))
-            qcfg = fp8_lib.quantisation_config(
-                not_converted=["lm_head", *(f"model.layers.{i}.mlp.gate" for i in range(n_layers))]
-            )
+            qcfg = fp8_lib.quantization_config_for(hf_io.hf_config_of(self.bridge))
         return DiskTransport(
             self.engines,
             root=Path(cfg.disk_dir or "."),

@@ -7,7 +7,10 @@ Each transport runs on the sender rank only and talks to engines only through th
   engine wraps each bucket in SGLang's `FlattenedTensorBucket` and `MultiprocessingSerializer`
   payload (shared memory on CPU, a CUDA IPC handle on GPU: same node only).
 * `distributed`: the trainer is rank 0 of a separate process group per engine pool
-  (`init_weights_update_group`); per bucket it announces names/dtypes/shapes
+  (`init_weights_update_group`), sized 1 + the sum of the pool's engine TP sizes, each engine's
+  ranks at their own offset; the rendezvous is at `master_address:master_port` (default: the
+  local address that routes to the engines, so engines on other nodes can join); per bucket it
+  announces names/dtypes/shapes
   (`update_weights_from_distributed`, flattened-bucket format) and broadcasts ONE uint8 buffer
   laid out exactly like `FlattenedTensorBucket` (tensors' bytes concatenated in order).
   nccl on GPU, gloo on CPU.
@@ -19,7 +22,10 @@ Each transport runs on the sender rank only and talks to engines only through th
 from __future__ import annotations
 
 import abc
+import ipaddress
 import shutil
+import socket
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -114,6 +120,33 @@ def group_world_size(engine: RolloutEngine) -> int:
     return int(n)
 
 
+def engine_hosts(engine: RolloutEngine) -> list[str]:
+    """Host names of an engine pool's servers, when it knows them (the HTTP client does)."""
+    urls = getattr(getattr(engine, "config", None), "engine_urls", None) or []
+    return [h for h in (urllib.parse.urlsplit(u).hostname for u in urls) if h]
+
+
+def routable_address(peers: Sequence[str]) -> str:
+    """This host's address as the `peers` reach it: the source address of the route to them.
+
+    A remote peer's route wins over a loopback one (an engine on another node cannot reach
+    127.0.0.1, while a local engine reaches every local address). Without peers, or when no
+    route is found, the fully qualified host name, which the cluster's resolver maps to the
+    node.
+    """
+    found: list[str] = []
+    for host in peers:
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)  # UDP connect sends nothing: it only selects the route
+                found.append(str(s.getsockname()[0]))
+        except OSError:
+            continue
+    remote = [a for a in found if not ipaddress.ip_address(a).is_loopback]
+    return (remote or found or [socket.getfqdn()])[0]
+
+
 def flatten(tensors: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
     """The bytes of `FlattenedTensorBucket(tensors).get_flattened_tensor()`, without SGLang."""
     return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors])
@@ -128,13 +161,17 @@ class DistributedTransport(Transport):
         self,
         engines: Sequence[RolloutEngine],
         *,
-        master_address: str = "127.0.0.1",
+        master_address: str | None = None,
+        master_port: int = 0,
         group_name: str = "weight_update_group",
         backend: str | None = None,
         timeout_s: float = 600.0,
     ) -> None:
         super().__init__(engines)
-        self.master_address = master_address
+        self.master_address = master_address or routable_address(
+            [h for e in self.engines for h in engine_hosts(e)]
+        )
+        self.master_port = master_port
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = timeout_s
         self.group_names = [
@@ -148,24 +185,43 @@ class DistributedTransport(Transport):
 
         if self.groups:
             return
-        for engine, group_name in zip(self.engines, self.group_names, strict=True):
-            port = free_port(self.master_address)
+        for i, (engine, group_name) in enumerate(zip(self.engines, self.group_names, strict=True)):
+            port = self.master_port + i if self.master_port else free_port(self.master_address)
             world = group_world_size(engine)
             joined = engine.init_weights_update_group(
                 self.master_address, port, group_name=group_name, backend=self.backend
             )
             # The engines connect while we join: both sides block in the rendezvous.
-            pg = init_weight_update_group(
-                master_address=self.master_address,
-                master_port=port,
-                world_size=world,
-                rank=0,
-                group_name=group_name,
-                backend=self.backend,
-                timeout_s=self.timeout_s,
-            )
+            try:
+                pg = init_weight_update_group(
+                    master_address=self.master_address,
+                    master_port=port,
+                    world_size=world,
+                    rank=0,
+                    group_name=group_name,
+                    backend=self.backend,
+                    timeout_s=self.timeout_s,
+                )
+            except Exception as e:
+                # Say what the engines were told: the usual cause is an address they cannot
+                # reach (weights.master_address) or a wrong group size (engine TP sizes).
+                raise RuntimeError(
+                    f"weight-update group {group_name!r} at {self.master_address}:{port} "
+                    f"(world size {world}) did not form: {e}; engines: "
+                    f"{self._engine_outcome(joined)}"
+                ) from e
             joined.result(timeout=self.timeout_s)
             self.groups.append(pg)
+
+    @staticmethod
+    def _engine_outcome(joined: Any) -> str:
+        try:
+            joined.result(timeout=2)  # short: an engine still dialling says so by timing out
+        except TimeoutError:
+            return "still joining (cannot reach the address, or fewer ranks than the size)"
+        except Exception as e:  # noqa: BLE001 - only describing the failure
+            return f"{type(e).__name__}: {e}"
+        return "joined"
 
     def begin(self, version: str) -> None:
         for engine in self.engines:

@@ -94,7 +94,8 @@ def test_write_fp8_checkpoint(hf_dir: Path, tmp_path: Path) -> None:
     out = hf_io.write_fp8_checkpoint(hf_dir, tmp_path / "fp8")
     config = json.loads((out / "config.json").read_text())
     qcfg = config["quantization_config"]
-    assert {k: qcfg[k] for k in ("quant_method", "fmt", "weight_block_size", "activation_scheme")} == {
+    keys = ("quant_method", "fmt", "weight_block_size", "activation_scheme")
+    assert {k: qcfg[k] for k in keys} == {
         "quant_method": "fp8",
         "fmt": "e4m3",
         "weight_block_size": [128, 128],
