@@ -93,6 +93,7 @@ _MIXING_ALLOWED = {
     torch.Tensor.set_,
 }
 _PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NOT_A_CALL_SITE = {__file__, os.path.join(_PROJECT, "patches", "cpu_runtime.py")}
 
 
 def _is_cuda(d: Any) -> bool:
@@ -104,8 +105,9 @@ def _is_cuda(d: Any) -> bool:
 
 
 def _where() -> str:
-    """The innermost frame in this project (not this file), else the innermost non-torch one."""
-    frames = [f for f in traceback.extract_stack()[:-2] if f.filename != __file__]
+    """The innermost frame of the project (not this file, not the CPU runtime's torch function
+    mode, which every torch call passes through), else the innermost one."""
+    frames = [f for f in traceback.extract_stack()[:-2] if f.filename not in _NOT_A_CALL_SITE]
     ours = [f for f in frames if f.filename.startswith(_PROJECT) or "/tests/" in f.filename]
     f = (ours or frames)[-1]
     return f"{os.path.relpath(f.filename, os.path.dirname(_PROJECT))}:{f.lineno} ({f.name})"
@@ -123,7 +125,7 @@ class DeviceAudit(TorchFunctionMode):
         self._marked: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.violations: list[str] = []
         self._seen: set[tuple[str, str]] = set()
-        self._object_depth = 0
+        self._depth = 0  # inside an audited collective (torch's own nested calls)
         self.counts = {"collectives": 0, "model_calls": 0, "object_collectives": 0}
         self._handles: list[Any] = []
 
@@ -189,8 +191,8 @@ class DeviceAudit(TorchFunctionMode):
 
     # -- checks --------------------------------------------------------------------------
     def check_collective(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._object_depth or _in_backward():
-            return  # torch's own object-collective tensors; backward: see the module docstring
+        if _in_backward():
+            return  # see the module docstring
         self.counts["collectives"] += 1
         leaves = tree_leaves((args, kwargs))
         leaves += [getattr(op, "tensor", None) for op in leaves if isinstance(op, tdist.P2POp)]
@@ -312,15 +314,18 @@ _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
 
 def _wrap(audit: DeviceAudit, name: str, fn: Callable[..., Any], obj: bool) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if obj:
-            audit.check_object_payload(name, args, kwargs)
-            audit._object_depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                audit._object_depth -= 1
-        audit.check_collective(name, args, kwargs)
-        return fn(*args, **kwargs)
+        # torch's collectives re-enter through their (patched) module name when a torch
+        # function mode is active: judge the outermost call only.
+        if audit._depth == 0:
+            if obj:
+                audit.check_object_payload(name, args, kwargs)
+            else:
+                audit.check_collective(name, args, kwargs)
+        audit._depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            audit._depth -= 1
 
     wrapper._mgspo_audited = fn  # type: ignore[attr-defined]
     return wrapper

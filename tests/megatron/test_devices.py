@@ -53,4 +53,5 @@ def test_audit_catches_the_pre_fix_code_path(results: list[dict]) -> None:
 def test_report_times(results: list[dict]) -> None:
     """Not a check: the audit's cost, shown with `pytest -s`."""
     for layout in sorted(devices_ranks.LAYOUTS):
-        print(layout, {k: round(v, 1) for k, v in results[0][layout]["seconds"].items()})
+        r = results[0][layout]
+        print(layout, {k: round(v, 1) for k, v in r["seconds"].items()}, r["counts"])
