@@ -163,7 +163,7 @@ class TrainerOffload:
         """Storages on `home` that hold parameters / optimizer state, each once (a storage
         shared by several tensors, e.g. a param buffer and its views, moves once)."""
         skip = self._grad_buffer_keys() if self.grads else set()
-        self._bytes = {"params": 0, "optimizer": 0, "grads": 0}
+        self._bytes = {"params": 0, "optimizer": 0, "grads": 0, "kept": 0}
         for kind, t in self._candidates():
             if t.device != self.home:
                 continue
@@ -171,6 +171,12 @@ class TrainerOffload:
             nbytes = storage.nbytes()
             key = _key(t)
             if not nbytes or key in skip or key in self._by_key:
+                continue
+            if not storage.resizable():
+                # e.g. CPU storages moved to shared memory by a tensor-transport push (torch
+                # multiprocessing's file_system strategy): they stay, counted as kept.
+                self._by_key[key] = _Moved(storage, 0)
+                self._bytes["kept"] += nbytes
                 continue
             m = self._by_key[key] = _Moved(storage, nbytes)
             self._moved.append(m)
@@ -215,6 +221,7 @@ class TrainerOffload:
             "memory/offload_params_gb": self._bytes["params"] / gb,
             "memory/offload_optimizer_gb": self._bytes["optimizer"] / gb,
             "memory/offload_grads_gb": self._bytes["grads"] / gb,
+            "memory/offload_kept_gb": self._bytes["kept"] / gb,
             "memory/trainer_allocated_gb_before_offload": self._before / gb,
             "memory/trainer_allocated_gb_offloaded": self._allocated() / gb,
             "time/offload_s": time.perf_counter() - t0,
@@ -240,7 +247,8 @@ class TrainerOffload:
 
     @property
     def moved_bytes(self) -> dict[str, int]:
-        """Bytes per kind moved by the last offload (params, optimizer, grads)."""
+        """Bytes per kind moved by the last offload (params, optimizer, grads) and kept on the
+        device because their storage cannot be resized (kept)."""
         return dict(self._bytes)
 
 

@@ -228,7 +228,8 @@ def run_phase(phase: Phase, port: int) -> None:
     phase.result["wall_s"] = time.perf_counter() - t0
     phase.result["rc"] = proc.returncode
     metrics = log_dir / "metrics.jsonl"
-    phase.result["rows"] = read_metrics(metrics) if metrics.exists() else []
+    by_step = read_metrics(metrics) if metrics.exists() else {}
+    phase.result["rows"] = [by_step[k] for k in sorted(by_step)]
     if proc.returncode:
         tail = (log_dir / "job.log").read_text()[-3000:]
         print(f"[acceptance] {phase.name} exited {proc.returncode}; job.log tail:\n{tail}")

@@ -116,9 +116,27 @@ def test_only_the_home_device_moves_and_cuda_calls_are_ordered(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 7 * 1024**3)
     mem = TrainerOffload([m], opt, home=torch.device("cuda", 0))
     metrics = mem.offload()
-    assert mem.moved_bytes == {"params": 0, "optimizer": 0, "grads": 0}
+    assert mem.moved_bytes == {"params": 0, "optimizer": 0, "grads": 0, "kept": 0}
     assert all(p.untyped_storage().nbytes() > 0 for p in m.parameters())
     assert calls == ["sync", "empty_cache"]
     assert metrics["memory/trainer_allocated_gb_before_offload"] == 7.0
     mem.reload()
     assert calls == ["sync", "empty_cache", "sync"]
+
+
+def test_a_storage_that_cannot_be_resized_stays_and_is_counted():
+    """Found by the colocated CPU job: one (vocab, hidden) parameter of the loaded model lives in
+    a storage that cannot be resized, and offload failed with 'Trying to resize storage that is
+    not resizable'. Such a storage stays where it is, counted as kept; the rest moves."""
+    m, opt, _ = _toy()
+    m.c.data = torch.frombuffer(bytearray(m.c.detach().numpy().tobytes()), dtype=torch.float32)
+    assert not m.c.untyped_storage().resizable()
+    c = m.c.detach().clone()
+    mem = TrainerOffload([m], opt)
+    metrics = mem.offload()
+    kept = m.c.untyped_storage().nbytes()
+    assert kept == 12 and mem.moved_bytes["kept"] == 12
+    assert metrics["memory/offload_kept_gb"] == 12 / 1024**3
+    assert m.a.untyped_storage().nbytes() == 0
+    mem.reload()
+    assert torch.equal(m.c.detach(), c)
