@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 
 from megatron_gspo.algo.losses import PolicyLossConfig
@@ -248,7 +249,8 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle prompts every epoch (false: file order)."""
     max_prompt_tokens: int | None = None
-    """Reject prompts longer than this many tokens at load time; None: no limit."""
+    """Drop prompts longer than this many tokens at load time (rendered, as sent to the engine),
+    printing how many; none left is an error. None: no limit."""
 
     def __post_init__(self) -> None:
         _require(bool(self.train_path), "data.train_path is empty; set data.train_path")
@@ -421,6 +423,18 @@ class Config:
             "weights.fp8=true needs SGLang engines (the embedded engine serves the trainer "
             "dtype); set weights.fp8=false or rollout.launch.backend=sglang",
         )
+        launch = self.rollout.launch
+        _require(
+            not (
+                launch is not None
+                and launch.backend == "sglang"
+                and launch.device == "cpu"
+                and launch.colocated
+            ),
+            "rollout.launch.colocated=true cannot run a real SGLang server on CPU "
+            "(rollout.launch.device=cpu): SGLang 0.5.23's memory release/resume ends in "
+            "torch.cuda.synchronize() and kills the CPU server; set rollout.launch.colocated=false",
+        )
         optimizer_steps = self.train.steps * self.gspo.mini_batches_per_rollout
         _require(
             self.optim.warmup_steps < optimizer_steps,
@@ -428,9 +442,18 @@ class Config:
             f"{optimizer_steps} optimizer steps (train.steps * gspo.mini_batches_per_rollout); "
             "change optim.warmup_steps",
         )
-        launch = self.rollout.launch
         if launch is not None and not launch.model_path:
             launch.model_path = self.model.hf_path  # the engines start from the same model
+        if (
+            launch is not None
+            and launch.backend == "sglang"
+            and self.weights.dtype is None
+            and not self.weights.fp8
+            and isinstance(getattr(torch, launch.dtype, None), torch.dtype)
+        ):
+            # A real server casts what it receives to its own dtype, so the trainer's (e.g.
+            # fp32 on CPU) would never match its checksums: send the engine's dtype.
+            self.weights.dtype = str(getattr(torch, launch.dtype)).removeprefix("torch.")
         if self.weights.transport == "disk" and self.weights.disk_dir is None:
             self.weights.disk_dir = f"{self.logging.dir}/weights"
 
@@ -462,16 +485,41 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     overrides (values parsed as YAML scalars / flow lists), and validate."""
     data: dict[str, Any] = {}
     if path is not None:
-        with open(path) as f:
-            loaded = yaml.safe_load(f)
+        loaded = _read_yaml(Path(path))
         _require(
             loaded is None or isinstance(loaded, dict),
-            f"{path}: the top level must be a mapping of sections",
+            f"{path}: the top level must be a mapping of sections (model:, data:, ...), "
+            f"got {type(loaded).__name__}",
         )
         data = loaded or {}
     for ov in overrides:
         apply_override(Config, data, ov)
     return config_from_dict(data)
+
+
+def _read_yaml(path: Path) -> Any:
+    """The parsed YAML of a config file; every way it can fail is a ConfigError naming the file
+    (and the line for syntax or encoding errors), so the trainer prints one line, no traceback."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file (--config)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a YAML config file (--config)") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or getattr(e, "context", None) or "invalid YAML"
+        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
 
 
 def dump_config(cfg: Config, path: str | Path | None = None) -> str:
@@ -495,8 +543,16 @@ def parse_cli(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace
         help="override one config value (repeatable); values are YAML scalars or [lists]",
     )
     p.add_argument("--resume", action="store_true", help="same as --set checkpoint.resume=true")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a logging.dir / checkpoint.dir that holds a previous run (its "
+        "metrics and checkpoints are deleted); without it, or --resume, such a run is refused",
+    )
     p.add_argument("--dump", action="store_true", help="print the resolved config and exit")
     args = p.parse_args(argv)
+    if args.resume and args.overwrite:
+        p.error("--resume and --overwrite contradict each other; pass one")
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
     return load_config(args.config, overrides), args
 
