@@ -397,10 +397,10 @@ def make_plan(
         if cfg.optim.use_distributed_optimizer:  # sharded over DPxCP (dense), expert DP
             opt_elems = s.dense / (dp * layout.cp) + s.expert / edp
         else:
-            opt_elems = s.total
+            opt_elems = float(s.total)
         # 1F1B: stage s holds the activations of up to pp - s micro-batches; the interleaved
         # schedule warms up more of them (megatron's (1 + (pp-1)/(pp*vpp)) factor).
-        inflight = min(layout.pp - s.stage, mbs)
+        inflight = float(min(layout.pp - s.stage, mbs))
         if layout.vpp:
             inflight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
         last = s.stage == layout.pp - 1
