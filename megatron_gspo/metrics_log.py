@@ -8,10 +8,12 @@ unconditionally. (Named `metrics_log` so that it never shadows the standard `log
         m.log(step, {"reward/mean": 0.3, "policy/clip_frac": 0.01, ...})
 
 JSONL format (`<dir>/metrics.jsonl`): `{"step": int, "time": unix seconds, <key>: value, ...}`,
-one object per line, flushed each step, appended across resumes (a reader keeps the last line of
-a repeated step). A value is a JSON number, or for a non-finite value one of the STRINGS
-`"nan"`, `"inf"`, `"-inf"` (strict JSON has no NaN; `float()` reads all three back). Non-finite
-values are never dropped: a diverged loss must show. "Not measured" is an absent key.
+one object per line, flushed each step, appended across resumes: a logger started at `start_step`
+first removes the lines of later steps (logged again by the resumed run), so no step repeats
+(a reader still keeps the last line of a repeated step). A value is a JSON number, or for a
+non-finite value one of the STRINGS `"nan"`, `"inf"`, `"-inf"` (strict JSON has no NaN; `float()`
+reads all three back). Non-finite values are never dropped: a diverged loss must show. "Not
+measured" is an absent key.
 `read_metrics` decodes the file (used by tools/plot_metrics.py and tools/reward_summary.py).
 
 Console (`logging.progress`): a tqdm bar on stderr over the steps, with ETA and a few metrics,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -112,6 +115,34 @@ def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
     return dict(sorted(rows.items()))
 
 
+def _drop_steps_after(path: Path, step: int) -> None:
+    """Remove the lines of steps after `step` (and a cut last line) from a metrics.jsonl.
+
+    A run resumed from the checkpoint of step k logs steps k+1... again; the lines the
+    interrupted run wrote for them (past its last checkpoint) would otherwise stay as duplicates.
+    Rewritten to a temporary file and renamed, so a crash here never loses the kept lines."""
+    if not path.exists():
+        return
+    kept: list[str] = []
+    dropped = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row_step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                row_step = None  # a line cut by a kill mid-write
+            if row_step is None or row_step > step:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+
+
 def _fmt(v: float) -> str:
     if not math.isfinite(v):
         return str(v)
@@ -136,8 +167,11 @@ class MetricsLogger:
         config: Mapping[str, Any] | None = None,
         rank: int | None = None,
         log_every: int = 1,
-        start_step: int = 0,
+        start_step: int | None = None,
     ) -> None:
+        """start_step: the step a resumed (or restarted) run continues from: lines of later steps
+        are removed from metrics.jsonl and hidden in TensorBoard, since the run logs them again.
+        None: append to whatever is there."""
         self.enabled = (_rank() if rank is None else rank) == 0
         self.log_dir = Path(log_dir)
         self.total_steps = total_steps
@@ -154,6 +188,8 @@ class MetricsLogger:
         if config is not None:
             # The resolved config next to the metrics, so a curve can be traced to its settings.
             (self.log_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        if jsonl and start_step is not None:
+            _drop_steps_after(self.log_dir / "metrics.jsonl", start_step)
         if jsonl:
             self._jsonl = open(self.log_dir / "metrics.jsonl", "a", buffering=1)
         self._text = open(self.log_dir / "train.log", "a", buffering=1, encoding="utf-8")
@@ -161,7 +197,10 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.log_dir / "tb"))
+                # purge_step: TensorBoard hides the earlier run's events from the resumed
+                # step on (those steps are logged again).
+                purge = None if start_step is None else start_step + 1
+                self._tb = SummaryWriter(str(self.log_dir / "tb"), purge_step=purge)
             except ImportError as e:
                 warnings.warn(
                     f"TensorBoard disabled ({e}); set logging.tensorboard=false", stacklevel=2
@@ -185,7 +224,7 @@ class MetricsLogger:
             tty = sys.stderr.isatty()
             self._bar = tqdm(
                 total=total_steps,
-                initial=start_step,  # a resumed run continues the bar
+                initial=start_step or 0,  # a resumed run continues the bar
                 desc="gspo",
                 unit="step",
                 dynamic_ncols=tty,
@@ -202,7 +241,7 @@ class MetricsLogger:
         total_steps: int | None = None,
         config: Mapping[str, Any] | None = None,
         rank: int | None = None,
-        start_step: int = 0,
+        start_step: int | None = None,
     ) -> MetricsLogger:
         """Build from a `megatron_gspo.config.LoggingConfig`."""
         return cls(

@@ -7,6 +7,7 @@ weights to the engines -> log -> checkpoint. Algorithm choice lives in the confi
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -18,6 +19,7 @@ from megatron_gspo import dist
 from megatron_gspo.config import Config, ConfigError, dump_config, parse_cli
 from megatron_gspo.console import route_third_party_output, third_party_stdio
 from megatron_gspo.metrics_log import MetricsLogger
+from megatron_gspo.preflight import preflight
 from megatron_gspo.weights.sync import WeightSync
 
 if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
@@ -30,13 +32,18 @@ class TrainingDiverged(RuntimeError):
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        cfg, args = parse_cli(argv)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+    """Raises `ConfigError` for bad input (`cli` prints it as one line, exit code 2)."""
+    cfg, args = parse_cli(argv)
     if args.dump:
         print(dump_config(cfg), end="")
         return
+    # Every rank, before anything is started or written: a bad input ends all ranks alike.
+    preflight(
+        cfg,
+        resume=cfg.checkpoint.resume,
+        overwrite=args.overwrite,
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    )
     # Library chatter (import-time tracebacks, deprecations, loading bars) goes to
     # <logging.dir>/third_party.log; the console keeps our progress bar and messages.
     route_third_party_output(cfg.logging.dir)
@@ -139,6 +146,12 @@ def _step_metrics(pushed: Any, seqs: list, t0: float, t1: float, t2: float) -> d
 def cli() -> None:
     try:
         main(sys.argv[1:])
+    except ConfigError as e:  # bad input (DatasetError included): one line, no traceback
+        if dist.rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        raise SystemExit(2) from None
     except TrainingDiverged as e:
         if dist.rank() == 0:
             print(f"[train] stopped: {e}", file=sys.stderr, flush=True)

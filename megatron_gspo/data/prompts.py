@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from megatron_gspo.config_io import ConfigError
 
 __all__ = [
     "DatasetError",
@@ -33,8 +36,9 @@ __all__ = [
 ]
 
 
-class DatasetError(ValueError):
-    """A malformed dataset file; the message names the file and line."""
+class DatasetError(ConfigError):
+    """A malformed dataset file; the message names the file and line. A ConfigError, so the
+    trainer reports it as bad input (one line, exit code 2) like a bad config key."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -92,11 +96,20 @@ def load_prompt_jsonl(
     if not path.is_file():
         raise DatasetError(f"{path}: no such prompt file (data.train_path)")
     records: list[PromptRecord] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    # Bytes, decoded line by line: a decoding error then names its line (a text-mode file
+    # would raise mid-iteration with neither file nor line).
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:  # utf-8-sig on the first line: editors on Windows write a byte-order mark
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(
+                    f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    "re-encode the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -165,22 +178,37 @@ class PromptDataset(Sequence[PromptRecord]):
         chat_template: bool = True,
         system_prompt: str | None = None,
         max_prompt_tokens: int | None = None,
+        source: str = "the prompt dataset",
     ) -> None:
         self.records = records
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt
         self.max_prompt_tokens = max_prompt_tokens
+        self.num_too_long = 0  # prompts dropped for being longer than max_prompt_tokens
         if max_prompt_tokens is not None:
             if tokenizer is None:
                 raise ValueError("max_prompt_tokens needs a tokenizer")
-            for r in records:
-                n = len(self.encode(r))
-                if n > max_prompt_tokens:
-                    raise DatasetError(
-                        f"prompt {r.index} has {n} tokens > data.max_prompt_tokens="
-                        f"{max_prompt_tokens}; raise data.max_prompt_tokens or shorten it"
-                    )
+            # Filtered here, once, rather than at the step that samples one: an over-long prompt
+            # would otherwise fail (or be truncated by) the engine mid-run.
+            lengths = [len(self.encode(r)) for r in records]
+            kept = [r for r, n in zip(records, lengths) if n <= max_prompt_tokens]
+            self.num_too_long = len(records) - len(kept)
+            if not kept:
+                raise DatasetError(
+                    f"{source}: all {len(records)} prompts are longer than "
+                    f"data.max_prompt_tokens={max_prompt_tokens} (shortest: {min(lengths)} "
+                    "tokens); raise data.max_prompt_tokens"
+                )
+            if self.num_too_long:
+                print(
+                    f"[data] {source}: dropped {self.num_too_long} of {len(records)} prompts "
+                    f"longer than data.max_prompt_tokens={max_prompt_tokens} tokens (longest: "
+                    f"{max(lengths)}); {len(kept)} remain",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.records = kept
 
     @classmethod
     def from_config(cls, data_cfg: Any, tokenizer: Any = None) -> PromptDataset:
@@ -197,6 +225,7 @@ class PromptDataset(Sequence[PromptRecord]):
             chat_template=data_cfg.chat_template,
             system_prompt=data_cfg.system_prompt,
             max_prompt_tokens=data_cfg.max_prompt_tokens,
+            source=str(data_cfg.train_path),
         )
 
     def __len__(self) -> int:

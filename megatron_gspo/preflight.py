@@ -1,0 +1,152 @@
+"""Checks of a run's inputs before anything is started or written.
+
+`train.main` calls `preflight` on every rank before `init_distributed`: each rank reaches the
+same verdict from the same files, so a bad input ends every rank with the same one-line
+`ConfigError` (exit code 2), instead of rank 0 failing deep inside megatron-core, a tokenizer
+or the first rollout while the other ranks wait in a collective. Nothing here imports
+megatron-core or executes user code.
+
+    preflight(cfg, resume=args.resume, overwrite=args.overwrite, world_size=4)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from megatron_gspo.config import Config
+from megatron_gspo.config_io import ConfigError, require
+from megatron_gspo.data.prompts import load_prompt_jsonl
+
+__all__ = ["check_run_dir", "preflight", "read_hf_config"]
+
+# What a previous run leaves: refused unless --resume or --overwrite.
+_RUN_FILES = ("metrics.jsonl",)
+_CKPT_MARK = "latest"
+
+
+def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) -> None:
+    """Every input check that needs no megatron-core: run directory, model directory, dtype for
+    the device, the layout against `world_size`, the prompt file and the reward module. Raises
+    `ConfigError` (one line naming the file, line or key). With `overwrite`, rank 0 then deletes
+    the previous run's metrics and checkpoints."""
+    check_run_dir(cfg, resume=resume, overwrite=overwrite)
+    hf_config = read_hf_config(cfg.model.hf_path, "model.hf_path")
+    if cfg.model.tokenizer_path is not None:
+        _check_dir(cfg.model.tokenizer_path, "model.tokenizer_path")
+    if cfg.model.load_weights:
+        _check_weights(Path(cfg.model.hf_path))
+    _check_dtype(cfg)
+    cfg.parallel.validate(world_size, hf_config)
+    load_prompt_jsonl(
+        cfg.data.train_path,
+        prompt_key=cfg.data.prompt_key,
+        messages_key=cfg.data.messages_key,
+        answer_key=cfg.data.answer_key,
+    )
+    _check_reward(cfg.reward.kind)
+    if overwrite and int(os.environ.get("RANK", "0")) == 0:
+        _clear_previous_run(cfg)
+
+
+def check_run_dir(cfg: Config, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a new run where a previous one left metrics or checkpoints: appending a
+    second run to metrics.jsonl and replacing its checkpoints silently loses the first."""
+    if resume or overwrite:
+        return
+    found = [Path(cfg.logging.dir) / name for name in _RUN_FILES]
+    if cfg.checkpoint.dir is not None:
+        found.append(Path(cfg.checkpoint.dir) / _CKPT_MARK)
+    found = [p for p in found if p.exists()]
+    require(
+        not found,
+        f"{found[0] if found else ''}: a previous run is there; pass --resume to continue it, "
+        "--overwrite to replace it, or set logging.dir / checkpoint.dir to a new directory",
+    )
+
+
+def _clear_previous_run(cfg: Config) -> None:
+    """--overwrite: remove what the new run would otherwise append to or mix with."""
+    log_dir = Path(cfg.logging.dir)
+    for name in (*_RUN_FILES, "train.log", "config.json"):
+        (log_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(log_dir / "tb", ignore_errors=True)  # TensorBoard would show both runs
+    if cfg.checkpoint.dir is not None:
+        ckpt = Path(cfg.checkpoint.dir)
+        (ckpt / _CKPT_MARK).unlink(missing_ok=True)
+        # Only our own step directories: checkpoint.dir may hold other things of the user's.
+        for step_dir in ckpt.glob("step_*"):
+            if step_dir.is_dir():
+                shutil.rmtree(step_dir, ignore_errors=True)
+
+
+def _check_dir(path: str, key: str) -> Path:
+    p = Path(path)
+    require(p.exists(), f"{key}={path}: no such directory (a local Hugging Face model directory)")
+    require(p.is_dir(), f"{key}={path}: not a directory (a local Hugging Face model directory)")
+    return p
+
+
+def read_hf_config(path: str, key: str) -> SimpleNamespace:
+    """config.json of a Hugging Face model directory as attributes (what `Layout.validate`
+    reads), or a ConfigError naming the directory and `key`. Hub names are not fetched: the job
+    trains from a local directory (download it first)."""
+    cfg_file = _check_dir(path, key) / "config.json"
+    require(
+        cfg_file.is_file(),
+        f"{cfg_file}: missing; {key}={path} is not a Hugging Face model directory",
+    )
+    try:
+        data = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{cfg_file}: not valid JSON ({e}); check {key}") from None
+    require(isinstance(data, dict), f"{cfg_file}: not a JSON object; check {key}")
+    return SimpleNamespace(**data)
+
+
+def _check_weights(path: Path) -> None:
+    found = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    require(
+        found,
+        f"{path}: no *.safetensors or *.bin weights; add them, or set model.load_weights=false "
+        "to train from random weights",
+    )
+
+
+def _check_dtype(cfg: Config) -> None:
+    """megatron-core's CPU path here is fp32 only; make_provider says the same, but only after
+    megatron-core has been initialised on every rank."""
+    device = cfg.train.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    require(
+        device != "cpu" or cfg.model.dtype == "fp32",
+        f"model.dtype={cfg.model.dtype} on CPU: the CPU path computes in fp32; set "
+        "model.dtype=fp32",
+    )
+
+
+def _check_reward(kind: str) -> None:
+    """A user reward "module:function" must be importable. Located, not imported: user code
+    runs in the reward workers only."""
+    if kind in ("math", "toy"):
+        return
+    module = kind.partition(":")[0]
+    try:
+        spec: Any = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as e:  # a missing parent package, or a malformed name
+        spec, why = None, str(e)
+    else:
+        why = f"no module named {module!r}"
+    require(
+        spec is not None,
+        f"reward.kind={kind!r}: cannot import it ({why}) from the working directory or "
+        "PYTHONPATH; change reward.kind or PYTHONPATH",
+    )
