@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the engine venv's python (bash scripts/engine_env.sh)/bin/python",
     )
     p.add_argument("--gpus", type=int, default=None, help="default: torch.cuda.device_count()")
-    p.add_argument("--master-port", type=int, default=29517)
+    p.add_argument("--master-port", type=int, default=0, help="torchrun's; 0: a free port")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -326,15 +326,17 @@ def main(argv: list[str] | None = None) -> int:
         variants = [gpus] if args.gpus is not None else [1, 2]
         for n in variants:
             for i, phase in enumerate(phases(out, inputs, engine_python, n)):
-                for line in check_command(phase, command(phase, args.master_port + i)):
+                for line in check_command(phase, command(phase, args.master_port + i or 29517)):
                     print(f"{line} [{n} GPU]")
         steps = sum(p.steps for p in ps)
         print(f"[dry-run] ok: {len(ps)} jobs x {len(variants)} placements, {steps} steps")
         return 0
     t0 = time.perf_counter()
+    from megatron_gspo.dist import free_port
+
     for i, phase in enumerate(ps):
         print(f"[acceptance] {phase.name}: {phase.steps} steps ...", flush=True)
-        run_phase(phase, args.master_port + i)
+        run_phase(phase, args.master_port + i if args.master_port else free_port())
     table, ok = summarise(ps, time.perf_counter() - t0)
     print(table)
     (out / "summary.txt").write_text(table + "\n")
