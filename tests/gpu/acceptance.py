@@ -21,9 +21,10 @@ before/while offloaded; exit 0 only if every check passes.
 
 `--dry-run` (CPU, CI: tests/gpu/test_acceptance_dry_run.py) writes the same inputs and checks
 every command line the run would execute against the parsers that will read it: torchrun's
-(`torch.distributed.run.parse_args`), the trainer's (`megatron_gspo.config.parse_cli`, the full
-config validation), and, for the engine command the job derives from that config
-(`rollout.launch.engine_command`), SGLang's own `prepare_server_args`.
+(`torch.distributed.run.parse_args`), the trainer's (`megatron_gspo.config.parse_cli`: the full
+config validation; then `preflight`: model directory, dtype, layout, prompts, reward) and, for
+the engine command the job derives from that config (`rollout.launch.engine_command`), SGLang's
+own `prepare_server_args`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,7 +167,8 @@ def phases(out: Path, inputs: dict[str, Path], engine_python: str, gpus: int) ->
 def command(phase: Phase, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"]
     cmd += ["--master_port", str(port), "-m", "megatron_gspo.train"]
-    cmd += ["--config", str(ROOT / "examples/tiny_moe_cpu.yaml")]
+    # --overwrite: a second acceptance run in the same --out replaces the first.
+    cmd += ["--config", str(ROOT / "examples/tiny_moe_cpu.yaml"), "--overwrite"]
     for key, value in phase.sets.items():
         cmd += ["--set", f"{key}={value}"]
     return cmd
@@ -180,13 +183,25 @@ def check_command(phase: Phase, cmd: list[str]) -> list[str]:
 
     from megatron_gspo.config import parse_cli
     from megatron_gspo.dist import free_port
+    from megatron_gspo.preflight import preflight
     from megatron_gspo.rollout.launch import engine_command
 
     assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
     run = torchrun_args(cmd[3:])
     assert run.module and run.training_script == "megatron_gspo.train", run
     assert (run.nproc_per_node, run.nnodes) == ("1", "1:1"), run
-    cfg, _ = parse_cli(run.training_script_args)
+    cfg, cli = parse_cli(run.training_script_args)
+    assert cli.overwrite and not cli.resume
+    # The trainer's own input checks (model dir, dtype for the device, layout vs world size,
+    # prompts, reward), as train.main runs them, on a fresh run directory: --overwrite would
+    # delete a previous acceptance run's results here.
+    with tempfile.TemporaryDirectory() as fresh:
+        probe = dataclasses.replace(
+            cfg,
+            logging=dataclasses.replace(cfg.logging, dir=fresh),
+            checkpoint=dataclasses.replace(cfg.checkpoint, dir=f"{fresh}/ckpt"),
+        )
+        preflight(probe, resume=False, overwrite=False, world_size=int(run.nproc_per_node))
     launch = cfg.rollout.launch
     assert launch is not None and launch.backend == "sglang"
     assert cfg.model.dtype == "bf16" and cfg.train.steps == phase.steps
@@ -205,7 +220,8 @@ def check_command(phase: Phase, cmd: list[str]) -> list[str]:
     return [
         f"[dry-run] {phase.name}: torchrun ok ({run.nproc_per_node} proc, "
         f"-m {run.training_script})",
-        f"[dry-run] {phase.name}: trainer config ok ({len(run.training_script_args)} args, "
+        f"[dry-run] {phase.name}: trainer config + preflight ok "
+        f"({len(run.training_script_args)} args, "
         f"transport={cfg.weights.transport}, fp8={cfg.weights.fp8}, "
         f"backend={cfg.weights.backend})",
         f"[dry-run] {phase.name}: sglang.launch_server ok ({' '.join(engine[3:])})",

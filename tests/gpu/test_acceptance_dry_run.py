@@ -40,12 +40,12 @@ def test_dry_run_checks_every_command(acc, out, capsys):
     printed = capsys.readouterr().out
     for gpus in (1, 2):
         for phase in ("colocated", "dist_fp8"):
-            for parser in ("torchrun ok", "trainer config ok", "sglang.launch_server ok"):
-                line = f"{phase}: {parser}"
-                assert re.search(f"{line} .*\\[{gpus} GPU\\]", printed), (line, gpus)
+            for parser in ("torchrun", "trainer config + preflight", "sglang.launch_server"):
+                line = f"{phase}: {parser} ok"
+                assert re.search(f"{re.escape(line)} .*\\[{gpus} GPU\\]", printed), (line, gpus)
     # The placements: one GPU shares it (gloo), two give the engine GPU 1 (NCCL).
-    assert re.search(r"dist_fp8: trainer config ok .*backend=gloo.*\[1 GPU\]", printed)
-    assert re.search(r"dist_fp8: trainer config ok .*backend=nccl.*\[2 GPU\]", printed)
+    assert re.search(r"dist_fp8: trainer config \+ preflight ok .*backend=gloo.*\[1 GPU\]", printed)
+    assert re.search(r"dist_fp8: trainer config \+ preflight ok .*backend=nccl.*\[2 GPU\]", printed)
     assert re.search(r"dist_fp8: sglang.launch_server ok .*--base-gpu-id 1 .*\[2 GPU\]", printed)
     assert re.search(r"colocated: sglang.launch_server ok .*--enable-memory-saver", printed)
     assert (out / "model_fp8/config.json").exists()
@@ -57,16 +57,23 @@ def test_dry_run_fails_on_a_flag_sglang_rejects(acc, out, monkeypatch):
         acc.main(["--dry-run", "--out", str(out), "--gpus", "1"])
 
 
-def test_dry_run_fails_on_a_key_the_trainer_rejects(acc, out, monkeypatch):
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("weights.transport", "carrier-pigeon", "weights.transport"),  # parse_cli
+        ("model.hf_path", "/no/such/model", "model.hf_path"),  # preflight
+    ],
+)
+def test_dry_run_fails_on_what_the_trainer_rejects(acc, out, monkeypatch, key, value, match):
     phases = acc.phases
 
     def bad(*a, **k):
         ps = phases(*a, **k)
-        ps[1].sets["weights.transport"] = "carrier-pigeon"
+        ps[1].sets[key] = value
         return ps
 
     monkeypatch.setattr(acc, "phases", bad)
-    with pytest.raises(ValueError, match="weights.transport"):
+    with pytest.raises(ValueError, match=match):
         acc.main(["--dry-run", "--out", str(out), "--gpus", "1"])
 
 
