@@ -63,8 +63,14 @@ def _torch_optimizers(optimizer: Any) -> list[Any]:
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []
 
 
-def _key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
+def _key_of(storage: torch.UntypedStorage) -> int:
+    # The StorageImpl's address: shared by every tensor and view of one storage, and stable
+    # across resize_ (a CUDA storage's data pointer changes when it is reallocated).
+    return storage._cdata
+
+
+def _key(t: torch.Tensor) -> int:
+    return _key_of(t.untyped_storage())
 
 
 @dataclass
@@ -111,7 +117,8 @@ class TrainerOffload:
     home: torch.device | None = None
     offloaded: bool = False
     _moved: list[_Moved] = field(default_factory=list)
-    _by_key: dict[tuple[str, int], _Moved] = field(default_factory=dict)
+    _by_key: dict[int, _Moved] = field(default_factory=dict)
+    _hosts: dict[int, torch.Tensor] = field(default_factory=dict)
     _bytes: dict[str, int] = field(default_factory=dict)
     _before: int = 0
     _metrics: dict[str, float] = field(default_factory=dict)
@@ -129,7 +136,7 @@ class TrainerOffload:
     def _ddp_chunks(self) -> list[Any]:
         return [c for c in self.model if hasattr(c, "offload_grad_buffers")]
 
-    def _grad_buffer_keys(self) -> set[tuple[str, int]]:
+    def _grad_buffer_keys(self) -> set[int]:
         keys = set()
         for chunk in self._ddp_chunks():
             for buf in chunk.buffers + chunk.expert_parallel_buffers:
@@ -179,6 +186,8 @@ class TrainerOffload:
                 self._bytes["kept"] += nbytes
                 continue
             m = self._by_key[key] = _Moved(storage, nbytes)
+            host = self._hosts.get(key)
+            m.host = host if host is not None and host.numel() == nbytes else None
             self._moved.append(m)
             self._bytes[kind] += nbytes
 
@@ -202,6 +211,8 @@ class TrainerOffload:
         grad_bytes = 0
         for m in self._moved:
             m.save_and_free(pin)
+            assert m.host is not None
+            self._hosts[_key_of(m.storage)] = m.host
         if self._cuda:
             torch.cuda.synchronize(self.home)  # the host copies are complete before the frees
         for m in self._moved:

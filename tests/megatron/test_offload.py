@@ -98,7 +98,9 @@ def test_storage_round_trip_keeps_views_values_and_sharing():
     assert opt.state[m.a]["step"] is step and opt.state[m.b]["step"] is step
     with pytest.raises(RuntimeError, match="nothing is offloaded"):
         mem.reload()
+    hosts = {k: id(v) for k, v in mem._hosts.items()}
     mem.offload()
+    assert {k: id(v) for k, v in mem._hosts.items()} == hosts  # host buffers are reused
     with pytest.raises(RuntimeError, match="already offloaded"):
         mem.offload()
     mem.reload()
