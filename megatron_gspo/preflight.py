@@ -23,7 +23,7 @@ from megatron_gspo.config import Config
 from megatron_gspo.config_io import ConfigError, require
 from megatron_gspo.data.prompts import load_prompt_jsonl
 
-__all__ = ["check_run_dir", "preflight", "read_hf_config"]
+__all__ = ["check_run_dir", "preflight", "read_hf_config", "sglang_python"]
 
 # What a previous run leaves: refused unless --resume or --overwrite.
 _RUN_FILES = ("metrics.jsonl",)
@@ -50,6 +50,7 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
         answer_key=cfg.data.answer_key,
     )
     _check_reward(cfg.reward.kind)
+    _check_engine_python(cfg)
     if overwrite and int(os.environ.get("RANK", "0")) == 0:
         _clear_previous_run(cfg)
 
@@ -131,6 +132,49 @@ def _check_dtype(cfg: Config) -> None:
         f"model.dtype={cfg.model.dtype} on CPU: the CPU path computes in fp32; set "
         "model.dtype=fp32",
     )
+
+
+def sglang_python(fallback: str | None = None) -> str:
+    """The interpreter for a real SGLang server when rollout.launch.python is unset: the engine
+    venv of scripts/engine_env.sh if built (SGLang pins its own torch, so it rarely lives in the
+    trainer's venv), else `fallback` (default: this interpreter) if it can import SGLang's
+    server, else a ConfigError naming the fix, rather than a server that dies at startup with
+    an ImportError buried in its log."""
+    import subprocess
+    import sys
+
+    from megatron_gspo.testing.sglang_server import ENGINE_PYTHON_ENV, engine_python
+
+    found = engine_python()
+    if found is not None:
+        require(
+            Path(found).exists(),
+            f"{ENGINE_PYTHON_ENV}={found}: no such file; run bash scripts/engine_env.sh and set "
+            "rollout.launch.python=<its output>/bin/python",
+        )
+        return found
+    python = fallback or sys.executable
+    # In a subprocess: importing the server here would load SGLang's CUDA stack into the
+    # trainer (~5 s, once per rank, and only when no engine venv is built).
+    probe = subprocess.run(
+        [python, "-c", "import sglang.launch_server"], capture_output=True, timeout=300
+    )
+    require(
+        probe.returncode == 0,
+        "rollout.launch.backend=sglang but rollout.launch.python is unset and sglang's server "
+        f"cannot be imported by {python}: run bash scripts/engine_env.sh and set "
+        "rollout.launch.python=<its output>/bin/python",
+    )
+    return python
+
+
+def _check_engine_python(cfg: Config) -> None:
+    """A real server without rollout.launch.python has an interpreter to run in (checked here,
+    on every rank: only rank 0 launches engines, the others would wait for it in a collective).
+    An explicit rollout.launch.python is taken as given: it names a path on the engine host."""
+    launch = cfg.rollout.launch
+    if launch is not None and launch.backend == "sglang" and launch.python is None:
+        sglang_python()
 
 
 def _check_reward(kind: str) -> None:

@@ -114,6 +114,7 @@ def make_rollout(cfg: Config) -> Rollout:
     from transformers import AutoTokenizer
 
     from megatron_gspo.data.prompts import PromptDataset, PromptLoader
+    from megatron_gspo.preflight import sglang_python
     from megatron_gspo.rewards.pool import build_reward_pool
     from megatron_gspo.rollout.launch import launch
     from megatron_gspo.rollout.sglang_client import SGLangClient
@@ -133,7 +134,8 @@ def make_rollout(cfg: Config) -> Rollout:
         api_key = launch_cfg.api_key or client.api_key
         launch_cfg = dataclasses.replace(launch_cfg, api_key=api_key)
         if launch_cfg.backend == "sglang" and launch_cfg.python is None:
-            launch_cfg = dataclasses.replace(launch_cfg, python=_sglang_python())
+            # preflight has checked on every rank that this resolves
+            launch_cfg = dataclasses.replace(launch_cfg, python=sglang_python())
         # device=cpu: ServerGroup adds the CPU engine's env (launch.cpu_engine_env).
         servers = launch(launch_cfg)
         client = dataclasses.replace(
@@ -150,31 +152,6 @@ def make_rollout(cfg: Config) -> Rollout:
         dataset, cfg.gspo.prompts_per_rollout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
     )
     return Rollout(cfg, engine, tokenizer, loader, build_reward_pool(cfg.reward), servers=servers)
-
-
-def _sglang_python() -> str:
-    """The interpreter for a real SGLang server when rollout.launch.python is unset: the engine
-    venv of scripts/engine_env.sh if built (SGLang pins its own torch, so it rarely lives in the
-    trainer's venv), else this interpreter if it has sglang; else a ConfigError now rather than
-    a server that dies during startup with an ImportError buried in its log."""
-    import importlib.util
-    import sys
-
-    from megatron_gspo.config_io import ConfigError
-    from megatron_gspo.testing.sglang_server import engine_python
-
-    found = engine_python()
-    if found is not None:
-        if not Path(found).exists():  # a stale MGSPO_ENGINE_PYTHON
-            raise ConfigError(f"engine python {found} does not exist: run scripts/engine_env.sh")
-        return found
-    if importlib.util.find_spec("sglang") is None:
-        raise ConfigError(
-            "rollout.launch.backend=sglang but rollout.launch.python is unset and sglang "
-            f"cannot be imported by {sys.executable}: run bash scripts/engine_env.sh and set "
-            "rollout.launch.python=<its output>/bin/python"
-        )
-    return sys.executable
 
 
 # ---------------------------------------------------------------------------------------------

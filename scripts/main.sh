@@ -1,15 +1,36 @@
 #!/usr/bin/env bash
 # Install (cached) and run the main job: GSPO on a tiny Qwen3-MoE-shaped model, 2 CPU ranks
 # (EP=2), embedded rollout engine, toy task. Extra args go to megatron_gspo.train (--set k=v).
+#
+#   --engine sglang   (first argument) roll out on the real SGLang 0.5.23 server on CPU instead:
+#                     a bf16 engine against the fp32 trainer, so train/inference mismatch is
+#                     real; builds its venv once (scripts/engine_env.sh) and writes
+#                     runs/tiny_moe_cpu_sglang/.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/env.sh")
 cd "$root"
+run=runs/tiny_moe_cpu
+engine_sets=()
+if [ "${1:-}" = "--engine" ] || [[ "${1:-}" == --engine=* ]]; then
+  if [ "$1" = "--engine" ]; then engine=${2:-}; shift 2 || shift; else engine=${1#--engine=}; shift; fi
+  case "$engine" in
+    embedded) ;;
+    sglang)
+      engine_python="$(bash "$root/scripts/engine_env.sh")/bin/python"
+      run=runs/tiny_moe_cpu_sglang
+      # weights.dtype follows the engine's bf16 by default (config.py); verification stays on.
+      engine_sets=(--set rollout.launch.backend=sglang --set rollout.launch.device=cpu
+        --set "rollout.launch.python=$engine_python"
+        --set "logging.dir=$run" --set "checkpoint.dir=$run/ckpt") ;;
+    *) echo "scripts/main.sh: --engine takes embedded or sglang, not '$engine'" >&2; exit 2 ;;
+  esac
+fi
 # OMP_NUM_THREADS set here keeps torchrun from printing its banner about it.
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
 py="$venv/bin/python"
 "$py" tools/make_tiny_toy.py --out runs/tiny_toy
 "$py" -m torch.distributed.run --nproc_per_node 2 -m megatron_gspo.train \
-  --config examples/tiny_moe_cpu.yaml "$@"
-"$py" tools/plot_metrics.py runs/tiny_moe_cpu/metrics.jsonl --out runs/tiny_moe_cpu/reward.png
-"$py" tools/reward_summary.py runs/tiny_moe_cpu/metrics.jsonl
+  --config examples/tiny_moe_cpu.yaml ${engine_sets[@]+"${engine_sets[@]}"} "$@"
+"$py" tools/plot_metrics.py "$run/metrics.jsonl" --out "$run/reward.png"
+"$py" tools/reward_summary.py "$run/metrics.jsonl"

@@ -407,3 +407,36 @@ def test_entry_point_refuses_a_previous_run(tmp_path: Path) -> None:
         "directory"
     )
     assert (tmp_path / "run/metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+
+
+# ---- the real SGLang server's interpreter -----------------------------------------------------
+def test_sglang_without_an_engine_python_names_the_set_up(tmp_path: Path, monkeypatch) -> None:
+    """rollout.launch.backend=sglang with rollout.launch.python unset: the engine venv of
+    scripts/engine_env.sh is used when built; without it, an interpreter that cannot import
+    SGLang's server stops every rank before anything starts, naming the command that helps."""
+    from megatron_gspo import preflight as pf
+    from megatron_gspo.testing import sglang_server
+
+    monkeypatch.delenv(sglang_server.ENGINE_PYTHON_ENV, raising=False)
+    monkeypatch.setenv("MGSPO_CACHE", str(tmp_path / "empty_cache"))  # no engine venv built
+    no_sglang = tmp_path / "no_sglang"
+    no_sglang.write_text("#!/bin/sh\nexit 1\n")  # an interpreter whose imports all fail
+    no_sglang.chmod(0o755)
+    with pytest.raises(ConfigError) as e:
+        pf.sglang_python(fallback=str(no_sglang))
+    assert "cannot be imported by" in (msg := _one_line(e))
+    assert "run bash scripts/engine_env.sh and set rollout.launch.python" in msg
+    data = _base(tmp_path)
+    data["rollout"] = {"launch": {"backend": "sglang", "device": "cpu"}}
+    cfg = load_config(_write(tmp_path, data))
+    missing = tmp_path / "gone/bin/python"
+    monkeypatch.setenv(sglang_server.ENGINE_PYTHON_ENV, str(missing))
+    with pytest.raises(ConfigError) as e:
+        _check(cfg)  # preflight: every rank
+    assert f"{sglang_server.ENGINE_PYTHON_ENV}={missing}: no such file" in _one_line(e)
+    venv = tmp_path / "venv/bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text("")
+    monkeypatch.setenv(sglang_server.ENGINE_PYTHON_ENV, str(venv / "python"))
+    _check(cfg)
+    assert pf.sglang_python() == str(venv / "python")  # what the job launches the server with

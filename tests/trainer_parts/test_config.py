@@ -176,6 +176,14 @@ VALIDATION = [
     ),
     (["rollout.launch.num_engines=0"], "rollout.launch.num_engines=0 must be >= 1"),
     (["weights.fp8=true"], "set weights.fp8=false or rollout.launch.backend=sglang"),
+    (
+        [
+            "rollout.launch.backend=sglang",
+            "rollout.launch.device=cpu",
+            "rollout.launch.colocated=true",
+        ],
+        "kills the CPU server; set rollout.launch.colocated=false",
+    ),
     (["rollout.temperature=0"], "change rollout.temperature"),
     (["rollout.top_p=1.5"], "change rollout.top_p"),
     (["rollout.top_k=0"], "change rollout.top_k"),
@@ -216,6 +224,20 @@ def test_valid_edge_cases_pass():
     cfg("parallel.tp=2", "parallel.ep=2")  # sequence parallelism turns itself on
     c = cfg("weights.transport=disk", "logging.dir=/runs/x")
     assert c.weights.disk_dir == "/runs/x/weights" and c.rollout.launch.model_path == "/m"
+
+
+def test_weights_dtype_follows_a_real_servers_dtype():
+    """A real SGLang server casts received weights to its own dtype, so only its dtype can match
+    its checksums; the embedded engine serves the trainer's, and explicit choices stay."""
+    sglang = "rollout.launch.backend=sglang"
+    assert cfg(sglang, "model.dtype=fp32").weights.dtype == "bfloat16"
+    assert cfg(sglang, "rollout.launch.dtype=float16").weights.dtype == "float16"
+    assert cfg(sglang, "rollout.launch.dtype=auto").weights.dtype is None  # unknown: trainer's
+    assert cfg(sglang, "weights.dtype=float32").weights.dtype == "float32"
+    assert cfg(sglang, "weights.fp8=true").weights.dtype is None  # fp8 picks per tensor
+    assert cfg("model.dtype=fp32").weights.dtype is None  # embedded
+    # GPU colocated stays allowed; only the CPU server dies on release/resume
+    cfg(sglang, "rollout.launch.colocated=true")
 
 
 HF = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts=8)
