@@ -107,7 +107,8 @@ def _all_gone(job: Job) -> None:
     assert pids, job.events
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     for pid in alive:  # a failing test must not leave its stand-ins spinning
-        os.kill(pid, signal.SIGKILL)
+        if str(STANDINS / "srun") in " ".join(psutil.Process(pid).cmdline()):
+            os.kill(pid, signal.SIGKILL)
     assert not alive, f"left running: {alive}"
 
 
