@@ -134,6 +134,11 @@ mgspo_start_trainer() {
   for s in "${sets[@]}"; do
     extra+=(--set "$s")
   done
+  # A requeued job (Slurm counts restarts) or MGSPO_RESUME=1 continues from the checkpoint; a
+  # first run into a used run directory is refused by the trainer rather than overwriting it.
+  if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] || [ "${MGSPO_RESUME:-0}" = 1 ]; then
+    extra+=(--resume)
+  fi
   nodelist=$(IFS=,; echo "${trainer_nodes[*]}")
   srun --nodes="${#trainer_nodes[@]}" --ntasks-per-node=1 --nodelist="$nodelist" --overlap \
     --kill-on-bad-exit=1 --output="$LOG_DIR/trainer-%N.log" \
