@@ -15,6 +15,8 @@ on GPU 0, which launches a real SGLang 0.5.23 server itself, health-checks it an
                the quantization_config), weights go FP8 through a process group with the
                engine (weights.transport=distributed; NCCL when the engine has its own GPU,
                gloo when it shares the only one: NCCL refuses two ranks on one device).
+               FP8 needs compute capability >= 8.9 (Ada, Hopper, Blackwell); on an older GPU
+               this phase runs a bf16 engine and says so.
 Then one table: per-phase times, weight versions, verification, first-mini-batch mismatch
 (bf16 engine vs bf16 trainer) against BF16_MISMATCH_BOUND, finite metrics, trainer memory
 before/while offloaded; exit 0 only if every check passes.
@@ -105,7 +107,10 @@ def prepare(out: Path) -> dict[str, Path]:
     return {"model": model, "fp8": fp8, "data": data}
 
 
-def phases(out: Path, inputs: dict[str, Path], engine_python: str, gpus: int) -> list[Phase]:
+def phases(
+    out: Path, inputs: dict[str, Path], engine_python: str, gpus: int, fp8: bool = True
+) -> list[Phase]:
+    """The two jobs; `fp8=False` (a GPU without FP8 kernels) gives the second a bf16 engine."""
     common = {
         "model.hf_path": inputs["model"],
         "model.dtype": "bf16",
@@ -147,12 +152,12 @@ def phases(out: Path, inputs: dict[str, Path], engine_python: str, gpus: int) ->
         {
             **common,
             "train.steps": 2,
-            "rollout.launch.model_path": inputs["fp8"],
+            "rollout.launch.model_path": inputs["fp8" if fp8 else "model"],
             "rollout.launch.colocated": "false",
             "rollout.launch.base_gpu_id": 1 if own_gpu else 0,
             "rollout.launch.mem_fraction_static": 0.5 if own_gpu else 0.3,
             "weights.transport": "distributed",
-            "weights.fp8": "true",
+            "weights.fp8": str(fp8).lower(),
             "weights.backend": "nccl" if own_gpu else "gloo",
         },
         colocated=False,
@@ -336,7 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine_python = args.engine_python or "ENGINE_PYTHON"
     inputs = prepare(out)
-    ps = phases(out, inputs, engine_python, max(gpus, 1))
+    # SGLang's FP8 kernels need compute capability 8.9 (Ada, Hopper) or newer.
+    fp8 = args.dry_run or torch.cuda.get_device_capability(0) >= (8, 9)
+    if not fp8:
+        print("[acceptance] GPU below sm_89: the dist_fp8 phase runs a bf16 engine (FP8 skipped)")
+    ps = phases(out, inputs, engine_python, max(gpus, 1), fp8=fp8)
     if args.dry_run:
         # Both placements: the engine sharing GPU 0 (gloo transport) and on its own GPU (NCCL).
         variants = [gpus] if args.gpus is not None else [1, 2]
