@@ -16,8 +16,6 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 hash=$(cat "$root/constraints.txt" "$root/constraints-gpu.txt" | sha256sum | cut -c1-16)
-cache=${MGSPO_CACHE:-$HOME/.cache/megatron-gspo}
-venv="$cache/gpu-venv-$hash"
 TE_EXT=transformer-engine-torch  # the one sdist: built last, against the installed torch
 
 pins() { grep -hvE '^\s*(#|$)' "$@"; }
@@ -54,42 +52,20 @@ PY
   exit 0
 fi
 
-find_python312() {
-  local c
-  if c=$(command -v python3.12 2>/dev/null) && "$c" -c 'import sys' 2>/dev/null; then
-    echo "$c"; return
-  fi
-  for c in "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 \
-           "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do
-    if [ -x "$c" ]; then echo "$c"; return; fi
-  done
-  echo "error: Python 3.12 not found (megatron-core 0.19 needs it); install it, e.g. 'pyenv install 3.12'" >&2
-  exit 1
+source "$root/scripts/venv_lib.sh"
+
+install_gpu() {
+  local vpy="$1/bin/python"
+  pins "$root/constraints.txt" "$root/constraints-gpu.txt" | grep -v "^$TE_EXT==" > "$1/.pins"
+  "$vpy" -m pip install -q --disable-pip-version-check --no-deps -r "$1/.pins"
+  # nvcc, the CUDA headers and cuDNN come from the NVIDIA wheels just installed (TE's build
+  # finds them under site-packages/nvidia); a system toolkit in CUDA_HOME is used if set.
+  # Compiling TE's extension (when no prebuilt wheel matches) can take ~30 min on few cores.
+  NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS:-$(nproc)} "$vpy" -m pip install \
+    --disable-pip-version-check --no-deps --no-build-isolation \
+    "$(grep -hE "^$TE_EXT==" "$root/constraints-gpu.txt")"
+  # fail here, not in the first training step
+  "$vpy" -c 'import transformer_engine.pytorch, megatron.core, megatron.bridge'
 }
 
-if [ ! -f "$venv/.complete" ]; then
-  mkdir -p "$cache"
-  exec 9>"$cache/.lock-gpu-$hash"
-  flock 9  # another clone may be building the same venv
-  if [ ! -f "$venv/.complete" ]; then
-    py=$(find_python312)
-    echo "[gpu-env] building $venv with $py (one time; compiling TE's extension can take 30 min)" >&2
-    start=$(date +%s)
-    rm -rf "$venv"
-    "$py" -m venv "$venv"
-    vpy="$venv/bin/python"
-    "$vpy" -m pip install -q --disable-pip-version-check pip==26.3 >&2
-    pins "$root/constraints.txt" "$root/constraints-gpu.txt" | grep -v "^$TE_EXT==" > "$venv/.pins"
-    "$vpy" -m pip install -q --disable-pip-version-check --no-deps -r "$venv/.pins" >&2
-    # nvcc, the CUDA headers and cuDNN come from the NVIDIA wheels just installed (TE's build
-    # finds them under site-packages/nvidia); a system toolkit in CUDA_HOME is used if set.
-    NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS:-$(nproc)} "$vpy" -m pip install \
-      --disable-pip-version-check --no-deps --no-build-isolation \
-      "$(grep -hE "^$TE_EXT==" "$root/constraints-gpu.txt")" >&2
-    # fail here, not in the first training step
-    "$vpy" -c 'import transformer_engine.pytorch, megatron.core, megatron.bridge' >&2
-    touch "$venv/.complete"
-    echo "[gpu-env] ready in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)" >&2
-  fi
-fi
-echo "$venv"
+mgspo_cached_venv gpu-venv "$hash" install_gpu
