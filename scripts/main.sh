@@ -30,7 +30,14 @@ fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
 py="$venv/bin/python"
 "$py" tools/make_tiny_toy.py --out runs/tiny_toy
+# The main job is a fresh run each time (the toy is regenerated): replace the previous one,
+# unless the caller continues it with --resume.
+fresh=(--overwrite)
+for arg in "$@"; do
+  case "$arg" in --resume|--overwrite|--dump|*checkpoint.resume=true*) fresh=() ;; esac
+done
 "$py" -m torch.distributed.run --nproc_per_node 2 -m megatron_gspo.train \
-  --config examples/tiny_moe_cpu.yaml ${engine_sets[@]+"${engine_sets[@]}"} "$@"
+  --config examples/tiny_moe_cpu.yaml ${engine_sets[@]+"${engine_sets[@]}"} \
+  ${fresh[@]+"${fresh[@]}"} "$@"
 "$py" tools/plot_metrics.py "$run/metrics.jsonl" --out "$run/reward.png"
 "$py" tools/reward_summary.py "$run/metrics.jsonl"
