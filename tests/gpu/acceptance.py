@@ -180,9 +180,10 @@ def command(phase: Phase, port: int) -> list[str]:
 
 
 # -- dry run -------------------------------------------------------------------------------
-def check_command(phase: Phase, cmd: list[str]) -> list[str]:
+def check_command(phase: Phase, cmd: list[str], engines: list[list[str]]) -> list[str]:
     """Parse `cmd` as torchrun, then the trainer, then the engine command derived from the
-    trainer's config as SGLang; returns a line per checked command."""
+    trainer's config as SGLang; returns a line per checked command and appends the engine
+    command's arguments to `engines`."""
     from sglang.srt.server_args import prepare_server_args
     from torch.distributed.run import parse_args as torchrun_args
 
@@ -216,6 +217,7 @@ def check_command(phase: Phase, cmd: list[str]) -> list[str]:
     engine = engine_command(dataclasses.replace(launch, base_port=free_port(launch.host)), 0)
     assert engine[:3] == [launch.python, "-m", "sglang.launch_server"], engine[:3]
     server = prepare_server_args(engine[3:])
+    engines.append(engine[3:])
     assert server.model_path == launch.model_path and server.dtype == "bfloat16"
     assert server.enable_memory_saver == phase.colocated
     assert server.skip_tokenizer_init and server.base_gpu_id == launch.base_gpu_id
@@ -231,6 +233,25 @@ def check_command(phase: Phase, cmd: list[str]) -> list[str]:
         f"backend={cfg.weights.backend})",
         f"[dry-run] {phase.name}: sglang.launch_server ok ({' '.join(engine[3:])})",
     ]
+
+
+def check_engine_interpreter(python: str, engines: list[list[str]]) -> str:
+    """The engine commands parsed once more by the interpreter that will run them (the engine
+    venv's own SGLang), when it is given (scripts/test.sh exports MGSPO_ENGINE_PYTHON)."""
+    if not Path(python).is_file():
+        return "[dry-run] engine interpreter not given: its own SGLang parse skipped"
+    code = (
+        "import json, sys\n"
+        "from sglang.srt.server_args import prepare_server_args\n"
+        "for argv in json.loads(sys.stdin.read()):\n"
+        "    prepare_server_args(argv)\n"
+    )
+    proc = subprocess.run(
+        [python, "-c", code], input=json.dumps(engines), capture_output=True, text=True
+    )
+    if proc.returncode:
+        raise RuntimeError(f"{python} rejects an engine command:\n{proc.stderr[-3000:]}")
+    return f"[dry-run] {python}: its SGLang parses all {len(engines)} engine commands"
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -349,10 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         # Both placements: the engine sharing GPU 0 (gloo transport) and on its own GPU (NCCL).
         variants = [gpus] if args.gpus is not None else [1, 2]
+        engines: list[list[str]] = []
         for n in variants:
             for i, phase in enumerate(phases(out, inputs, engine_python, n)):
-                for line in check_command(phase, command(phase, args.master_port + i or 29517)):
+                cmd = command(phase, args.master_port + i or 29517)
+                for line in check_command(phase, cmd, engines):
                     print(f"{line} [{n} GPU]")
+        print(check_engine_interpreter(engine_python, engines))
         steps = sum(p.steps for p in ps)
         print(f"[dry-run] ok: {len(ps)} jobs x {len(variants)} placements, {steps} steps")
         return 0

@@ -5,6 +5,7 @@ fail; the summary's verdict follows its stated bounds. Also the GPU environment'
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -49,6 +50,12 @@ def test_dry_run_checks_every_command(acc, out, capsys):
     assert re.search(r"dist_fp8: sglang.launch_server ok .*--base-gpu-id 1 .*\[2 GPU\]", printed)
     assert re.search(r"colocated: sglang.launch_server ok .*--enable-memory-saver", printed)
     assert (out / "model_fp8/config.json").exists()
+    # With the engine venv (scripts/test.sh exports it, and then requires it) its own SGLang
+    # parses the engine commands too.
+    if os.environ.get("MGSPO_ENGINE_PYTHON") or os.environ.get("MGSPO_REQUIRE_SGLANG"):
+        assert "its SGLang parses all 4 engine commands" in printed
+    else:
+        assert "engine interpreter not given" in printed
 
 
 def test_dry_run_fails_on_a_flag_sglang_rejects(acc, out, monkeypatch):
