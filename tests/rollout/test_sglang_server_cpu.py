@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 import urllib.request
@@ -18,6 +17,7 @@ import urllib.request
 import pytest
 import torch
 
+from megatron_gspo.dist import free_port
 from megatron_gspo.rollout.engine import EngineError
 from megatron_gspo.rollout.launch import ServerGroup, cpu_engine_env, engine_command
 from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
@@ -50,35 +50,13 @@ BF16_LOGP_MEAN_TOL = 0.01
 """Mean |engine - HF bf16 rescoring| per token (measured 0.0008-0.0011)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def engine_python() -> str:
-    python = sglang_server.engine_python()
-    if python is None or not os.path.exists(python):
-        if os.environ.get(sglang_server.REQUIRE_ENV):
-            pytest.fail(
-                f"{sglang_server.REQUIRE_ENV} is set but the engine venv is missing "
-                f"({python or sglang_server.engine_venv_dir()}): run scripts/engine_env.sh"
-            )
-        pytest.skip(
-            "real SGLang server tests: engine venv not built (bash scripts/engine_env.sh; "
-            f"scripts/test.sh builds it and sets {sglang_server.REQUIRE_ENV}=1)"
-        )
-    return python
-
-
 @pytest.fixture(scope="module")
 def server(engine_python, ckpt_a, tmp_path_factory):
     """The real server serving `ckpt_a`; yields (ServerGroup, stub log path, startup seconds)."""
     logs = tmp_path_factory.mktemp("sglang_cpu")
     stub_log = logs / "sgl_kernel_stub.log"
     cfg = sglang_server.cpu_launch_config(
-        ckpt_a, python=engine_python, base_port=_free_port(), log_dir=str(logs)
+        ckpt_a, python=engine_python, base_port=free_port(), log_dir=str(logs)
     )
     group = ServerGroup(cfg, env={**os.environ, LOG_ENV: str(stub_log)})
     tic = time.perf_counter()
@@ -229,7 +207,7 @@ def test_server_dies_with_its_launcher(engine_python, ckpt_a, tmp_path):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-c", _LAUNCHER, ckpt_a, engine_python, str(_free_port()), str(tmp_path)]
+    cmd = [sys.executable, "-c", _LAUNCHER, ckpt_a, engine_python, str(free_port()), str(tmp_path)]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         engine_pid = int(launcher.stdout.readline())  # the server is healthy

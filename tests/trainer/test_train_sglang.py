@@ -43,22 +43,6 @@ MISMATCH_FP32_NOISE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def engine_python() -> str:
-    python = sglang_server.engine_python()
-    if python is None or not os.path.exists(python):
-        if os.environ.get(sglang_server.REQUIRE_ENV):
-            pytest.fail(
-                f"{sglang_server.REQUIRE_ENV} is set but the engine venv is missing "
-                f"({python or sglang_server.engine_venv_dir()}): run scripts/engine_env.sh"
-            )
-        pytest.skip(
-            "real SGLang server tests: engine venv not built (bash scripts/engine_env.sh; "
-            f"scripts/test.sh builds it and sets {sglang_server.REQUIRE_ENV}=1)"
-        )
-    return python
-
-
-@pytest.fixture(scope="module")
 def run(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("train_sglang")
     make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
