@@ -425,6 +425,12 @@ class Config:
         )
         launch = self.rollout.launch
         _require(
+            launch is None or launch.dp_size == 1 or self.weights.transport == "disk",
+            f"rollout.launch.dp_size={launch.dp_size if launch else 1}: SGLang 0.5.23 applies "
+            "tensor and distributed weight updates only with dp_size 1; launch more engines "
+            "(rollout.launch.num_engines) or set weights.transport=disk",
+        )
+        _require(
             not (
                 launch is not None
                 and launch.backend == "sglang"

@@ -85,18 +85,23 @@ def _loop(
     start: int,
     stop: dict[str, bool],
 ) -> None:
+    from megatron_gspo.megatron.offload import offload_trainer, reload_trainer
+
+    colocated = bool(rollout and cfg.rollout.launch and cfg.rollout.launch.colocated)
     sync.push(policy.model)  # the engines serve exactly the trainer's weights from step 0
     bad = 0  # consecutive steps with a skipped (non-finite) update
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
+        offload_trainer(cfg, policy)  # colocated: trainer state off the devices while engines run
         seqs, metrics = rollout.collect() if rollout else (None, None)
+        if rollout and colocated:  # before the broadcast, so no rank reloads into engine memory
+            rollout.engine.release_memory()
         seqs, metrics = dist.broadcast((seqs, metrics))
         t1 = time.perf_counter()
-        if rollout and cfg.rollout.launch and cfg.rollout.launch.colocated:
-            rollout.engine.release_memory()  # the trainer gets the devices while it updates
+        metrics |= reload_trainer(cfg, policy)
         metrics |= policy.update(seqs, step)
         t2 = time.perf_counter()
-        if rollout and cfg.rollout.launch and cfg.rollout.launch.colocated:
+        if rollout and colocated:
             rollout.engine.resume_memory()
         pushed = sync.push(policy.model)
         metrics |= _step_metrics(pushed, seqs, t0, t1, t2)

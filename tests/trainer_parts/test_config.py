@@ -352,3 +352,8 @@ def test_keys_listing_names_every_leaf_with_its_docstring(capsys):
     out = capsys.readouterr().out
     assert "optim.lr_schedule = 'constant'\n    After warmup: constant at optim.lr" in out
     assert "rollout.launch.backend = 'embedded'" in out and "weights.fp8 = False" in out
+
+
+def test_engine_data_parallelism_needs_the_disk_transport():
+    assert "set weights.transport=disk" in err("rollout.launch.dp_size=2")
+    cfg("rollout.launch.dp_size=2", "weights.transport=disk")
