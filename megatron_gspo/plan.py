@@ -256,8 +256,10 @@ memory per GPU (most loaded pipeline stage; P = its parameters, Pd dense + Pe ex
                 (else (m + s) * P); m = 4 (fp32 main copy) if b_p = 2, s = 8 Adam / 4 SGD
   activations = inflight * L_stage * per_layer + logits (last stage); T = micro_batch_tokens
      per_layer (recompute none or selective*) = attention + moe, b = 2 bytes (bf16):
-       attention  b*(2h + 2*nq*d + 2*nkv*d) * T/(cp*tp)
-       moe        (b*2h + 8E) * T/(cp*tp) + imb * k*T*etp/(cp*tp) * b*(2h + 3*f/etp)
+       attention  b*(3h + 6*(nq + nkv)*d) * T/(cp*tp)   norm in/normalised/out, qkv, q/k norms,
+                  RoPE outputs, q k v o kept by attention (measured: tests/launch/test_plan_memory)
+       moe        (b*3h + 8E + 8k) * T/(cp*tp) + imb * k*T*etp/(cp*tp) * b*(h + 6*f/etp)
+                  (dense MLP: b*(3h + 3f) * T/(cp*tp))
      per_layer (recompute full) = b*h*T/(cp*tp), plus one layer's full working set
      logits     = 6 * T/cp * V/tp (bf16 logits + fp32 log-softmax chunk)
      inflight   = min(pp - stage, micro-batches), * (1 + (pp-1)/(pp*vpp)) if interleaved
@@ -284,13 +286,19 @@ def _activations(
     experts, k = _num_experts(hf) or 0, getattr(hf, "num_experts_per_tok", 1)
     f = getattr(hf, "moe_intermediate_size", 0) if experts else hf.intermediate_size
     tok = T / (layout.cp * layout.tp)  # tokens per rank of a sequence-parallel tensor
-    attn = b * (2 * h + 2 * nq * d + 2 * nkv * d) * tok
+    # What megatron-core's modules keep for backward, per token (tests/launch/test_plan_memory
+    # measures it): each norm keeps its input, its normalised copy and its output (3h); the
+    # attention keeps the fused qkv, the q/k-norm inputs and outputs, the RoPE outputs and
+    # q, k, v, o (6 copies of q+k+v-sized tensors).
+    attn = b * (3 * h + 6 * (nq + nkv) * d) * tok
     if experts:
         etp = layout.expert_tp
         routed = imbalance * k * T * etp / (layout.cp * layout.tp)
-        mlp = (b * 2 * h + 8 * experts) * tok + routed * b * (2 * h + 3 * f / etp)
+        # router probs/logits (fp32) and int64 routing indices per token; per routed copy the
+        # permuted input (h) and fc1 out, SwiGLU in/out, fc2 in, the per-expert splits (6f).
+        mlp = (b * 3 * h + 8 * experts + 8 * k) * tok + routed * b * (h + 6 * f / etp)
     else:
-        mlp = b * (2 * h + 3 * f) * tok
+        mlp = b * (3 * h + 3 * f) * tok
     full_layer = attn + mlp
     if cfg.model.activation_recompute == "full":
         per_stage = layers_stage * b * h * tok + full_layer
