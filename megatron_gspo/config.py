@@ -29,7 +29,10 @@ from megatron_gspo.config_io import (
     ConfigError,
     apply_override,
     build_dataclass,
+    describe_keys,
     field_docs,
+    plain,
+    read_yaml,
     require,
 )
 from megatron_gspo.layout import Layout
@@ -465,15 +468,7 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML/JSON-serialisable); `config_from_dict` inverts it."""
-        return _plain(dataclasses.asdict(self))
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
+        return plain(dataclasses.asdict(self))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,7 +486,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     overrides (values parsed as YAML scalars / flow lists), and validate."""
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = _read_yaml(Path(path))
+        loaded = read_yaml(Path(path))
         _require(
             loaded is None or isinstance(loaded, dict),
             f"{path}: the top level must be a mapping of sections (model:, data:, ...), "
@@ -501,31 +496,6 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     for ov in overrides:
         apply_override(Config, data, ov)
     return config_from_dict(data)
-
-
-def _read_yaml(path: Path) -> Any:
-    """The parsed YAML of a config file; every way it can fail is a ConfigError naming the file
-    (and the line for syntax or encoding errors), so the trainer prints one line, no traceback."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file (--config)") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, not a YAML config file (--config)") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        problem = getattr(e, "problem", None) or getattr(e, "context", None) or "invalid YAML"
-        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
 
 
 def dump_config(cfg: Config, path: str | Path | None = None) -> str:
@@ -561,25 +531,6 @@ def parse_cli(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace
         p.error("--resume and --overwrite contradict each other; pass one")
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
     return load_config(args.config, overrides), args
-
-
-def describe_keys(cfg: Config) -> str:
-    """Every leaf key with its current value and docstring (`python -m megatron_gspo.config
-    --keys`)."""
-    lines: list[str] = []
-
-    def walk(obj: Any, prefix: str) -> None:
-        docs = field_docs(type(obj))
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, f"{prefix}{f.name}.")
-                continue
-            doc = " ".join(docs.get(f.name, "").split())
-            lines.append(f"{prefix}{f.name} = {value!r}\n    {doc}")
-
-    walk(cfg, "")
-    return "\n".join(lines) + "\n"
 
 
 def _main(argv: list[str] | None = None) -> None:

@@ -13,11 +13,21 @@ import difflib
 import inspect
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-__all__ = ["ConfigError", "apply_override", "build_dataclass", "field_docs", "require"]
+__all__ = [
+    "ConfigError",
+    "apply_override",
+    "build_dataclass",
+    "describe_keys",
+    "field_docs",
+    "plain",
+    "read_yaml",
+    "require",
+]
 
 
 class ConfigError(ValueError):
@@ -197,3 +207,56 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = inspect.cleandoc(nxt.value.value)
     return docs
+
+
+def plain(value: Any) -> Any:
+    """`value` with tuples as lists, recursively (what YAML and JSON can hold)."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def read_yaml(path: Path) -> Any:
+    """The parsed YAML of a config file; every way it can fail is a ConfigError naming the file
+    (and the line for syntax or encoding errors), so the trainer prints one line, no traceback."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file (--config)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a YAML config file (--config)") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or getattr(e, "context", None) or "invalid YAML"
+        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+
+
+def describe_keys(cfg: Any) -> str:
+    """Every leaf key with its current value and docstring (`python -m megatron_gspo.config
+    --keys`)."""
+    lines: list[str] = []
+
+    def walk(obj: Any, prefix: str) -> None:
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+                continue
+            doc = " ".join(docs.get(f.name, "").split())
+            lines.append(f"{prefix}{f.name} = {value!r}\n    {doc}")
+
+    walk(cfg, "")
+    return "\n".join(lines) + "\n"
