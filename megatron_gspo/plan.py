@@ -11,6 +11,8 @@
    the same megatron-bridge provider as the trainer (`megatron/model.make_provider`).
 3. Per-GPU memory is estimated from those counts with the formula printed under the table
    (`memory_formula()`), and the weight-sync bytes per step at a stated bandwidth.
+   Steps 2-3's counting and arithmetic live in `plan_memory`; this module checks, decides and
+   prints.
 
 Exit codes: 0 fits, 1 does not fit (the verdict says what), 2 invalid config or layout.
 `--emit-launch DIR` also writes what the Slurm scripts start (NUL-separated argv files for each
@@ -21,14 +23,9 @@ engine and the router, the trainer's `--set` overrides), so SGLang flags have on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
-import hashlib
-import io
 import json
-import logging
-import math
 import sys
 import types
 from dataclasses import dataclass, field
@@ -38,6 +35,20 @@ from typing import Any
 from megatron_gspo.config import Config, ConfigError, load_config
 from megatron_gspo.config_io import require
 from megatron_gspo.layout import Layout, _num_experts
+from megatron_gspo.plan_memory import (
+    PROCESS_OVERHEAD_GB,
+    RELEASED_ENGINE_GB,
+    SGLANG_DEFAULT_MEM_FRACTION,
+    GiB,
+    MemoryEstimate,
+    StageParams,
+    _activations,
+    _micro_batches,
+    cached_count_params,
+    count_params,
+    hf_tensor_bytes,
+    memory_formula,
+)
 from megatron_gspo.rollout.launch import LaunchConfig, engine_command, router_command
 
 __all__ = [
@@ -50,54 +61,6 @@ __all__ = [
     "memory_formula",
     "main",
 ]
-
-GiB = 1024**3
-FP8_BLOCK = 128
-# SGLang's own default share when rollout.launch.mem_fraction_static is null (0.5.x picks
-# 0.79-0.88 by GPU size and TP; the middle is used so a missing setting is not optimistic).
-SGLANG_DEFAULT_MEM_FRACTION = 0.85
-# CUDA context, NCCL communicators and workspace per process, held whatever the model.
-PROCESS_OVERHEAD_GB = 3.0
-# What a colocated engine keeps while released (memory saver: CUDA context + allocator).
-RELEASED_ENGINE_GB = 1.0
-
-
-@dataclass(frozen=True)
-class StageParams:
-    """Parameters held by one rank of a pipeline stage (every TP/EP rank holds the same count)."""
-
-    stage: int
-    total: int
-    expert: int
-
-    @property
-    def dense(self) -> int:
-        return self.total - self.expert
-
-
-@dataclass
-class MemoryEstimate:
-    """Bytes per GPU of the most loaded pipeline stage, by part."""
-
-    weights: float
-    grads: float
-    optimizer: float
-    activations: float
-    overhead: float
-    engine_train: float
-    engine_rollout: float
-
-    @property
-    def trainer_static(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.overhead
-
-    @property
-    def train_peak(self) -> float:
-        return self.trainer_static + self.activations + self.engine_train
-
-    @property
-    def rollout_peak(self) -> float:
-        return self.trainer_static + self.engine_rollout
 
 
 @dataclass
@@ -144,177 +107,6 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------------------------
-# parameter counts from megatron-core
-
-
-def count_params(hf_dir: str | Path, layout: Layout, world_size: int) -> list[StageParams]:
-    """Per-rank parameter counts of every pipeline stage, from megatron-core's own modules.
-
-    Each stage's model chunks (all virtual stages) are built on the `meta` device for one rank
-    of that stage, in a fake process group of `world_size` ranks, so TP/EP/PP sharding is
-    megatron-core's, not a formula's. Must run before this process joins a real group.
-    """
-    import torch
-    import torch.distributed as tdist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from megatron_gspo.megatron.model import make_provider, quiet_megatron
-    from megatron_gspo.patches import apply_bridge_imports, apply_cpu_runtime
-
-    require(not tdist.is_initialized(), "count_params needs a process without a process group")
-    quiet_megatron(logging.ERROR)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    # Import-time notices of optional back-ends (TE, FP8) are noise in a planner's output.
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        apply_cpu_runtime()  # no-op on a GPU machine; the build itself never touches a device
-        apply_bridge_imports()
-        from megatron.bridge import AutoBridge
-        from megatron.core import parallel_state
-        from megatron.core.process_groups_config import ProcessGroupCollection
-        from transformers import AutoConfig
-
-    bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(str(hf_dir)))
-    stages = []
-    for stage in range(layout.pp):
-        # megatron-core's default rank order puts PP outermost: stage s starts at s * W/pp.
-        rank = stage * (world_size // layout.pp)
-        tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        try:
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=layout.tp,
-                pipeline_model_parallel_size=layout.pp,
-                virtual_pipeline_model_parallel_size=layout.vpp,
-                context_parallel_size=layout.cp,
-                expert_model_parallel_size=layout.ep,
-                expert_tensor_parallel_size=layout.etp,
-                create_gloo_process_groups=False,
-            )
-            assert parallel_state.get_pipeline_model_parallel_rank() == stage
-            # fp32 and no grouped GEMM: the CPU build path; parameter counts do not depend on
-            # either (TE's grouped and fused modules hold the same tensors).
-            provider = make_provider(bridge, layout, None, dtype=torch.float32)
-            provider.perform_initialization = False
-            provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-            total = expert = 0
-            with torch.device("meta"):
-                for vp in range(layout.vpp or 1):
-                    chunk = provider.provide(vp_stage=vp if layout.vpp else None)
-                    for name, p in chunk.named_parameters():
-                        total += p.numel()
-                        expert += p.numel() if ".experts." in name else 0
-            stages.append(StageParams(stage=stage, total=total, expert=expert))
-        finally:
-            parallel_state.destroy_model_parallel()
-            tdist.destroy_process_group()
-    return stages
-
-
-def hf_tensor_bytes(hf: Any, *, dtype_bytes: int, fp8: bool) -> tuple[int, int]:
-    """(parameters, bytes sent per weight sync) of the whole HF model, by tensor shape.
-
-    FP8: every decoder `*_proj.weight` (weights/fp8.py's rule) goes as 1 byte per element plus
-    one fp32 scale per 128x128 block; everything else as `dtype_bytes`. The shapes are those of
-    the HF checkpoint (Qwen3-MoE / Qwen3 / Llama-style names), derived from config.json.
-    """
-    h, v, layers = hf.hidden_size, hf.vocab_size, hf.num_hidden_layers
-    d = getattr(hf, "head_dim", None) or h // hf.num_attention_heads
-    q, kv = hf.num_attention_heads * d, hf.num_key_value_heads * d
-    experts = _num_experts(hf) or 0
-    f_moe = getattr(hf, "moe_intermediate_size", 0)
-    f = getattr(hf, "intermediate_size", 0)
-    mlp_only = set(getattr(hf, "mlp_only_layers", []) or [])
-    step = getattr(hf, "decoder_sparse_step", 1) or 1
-    proj: list[tuple[int, int]] = []
-    other = 0
-    for layer in range(layers):
-        proj += [(q, h), (kv, h), (kv, h), (h, q)]
-        other += 2 * h + 2 * d  # input / post-attention norms, q / k norms
-        if experts and layer not in mlp_only and (layer + 1) % step == 0:
-            proj += [(f_moe, h), (f_moe, h), (h, f_moe)] * experts
-            other += experts * h  # router
-        else:
-            proj += [(f, h), (f, h), (h, f)]
-    other += v * h * (1 if hf.tie_word_embeddings else 2) + h  # embeddings, lm head, final norm
-    params = other + sum(r * c for r, c in proj)
-    if not fp8:
-        return params, params * dtype_bytes
-    scales = sum(math.ceil(r / FP8_BLOCK) * math.ceil(c / FP8_BLOCK) for r, c in proj)
-    return params, other * dtype_bytes + sum(r * c for r, c in proj) + 4 * scales
-
-
-# ---------------------------------------------------------------------------------------------
-# memory
-
-
-def memory_formula() -> str:
-    """The estimate, as printed under the table (symbols defined there)."""
-    return f"""\
-memory per GPU (most loaded pipeline stage; P = its parameters, Pd dense + Pe expert):
-  weights     = b_p * P            b_p = 2 (bf16) or 4 (fp32)
-  grads       = 4 * P              megatron DDP grad buffer (grad_reduce_in_fp32)
-  optimizer   = (m + s) * (Pd / (dp*cp) + Pe / edp) with optim.use_distributed_optimizer
-                (else (m + s) * P); m = 4 (fp32 main copy) if b_p = 2, s = 8 Adam / 4 SGD
-  activations = inflight * L_stage * per_layer + logits (last stage); T = micro_batch_tokens
-     per_layer (recompute none or selective*) = attention + moe, b = 2 bytes (bf16):
-       attention  b*(3h + 6*(nq + nkv)*d) * T/(cp*tp)   norm in/normalised/out, qkv, q/k norms,
-                  RoPE outputs, q k v o kept by attention (measured: tests/launch/test_plan_memory)
-       moe        (b*3h + 8E + 8k) * T/(cp*tp) + imb * k*T*etp/(cp*tp) * b*(h + 6*f/etp)
-                  (dense MLP: b*(3h + 3f) * T/(cp*tp))
-     per_layer (recompute full) = b*h*T/(cp*tp), plus one layer's full working set
-     logits     = 6 * T/cp * V/tp (bf16 logits + fp32 log-softmax chunk)
-     inflight   = min(pp - stage, micro-batches), * (1 + (pp-1)/(pp*vpp)) if interleaved
-     *selective recompute re-runs core attention only, which flash attention does not store
-  overhead    = {PROCESS_OVERHEAD_GB} GiB per process (CUDA context, NCCL buffers)
-  engine      = colocated: mem_fraction_static * M while rolling out, {RELEASED_ENGINE_GB} GiB
-                while released (trainer-launched engines; engines started outside the trainer
-                are not released, so their full share counts while training too)
-  weight sync = HF bytes of the model (bf16, or FP8: 1 B/elem of *_proj weights + an fp32
-                scale per 128x128 block) / the stated bandwidth
-assumptions: routing balanced up to imb (--moe-imbalance), packed micro-batches filled to T,
-sequences at their longest, bf16 activations, no CPU offload, fragmentation in the overhead."""
-
-
-def _activations(
-    hf: Any, cfg: Config, layout: Layout, layers_stage: int, imbalance: float
-) -> tuple[float, float]:
-    """(bytes of one micro-batch's layer activations on a stage, bytes of the logits)."""
-    b = 2 if cfg.model.dtype != "fp32" else 4
-    T = cfg.train.micro_batch_tokens
-    h, v = hf.hidden_size, hf.vocab_size
-    d = getattr(hf, "head_dim", None) or h // hf.num_attention_heads
-    nq, nkv = hf.num_attention_heads, hf.num_key_value_heads
-    experts, k = _num_experts(hf) or 0, getattr(hf, "num_experts_per_tok", 1)
-    f = getattr(hf, "moe_intermediate_size", 0) if experts else hf.intermediate_size
-    tok = T / (layout.cp * layout.tp)  # tokens per rank of a sequence-parallel tensor
-    # What megatron-core's modules keep for backward, per token (tests/launch/test_plan_memory
-    # measures it): each norm keeps its input, its normalised copy and its output (3h); the
-    # attention keeps the fused qkv, the q/k-norm inputs and outputs, the RoPE outputs and
-    # q, k, v, o (6 copies of q+k+v-sized tensors).
-    attn = b * (3 * h + 6 * (nq + nkv) * d) * tok
-    if experts:
-        etp = layout.expert_tp
-        routed = imbalance * k * T * etp / (layout.cp * layout.tp)
-        # router probs/logits (fp32) and int64 routing indices per token; per routed copy the
-        # permuted input (h) and fc1 out, SwiGLU in/out, fc2 in, the per-expert splits (6f).
-        mlp = (b * 3 * h + 8 * experts + 8 * k) * tok + routed * b * (h + 6 * f / etp)
-    else:
-        mlp = b * (3 * h + 3 * f) * tok
-    full_layer = attn + mlp
-    if cfg.model.activation_recompute == "full":
-        per_stage = layers_stage * b * h * tok + full_layer
-    else:
-        per_stage = layers_stage * full_layer
-    return per_stage, 6 * (T / layout.cp) * (v / layout.tp)
-
-
-def _micro_batches(cfg: Config, dp: int, prompt_tokens: int) -> int:
-    """Packed micro-batches per mini-batch per DP rank (sequences at their longest)."""
-    seqs = cfg.gspo.rollout_size / cfg.gspo.mini_batches_per_rollout / dp
-    tokens = seqs * (prompt_tokens + cfg.rollout.max_new_tokens)
-    return max(1, math.ceil(tokens / cfg.train.micro_batch_tokens))
-
-
-# ---------------------------------------------------------------------------------------------
 # the plan
 
 
@@ -329,28 +121,6 @@ def _hf_config(path: str | Path) -> Any:
         ) from None
     data.setdefault("tie_word_embeddings", False)
     return types.SimpleNamespace(**data)
-
-
-def cached_count_params(
-    hf_dir: str | Path, layout: Layout, world_size: int, cache: str | Path | None
-) -> list[StageParams]:
-    """`count_params`, memoised in a JSON file keyed by (config.json, layout, world size): a
-    requeued job or a second script run skips the megatron import and the meta build."""
-    if cache is None:
-        return count_params(hf_dir, layout, world_size)
-    text = (Path(hf_dir) / "config.json").read_text()
-    key = hashlib.sha256(
-        json.dumps([text, layout.to_dict(), world_size], sort_keys=True).encode()
-    ).hexdigest()
-    path = Path(cache)
-    table = json.loads(path.read_text()) if path.exists() else {}
-    if key not in table:
-        table[key] = [dataclasses.asdict(s) for s in count_params(hf_dir, layout, world_size)]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(table))
-        tmp.replace(path)
-    return [StageParams(**s) for s in table[key]]
 
 
 def make_plan(

@@ -19,6 +19,18 @@ ENGINE_PYTHON_ENV = "MGSPO_ENGINE_PYTHON"
 """Env var naming the engine venv's python (scripts/test.sh sets it after building the venv)."""
 REQUIRE_ENV = "MGSPO_REQUIRE_SGLANG"
 """Env var: when set, tests that need the real server fail instead of skipping without it."""
+GPU_TINY_ENGINE_ARGS = (
+    "--attention-backend",
+    "triton",
+    "--sampling-backend",
+    "pytorch",
+    "--cuda-graph-backend-decode",
+    "disabled",
+    "--cuda-graph-backend-prefill",
+    "disabled",
+)
+"""SGLang flags for a tiny model on a GPU (the GPU smoke test and tests/gpu/acceptance.py): no
+CUDA-graph capture (startup time) and backends that take any head/vocab size."""
 
 _ROOT = Path(__file__).resolve().parents[2]
 

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_gspo.testing.sglang_server import GPU_TINY_ENGINE_ARGS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 GPU_TINY = dict(
@@ -63,18 +65,9 @@ with KV cache vs TE's fused attention) make it nonzero; a wrong weight mapping g
 RUN_BUDGET_S = 8 * 60
 """The issue's budget for the whole run (environment build excluded)."""
 
-# SGLang flags for a tiny model: no CUDA-graph capture (startup time) and backends that take
-# any head/vocab size; the same as the GPU smoke test.
-ENGINE_EXTRA = [
-    "--attention-backend",
-    "triton",
-    "--sampling-backend",
-    "pytorch",
-    "--cuda-graph-backend-decode",
-    "disabled",
-    "--cuda-graph-backend-prefill",
-    "disabled",
-]
+# SGLang flags for a tiny model (no CUDA-graph capture, backends that take any head/vocab size);
+# the GPU smoke test's own, as the list `rollout.launch.extra_args` holds.
+ENGINE_EXTRA = list(GPU_TINY_ENGINE_ARGS)
 
 
 @dataclass

@@ -51,6 +51,7 @@ def ckpts(tmp_path_factory):
 def server(ckpts, tmp_path_factory):
     from megatron_gspo.rollout.embedded import free_port
     from megatron_gspo.rollout.launch import LaunchConfig, ServerGroup
+    from megatron_gspo.testing.sglang_server import GPU_TINY_ENGINE_ARGS
 
     cfg = LaunchConfig(
         model_path=ckpts[0],
@@ -60,16 +61,7 @@ def server(ckpts, tmp_path_factory):
         mem_fraction_static=0.3,
         startup_timeout_s=600,
         log_dir=str(tmp_path_factory.mktemp("sglang_logs")),
-        extra_args=(
-            "--attention-backend",
-            "triton",
-            "--sampling-backend",
-            "pytorch",
-            "--cuda-graph-backend-decode",
-            "disabled",
-            "--cuda-graph-backend-prefill",
-            "disabled",
-        ),
+        extra_args=GPU_TINY_ENGINE_ARGS,
     )
     group = ServerGroup(cfg)
     try:
