@@ -98,7 +98,11 @@ def count_params(hf_dir: str | Path, layout: Layout, world_size: int) -> list[St
     import torch.distributed as tdist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_gspo.megatron.model import make_provider, quiet_megatron
+    from megatron_gspo.megatron.model import (
+        initialize_parallel_state,
+        make_provider,
+        quiet_megatron,
+    )
     from megatron_gspo.patches import apply_bridge_imports, apply_cpu_runtime
 
     require(not tdist.is_initialized(), "count_params needs a process without a process group")
@@ -120,15 +124,7 @@ def count_params(hf_dir: str | Path, layout: Layout, world_size: int) -> list[St
         rank = stage * (world_size // layout.pp)
         tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=layout.tp,
-                pipeline_model_parallel_size=layout.pp,
-                virtual_pipeline_model_parallel_size=layout.vpp,
-                context_parallel_size=layout.cp,
-                expert_model_parallel_size=layout.ep,
-                expert_tensor_parallel_size=layout.etp,
-                create_gloo_process_groups=False,
-            )
+            initialize_parallel_state(layout, create_gloo_process_groups=False)
             assert parallel_state.get_pipeline_model_parallel_rank() == stage
             # fp32 and no grouped GEMM: the CPU build path; parameter counts do not depend on
             # either (TE's grouped and fused modules hold the same tensors).

@@ -29,6 +29,7 @@ __all__ = [
     "build_scheduler",
     "ddp_config",
     "init_megatron",
+    "initialize_parallel_state",
     "load_bridge",
     "make_provider",
     "quiet_megatron",
@@ -60,6 +61,15 @@ def init_megatron(layout: Layout, seed: int = 1234) -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    initialize_parallel_state(layout)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_parallel_state(layout: Layout, *, create_gloo_process_groups: bool = True) -> None:
+    """megatron-core's parallel state for `layout` on the current default group (the one place
+    that maps a `Layout` to `initialize_model_parallel`; the planner calls it in a fake group)."""
+    from megatron.core import parallel_state
+
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -67,8 +77,8 @@ def init_megatron(layout: Layout, seed: int = 1234) -> None:
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        create_gloo_process_groups=create_gloo_process_groups,
     )
-    model_parallel_cuda_manual_seed(seed)
 
 
 def cpu_layer_spec(config: Any) -> Any:
