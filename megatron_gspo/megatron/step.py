@@ -224,14 +224,15 @@ def train_step(
 
 def grads_finite(model: list[torch.nn.Module]) -> bool:
     """Whether every gradient on every rank is finite (a collective: call on all ranks)."""
+    # Count non-finite tensors on the device: one host sync for the whole model, not one per
+    # parameter (this runs before every optimizer step).
     bad = torch.zeros(1, device=dist.device())
     for chunk in model:
         for p in chunk.parameters():
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
-            if g is not None and not bool(torch.isfinite(g).all()):
-                bad += 1
-                break
+            if g is not None:
+                bad += (~torch.isfinite(g)).any()
     torch.distributed.all_reduce(bad)
     return bool(bad.item() == 0)
 
