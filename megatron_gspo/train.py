@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -20,6 +20,7 @@ from megatron_gspo.config import Config, ConfigError, dump_config, parse_cli
 from megatron_gspo.console import route_third_party_output, third_party_stdio
 from megatron_gspo.metrics_log import MetricsLogger
 from megatron_gspo.preflight import preflight
+from megatron_gspo.rollout.engine import NoEnginesLeft
 from megatron_gspo.weights.sync import WeightSync
 
 if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
@@ -93,17 +94,24 @@ def _loop(
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         offload_trainer(cfg, policy)  # colocated: trainer state off the devices while engines run
-        seqs, metrics = rollout.collect() if rollout else (None, None)
-        if rollout and colocated:  # before the broadcast, so no rank reloads into engine memory
-            rollout.engine.release_memory()
-        seqs, metrics = dist.broadcast((seqs, metrics))
+        seqs, metrics, lost = _collect(rollout)
+        if rollout and colocated and lost is None:  # before the broadcast, so no rank reloads
+            rollout.engine.release_memory()  # into engine memory
+        seqs, metrics, lost = dist.broadcast((seqs, metrics, lost))
+        if lost is not None:  # every engine is gone: keep what `step` steps trained
+            reload_trainer(cfg, policy)
+            _stop_without_engines(cfg, policy, rollout, step, lost)
         t1 = time.perf_counter()
         metrics |= reload_trainer(cfg, policy)
         metrics |= policy.update(seqs, step)
         t2 = time.perf_counter()
         if rollout and colocated:
             rollout.engine.resume_memory()
-        pushed = sync.push(policy.model)
+        try:
+            pushed = sync.push(policy.model)
+        except NoEnginesLeft as e:  # raised on every rank alike; the update itself is sound
+            log.log(step + 1, metrics)
+            _stop_without_engines(cfg, policy, rollout, step + 1, str(e))
         metrics |= _step_metrics(pushed, seqs, t0, t1, t2)
         log.log(step + 1, metrics)
         bad = bad + 1 if metrics["train/skipped_updates"] else 0
@@ -128,6 +136,31 @@ def _loop(
 
         out = f"{cfg.checkpoint.dir}/hf_final"
         export_hf(policy.bridge, policy.model, out, hf_dir=cfg.model.hf_path)
+
+
+def _collect(rollout: Rollout | None) -> tuple[Any, Any, str | None]:
+    """Rank 0's rollout, with `NoEnginesLeft` returned as its message so that every rank
+    learns of it through the broadcast that follows."""
+    if rollout is None:
+        return None, None, None
+    position = rollout.loader.state_dict()
+    try:
+        seqs, metrics = rollout.collect()
+    except NoEnginesLeft as e:
+        rollout.loader.load_state_dict(position)  # nothing trained on this batch: redo it
+        return None, None, str(e)
+    return seqs, metrics, None
+
+
+def _stop_without_engines(
+    cfg: Config, policy: Policy, rollout: Rollout | None, step: int, why: str
+) -> NoReturn:
+    """Checkpoint the state after `step` trained steps (every rank), then stop."""
+    if cfg.checkpoint.dir:
+        from megatron_gspo.trainer import save_checkpoint
+
+        save_checkpoint(policy, rollout, step)
+    raise NoEnginesLeft(f"{why}; {_saved(cfg, step)}")
 
 
 def _saved(cfg: Config, step: int) -> str:

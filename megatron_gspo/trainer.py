@@ -146,6 +146,8 @@ def make_rollout(cfg: Config) -> Rollout:
             api_key=api_key,
         )
     engine = SGLangClient(client)
+    if servers is not None:  # engines we launched are restarted when dropped (max_restarts)
+        engine.pool.restart = servers.restart_engine
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
     dataset = PromptDataset.from_config(cfg.data, tokenizer)
     loader = PromptLoader(

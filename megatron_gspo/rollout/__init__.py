@@ -5,7 +5,7 @@ imported only by the functions that need them (weight payloads, validation, the 
 engine).
 """
 
-from megatron_gspo.rollout.engine import EngineError, RolloutEngine
+from megatron_gspo.rollout.engine import EngineError, NoEnginesLeft, RolloutEngine
 from megatron_gspo.rollout.types import (
     RolloutResult,
     RolloutStats,
@@ -18,6 +18,7 @@ from megatron_gspo.rollout.types import (
 
 __all__ = [
     "EngineError",
+    "NoEnginesLeft",
     "RolloutEngine",
     "RolloutResult",
     "RolloutStats",

@@ -31,6 +31,14 @@ class EngineError(RuntimeError):
         self.url = url
 
 
+class NoEnginesLeft(RuntimeError):
+    """Every engine was dropped (dead, hung or answering garbage) and none came back.
+
+    Raised only when no engine is left to generate or to receive weights; `train` checkpoints
+    the last sound state and stops with this one-line message.
+    """
+
+
 class RolloutEngine(abc.ABC):
     """A pool of one or more inference engines serving one policy."""
 
@@ -140,6 +148,15 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def weights_checksum(self) -> dict[str, dict[str, Any]]:
         """Per-engine weight checksums (`per_engine_checksum` and per-tensor `checksums`)."""
+
+    def prepare_sync(self) -> None:
+        """Before a weight sync (sender only): engines that were dropped and answer again join
+        this sync; they receive the full weights and serve only after `commit_sync`."""
+        return None
+
+    def commit_sync(self, weight_version: str) -> None:
+        """After a sync that was verified on every engine: engines that joined it serve again."""
+        return None
 
     # ---- memory, cache, scheduling ---------------------------------------------------
     @abc.abstractmethod

@@ -78,6 +78,10 @@ class LaunchConfig:
     """Port of the router (rollout.launch.router=true)."""
     router_policy: str = "round_robin"
     """sglang-router load-balancing policy."""
+    max_restarts: int = 2
+    """Restarts of each launched engine after it was dropped (killed, hung, failing); the
+    restarted engine gets the current weights at the next weight sync before it generates
+    again (`rollout/engine_pool.py`). 0: a dropped engine stays down."""
     startup_timeout_s: float = 900.0
     """How long to wait for every engine to answer /health_generate."""
     log_dir: str | None = None
@@ -113,6 +117,10 @@ class LaunchConfig:
             require(v >= 1, f"rollout.launch.{name}={v} must be >= 1")
         require(
             self.base_gpu_id >= 0, f"rollout.launch.base_gpu_id={self.base_gpu_id} must be >= 0"
+        )
+        require(
+            self.max_restarts >= 0,
+            f"rollout.launch.max_restarts={self.max_restarts} must be >= 0",
         )
 
     @property
@@ -248,6 +256,8 @@ class ServerGroup:
         self.engines: list[subprocess.Popen] = []
         self.router: subprocess.Popen | None = None
         self._logs: list = []
+        self.restarts: dict[int, int] = {}
+        """Restarts per engine index."""
 
     def _spawn(self, cmd: list[str], name: str, *, cpu_engine: bool = False) -> subprocess.Popen:
         env = server_env(os.environ if self.env is None else self.env)
@@ -267,12 +277,14 @@ class ServerGroup:
             preexec_fn=_die_with_parent,
         )  # fmt: skip
 
+    def _spawn_engine(self, i: int) -> subprocess.Popen:
+        cpu = self.cfg.backend == "sglang" and self.cfg.device == "cpu"
+        return self._spawn(engine_command(self.cfg, i), f"engine{i}", cpu_engine=cpu)
+
     def start(self, *, wait: bool = True) -> ServerGroup:
         """Spawn the engines (and router); by default wait until all are healthy."""
         for i in range(self.cfg.num_engines):
-            cpu = self.cfg.backend == "sglang" and self.cfg.device == "cpu"
-            cmd = engine_command(self.cfg, i)
-            self.engines.append(self._spawn(cmd, f"engine{i}", cpu_engine=cpu))
+            self.engines.append(self._spawn_engine(i))
         if wait:
             self.wait_healthy(self.cfg.engine_urls)
         if self.cfg.router:
@@ -328,6 +340,35 @@ class ServerGroup:
     def kill_engine(self, i: int) -> None:
         """SIGKILL engine `i` and its children (tests: an engine dying mid-batch)."""
         _killpg(self.engines[i], signal.SIGKILL)
+
+    def restart_engine(self, url: str, reason: str) -> bool:
+        """Kill what is left of the engine at `url` (a hung one too) and start it again,
+        without waiting for it: it joins a weight sync once it answers (`EnginePool`). False
+        when it is not ours or has used up `max_restarts`. Fits `EnginePool.restart`."""
+        urls = self.cfg.engine_urls
+        if url not in urls:
+            return False
+        i = urls.index(url)
+        done = self.restarts.get(i, 0)
+        if done >= self.cfg.max_restarts:
+            print(
+                f"[rollout] engine {url} not restarted: rollout.launch.max_restarts="
+                f"{self.cfg.max_restarts} used up",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        _killpg(self.engines[i], signal.SIGKILL)
+        self.engines[i].wait()
+        self.engines[i] = self._spawn_engine(i)
+        self.restarts[i] = done + 1
+        print(
+            f"[rollout] engine {url} restarting ({done + 1} of rollout.launch.max_restarts="
+            f"{self.cfg.max_restarts}) after: {reason}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
 
     def shutdown(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every process group, then SIGKILL what is left; leaves no orphans."""

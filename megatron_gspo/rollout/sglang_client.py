@@ -31,9 +31,10 @@ from typing import Any
 import aiohttp
 import torch
 
-from megatron_gspo.config_io import ConfigError
 from megatron_gspo.rollout import sglang_protocol as proto
-from megatron_gspo.rollout.engine import EngineError, RolloutEngine
+from megatron_gspo.rollout.client_config import ClientConfig
+from megatron_gspo.rollout.engine import EngineError, NoEnginesLeft, RolloutEngine
+from megatron_gspo.rollout.engine_pool import EnginePool
 from megatron_gspo.rollout.types import (
     RolloutResult,
     RolloutStats,
@@ -46,61 +47,6 @@ from megatron_gspo.rollout.types import (
 logger = logging.getLogger(__name__)
 
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class ClientConfig:
-    """How the client reaches its engines."""
-
-    engine_urls: list[str] = dataclasses.field(default_factory=list)
-    """Base URL of every engine (`http://host:port`); control calls go to each of them. In a run
-    config: only for engines already running (`rollout.launch: null`); launched engines fill
-    it in."""
-    router_url: str | None = None
-    """If set, `/generate` goes through this `sglang-router` instead of client-side balancing."""
-    engine_tp_sizes: list[int] | None = None
-    """TP size of each engine (ranks in the weight-update group); default 1 each."""
-    max_batch_per_request: int = 64
-    """Most (prompt, sample) entries in one `/generate` request."""
-    max_inflight_per_engine: int = 4
-    """Most concurrent `/generate` requests per engine."""
-    request_timeout_s: float = 1800.0
-    """Total timeout of one `/generate` request."""
-    control_timeout_s: float = 600.0
-    """Total timeout of one control call (weight updates can be slow)."""
-    connect_timeout_s: float = 10.0
-    """Timeout of opening one TCP connection to an engine."""
-    max_retries: int = 6
-    """Re-sends of one `/generate` request before giving up."""
-    backoff_s: float = 0.2
-    """First retry delay; doubles per retry, capped at `backoff_max_s`."""
-    backoff_max_s: float = 10.0
-    """Longest retry delay."""
-    engine_cooldown_s: float = 5.0
-    """How long an engine that failed is skipped."""
-    resubmit_aborted: int = 0
-    """Times a sample that finished with `abort` (e.g. `pause_generation("abort")` during a
-    weight sync) is generated again from scratch, same seed; 0 returns it flagged `abort`."""
-    use_native_n: bool = False
-    """Use SGLang's `n` instead of client-side expansion (unseeded sampling only)."""
-    validate_requests: bool = False
-    """Check every body with SGLang's own request classes before sending (tests, debugging)."""
-    api_key: str | None = None
-    """Bearer token if the servers run with `--api-key` / `--admin-api-key`."""
-
-    def __post_init__(self) -> None:
-        for url in self.engine_urls:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(
-                    f"rollout.client.engine_urls entry {url!r} is not an http(s) URL; fix it"
-                )
-        self.engine_urls = [u.rstrip("/") for u in self.engine_urls]
-        if self.engine_tp_sizes is None:
-            self.engine_tp_sizes = [1] * len(self.engine_urls)
-        if len(self.engine_tp_sizes) != len(self.engine_urls):
-            raise ConfigError(
-                "rollout.client.engine_tp_sizes needs one entry per rollout.client.engine_urls"
-            )
 
 
 @dataclasses.dataclass(slots=True)
@@ -130,9 +76,13 @@ class SGLangClient(RolloutEngine):
             raise ValueError("SGLangClient needs at least one engine URL (engine_urls)")
         self.config = config
         self._calls = itertools.count()
-        # Engines that failed rest until this time (kept across calls, so a dead engine is not
-        # re-tried by every later call's first request).
-        self._down_until: dict[str, float] = {}
+        self.pool = EnginePool(
+            config.engine_urls,
+            dead_after_failures=config.dead_after_failures,
+            cooldown_s=config.engine_cooldown_s,
+        )
+        """Live, dead and joining engines; `make_rollout` sets `pool.restart` for launched
+        engines."""
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-client")
 
     # ---- HTTP plumbing ---------------------------------------------------------------------
@@ -195,7 +145,7 @@ class SGLangClient(RolloutEngine):
             limit = self.config.max_inflight_per_engine * len(self.config.engine_urls)
             targets = [_Target(self.config.router_url, limit)]
         else:
-            urls = self.config.engine_urls
+            urls = self.pool.require_live()
             targets = [_Target(u, self.config.max_inflight_per_engine) for u in urls]
         stats = RolloutStats()
         async with self._session(self.config.request_timeout_s) as session:
@@ -223,17 +173,39 @@ class SGLangClient(RolloutEngine):
         stats.num_aborted = sum(s.finish_reason == "abort" for s in ordered)
         stats.num_masked_logprobs = sum(len(s.logprobs) - s.num_valid_logprobs for s in ordered)
         stats.wall_s = time.perf_counter() - tic
+        stats.engines_alive = len(self.pool.live())
+        stats.engine_restarts = self.pool.restarts
         return RolloutResult(samples=ordered, stats=stats)
+
+    def _usable(self, target: _Target) -> bool:
+        return self.config.router_url is not None or target.url in self.pool.live()
 
     def _pick(self, targets: list[_Target]) -> _Target | None:
         now = time.monotonic()
-        up = [t for t in targets if self._down_until.get(t.url, 0.0) <= now]
+        up = [t for t in targets if self._usable(t) and self.pool.down_until.get(t.url, 0.0) <= now]
         if not up:
             return None
         # Least loaded first; among equals, the one picked least often (round robin).
         best = min(up, key=lambda t: (t.inflight, t.picks))
         best.picks += 1
         return best
+
+    async def _next_target(self, targets: list[_Target]) -> _Target:
+        target = self._pick(targets)
+        if target is not None:
+            return target
+        usable = [t for t in targets if self._usable(t)]
+        if not usable:
+            self.pool.require_live()  # raises NoEnginesLeft
+        soonest = min(self.pool.down_until.get(t.url, 0.0) for t in usable) - time.monotonic()
+        await asyncio.sleep(max(0.0, min(soonest, self.config.backoff_max_s)))
+        return self._pick(targets) or usable[0]
+
+    def _fault(self, url: str, reason: str) -> None:
+        if self.config.router_url:  # the router is not an engine: rest it, drop nothing
+            self.pool.down_until[url] = time.monotonic() + self.config.engine_cooldown_s
+        else:
+            self.pool.failed(url, reason)
 
     async def _send_chunk(
         self,
@@ -257,14 +229,7 @@ class SGLangClient(RolloutEngine):
         again = await self._send_chunk(session, targets, redo, n, stats, resubmits + 1)
         return [s for s in samples if s.key not in aborted] + again
 
-    async def _send_once(
-        self,
-        session: aiohttp.ClientSession,
-        targets: list[_Target],
-        chunk: list[_Entry],
-        n: int,
-        stats: RolloutStats,
-    ) -> list[Sample]:
+    def _body(self, chunk: list[_Entry], n: int) -> dict[str, Any]:
         if n > 1:
             body = proto.generate_body_native_n([e.prompt for e in chunk], chunk[0].sampling, n)
         elif self.config.router_url:
@@ -275,86 +240,127 @@ class SGLangClient(RolloutEngine):
                 [e.prompt for e in chunk], [e.sampling for e in chunk], [e.rid for e in chunk]
             )
         self._validate("/generate", body)
+        return body
+
+    async def _send_once(
+        self,
+        session: aiohttp.ClientSession,
+        targets: list[_Target],
+        chunk: list[_Entry],
+        n: int,
+        stats: RolloutStats,
+    ) -> list[Sample]:
+        """Generate `chunk`, re-sending to another engine what a fault left without an answer.
+
+        Engine faults: a connection error or timeout, a 5xx, an answer that is no usable JSON
+        (the whole request is re-sent), and samples whose ids and log-probs disagree (only
+        those entries are re-sent). Only whole answers are accounted, so nothing is lost or
+        duplicated. Entries still inconsistent after `max_retries` re-sends are dropped and
+        counted (`num_rejected`) rather than failing the step.
+        """
         cfg = self.config
-        last_error = "no engine available"
+        done: list[Sample] = []
+        last_error, inconsistent = "no engine available", False
         for attempt in range(cfg.max_retries + 1):
             if attempt:
                 stats.num_retries += 1
+                stats.num_resent_samples += len(chunk) * n
                 await asyncio.sleep(min(cfg.backoff_s * 2 ** (attempt - 1), cfg.backoff_max_s))
-            target = self._pick(targets)
-            if target is None:
-                soonest = min(self._down_until.get(t.url, 0.0) for t in targets) - time.monotonic()
-                await asyncio.sleep(max(0.0, min(soonest, cfg.backoff_max_s)))
-                target = self._pick(targets) or targets[0]
+            body = self._body(chunk, n)
+            target = await self._next_target(targets)
+            url = target.url
             target.inflight += 1
             try:
                 async with target.sem:
-                    status, raw = await self._request(
-                        session, "POST", target.url + "/generate", body
-                    )
+                    status, raw = await self._request(session, "POST", url + "/generate", body)
             except _RETRYABLE as e:
-                last_error = f"{target.url}/generate: {type(e).__name__}: {e}"
+                last_error, inconsistent = f"{url}/generate: {type(e).__name__}: {e}", False
                 logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
-                self._down_until[target.url] = time.monotonic() + cfg.engine_cooldown_s
+                self._fault(url, f"{type(e).__name__}: {e}")
                 continue
             finally:
                 target.inflight -= 1
             if status >= 500:
-                last_error = f"{target.url}/generate: HTTP {status}: {proto.error_message(raw)}"
+                reason = f"HTTP {status}: {proto.error_message(raw)}"
+                last_error, inconsistent = f"{url}/generate: {reason}", False
                 logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
-                self._down_until[target.url] = time.monotonic() + cfg.engine_cooldown_s
+                self._fault(url, reason)
                 continue
             if status >= 400:
                 raise EngineError(
-                    f"{target.url}/generate refused the request: HTTP {status}: "
+                    f"{url}/generate refused the request: HTTP {status}: "
                     f"{proto.error_message(raw)}",
                     status=status,
-                    url=target.url,
+                    url=url,
                 )
-            stats.requests_per_engine[target.url] += 1
-            return self._to_samples(chunk, n, json.loads(raw), target.url, stats)
+            try:
+                got, bad = self._to_samples(chunk, n, json.loads(raw), url)
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+                reason = f"unusable answer ({type(e).__name__}: {str(e)[:200]})"
+                last_error, inconsistent = f"{url}/generate: {reason}", False
+                logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
+                self._fault(url, reason)
+                continue
+            stats.requests_per_engine[url] += 1
+            done += got
+            if not bad:
+                self.pool.succeeded(url)
+                return done
+            reason = f"{len(bad)} inconsistent samples ({bad[0][1]})"
+            last_error, inconsistent = f"{url}/generate: {reason}", True
+            logger.warning("re-sending /generate (attempt %d): %s", attempt + 1, last_error)
+            self._fault(url, reason)
+            chunk = [e for e, _ in bad]
+        if inconsistent:
+            logger.warning("dropping %d samples: %s", len(chunk) * n, last_error)
+            stats.num_rejected += len(chunk) * n
+            return done
         raise EngineError(
             f"/generate failed after {cfg.max_retries + 1} attempts: {last_error}", url=None
         )
 
     def _to_samples(
-        self, chunk: list[_Entry], n: int, payload: Any, url: str, stats: RolloutStats
-    ) -> list[Sample]:
+        self, chunk: list[_Entry], n: int, payload: Any, url: str
+    ) -> tuple[list[Sample], list[tuple[_Entry, str]]]:
+        """The samples of a 200 answer, and the entries whose samples were inconsistent (with
+        the reason). Raises ValueError & co. for an answer of the wrong shape."""
         items = proto.as_response_list(payload)
         if len(items) != len(chunk) * n:
-            raise EngineError(f"{url}: {len(items)} responses for {len(chunk) * n} requests")
+            raise ValueError(f"{len(items)} responses for {len(chunk) * n} requests")
         if n == 1:
             by_rid = {it.get("meta_info", {}).get("id"): it for it in items}
             if set(by_rid) == {e.rid for e in chunk}:
                 items = [by_rid[e.rid] for e in chunk]
-        out = []
+        out: list[tuple[int, Sample]] = []
+        bad: dict[int, str] = {}
         for k, item in enumerate(items):
             if self.config.validate_requests:
                 proto.validate_generate_response(item)
             entry = chunk[k // n]
             meta = item.get("meta_info", {})
             try:
-                out.append(
-                    build_sample(
-                        prompt_ids=entry.prompt,
-                        output_ids=item.get("output_ids") or [],
-                        token_logprobs=meta.get("output_token_logprobs") or [],
-                        finish_reason=meta.get("finish_reason"),
-                        weight_version=meta.get("weight_version"),
-                        engine_id=url,
-                        prompt_index=entry.prompt_index,
-                        sample_index=k % n if n > 1 else entry.sample_index,
-                        meta={
-                            "rid": meta.get("id"),
-                            "prompt_tokens": meta.get("prompt_tokens"),
-                            "e2e_latency": meta.get("e2e_latency"),
-                        },
-                    )
+                sample = build_sample(
+                    prompt_ids=entry.prompt,
+                    output_ids=item.get("output_ids") or [],
+                    token_logprobs=meta.get("output_token_logprobs") or [],
+                    finish_reason=meta.get("finish_reason"),
+                    weight_version=meta.get("weight_version"),
+                    engine_id=url,
+                    prompt_index=entry.prompt_index,
+                    sample_index=k % n if n > 1 else entry.sample_index,
+                    meta={
+                        "rid": meta.get("id"),
+                        "prompt_tokens": meta.get("prompt_tokens"),
+                        "e2e_latency": meta.get("e2e_latency"),
+                    },
                 )
             except SampleValidationError as e:
-                logger.warning("dropping sample: %s", e)
-                stats.num_rejected += 1
-        return out
+                bad.setdefault(k // n, str(e))
+                continue
+            out.append((k // n, sample))
+        # With native n an entry's samples are re-sent together: keep none of a bad entry's.
+        good = [sample for i, sample in out if i not in bad]
+        return good, [(chunk[i], why) for i, why in sorted(bad.items())]
 
     # ---- control plane -------------------------------------------------------------------
     async def _acall(
@@ -364,6 +370,7 @@ class SGLangClient(RolloutEngine):
         *,
         method: str = "POST",
         retries: int = 0,
+        timeout_s: float | None = None,
     ) -> dict[str, tuple[int, bytes]]:
         """`route` on each engine URL with its body, concurrently; connection failures of
         idempotent calls (`retries` > 0) are retried, then reported as status 599."""
@@ -381,7 +388,7 @@ class SGLangClient(RolloutEngine):
                     await asyncio.sleep(self.config.backoff_s * 2**attempt)
             raise AssertionError("unreachable")
 
-        async with self._session(self.config.control_timeout_s) as session:
+        async with self._session(timeout_s or self.config.control_timeout_s) as session:
             got = await asyncio.gather(*(one(session, u) for u in bodies))
         return dict(zip(bodies, got))
 
@@ -396,20 +403,50 @@ class SGLangClient(RolloutEngine):
             raise EngineError(f"{route} failed: {detail}", status=next(iter(bad.values()))[0])
         return res
 
+    def _drop_failed(
+        self, route: str, res: dict[str, tuple[int, bytes]]
+    ) -> dict[str, tuple[int, bytes]]:
+        """Drop the engines that did not answer (connection error, timeout: 599) or failed
+        (5xx); the rest carry on. A 4xx is the request's fault and stays for `_check`."""
+        for url, (status, raw) in list(res.items()):
+            if status >= 500:
+                self.pool.drop(url, f"{route}: HTTP {status}: {proto.error_message(raw)[:200]}")
+                del res[url]
+        if not res:
+            self.pool.require_targets()  # raises NoEnginesLeft when none is left
+            raise NoEnginesLeft(f"{route}: no engine answered")
+        return res
+
     def _control(
         self, route: str, body: dict[str, Any] | None = None, *, method: str = "POST", **kw: Any
     ) -> dict[str, tuple[int, bytes]]:
-        """Call `route` with the same body on every engine and wait."""
-        bodies = {u: body for u in self.config.engine_urls}
-        return self._check(route, asyncio.run(self._acall(route, bodies, method=method, **kw)))
+        """Call `route` with the same body on every engine still in the pool and wait."""
+        bodies = {u: body for u in self.pool.require_targets()}
+        res = asyncio.run(self._acall(route, bodies, method=method, **kw))
+        return self._check(route, self._drop_failed(route, res))
 
     def _in_thread(self, route: str, bodies: dict[str, dict[str, Any]]) -> Future[None]:
         """Per-engine calls in a worker thread (the caller acts on the process group meanwhile)."""
 
         def run() -> None:
-            self._check(route, asyncio.run(self._acall(route, bodies)))
+            self._check(route, self._drop_failed(route, asyncio.run(self._acall(route, bodies))))
 
         return self._pool.submit(run)
+
+    def prepare_sync(self) -> None:
+        """Dropped engines that pass their health probe join this sync (full weights)."""
+        self.pool.probe_dead(self._healthy)
+
+    def commit_sync(self, weight_version: str) -> None:
+        self.pool.commit(weight_version)
+
+    def _healthy(self, urls: list[str]) -> set[str]:
+        # Short: a hung engine must not stall every sync; one still starting joins a later one.
+        timeout = self.config.connect_timeout_s
+        res = asyncio.run(
+            self._acall("/health_generate", dict.fromkeys(urls), method="GET", timeout_s=timeout)
+        )
+        return {u for u, (status, _) in res.items() if status == 200}
 
     def set_weight_version(self, weight_version: str) -> None:
         # abort_all_requests defaults to True in SGLang: a version stamp must not kill rollouts.
@@ -440,6 +477,7 @@ class SGLangClient(RolloutEngine):
                 "weight_version": weight_version,
             }
             for url, tp in zip(self.config.engine_urls, self.config.engine_tp_sizes, strict=True)
+            if url in self.pool.require_targets()
         }
         # The payloads are handles onto `bucket`'s memory: keep it alive until every engine
         # answered (result() below), as SGLang requires.

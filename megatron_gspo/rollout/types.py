@@ -141,9 +141,17 @@ class RolloutStats:
     num_masked_logprobs: int = 0
     """Response tokens whose engine log-prob was NaN/inf (masked out)."""
     num_rejected: int = 0
-    """Samples dropped because ids and log-probs disagreed (length or token id)."""
+    """Samples dropped because ids and log-probs still disagreed (length or token id) after
+    every re-send (`ClientConfig.max_retries`)."""
     num_retries: int = 0
-    """HTTP requests re-sent after a connection error / 5xx / dead engine."""
+    """HTTP requests re-sent after a connection error / timeout / 5xx / garbage answer /
+    inconsistent samples."""
+    num_resent_samples: int = 0
+    """(prompt, sample) entries those re-sent requests carried."""
+    engines_alive: int = 0
+    """Engines that generate at the end of the call (dropped and joining ones left out)."""
+    engine_restarts: int = 0
+    """Restarts of launched engines so far in the job (cumulative)."""
     num_resubmitted: int = 0
     """Aborted samples generated again (`ClientConfig.resubmit_aborted`)."""
     requests_per_engine: Counter = dataclasses.field(default_factory=Counter)
@@ -161,6 +169,9 @@ class RolloutStats:
                 "num_rejected",
                 "num_retries",
                 "num_resubmitted",
+                "num_resent_samples",
+                "engines_alive",
+                "engine_restarts",
                 "wall_s",
             )
         }

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_gspo.config_io import ConfigError
-from megatron_gspo.rollout.engine import RolloutEngine
+from megatron_gspo.rollout.engine import NoEnginesLeft, RolloutEngine
 from megatron_gspo.weights import fp8 as fp8_lib
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
@@ -262,6 +262,9 @@ class WeightSync:
             if self.sender and not self._ready:
                 self.transport.setup()
                 self._ready = True
+            if self.sender and cfg.transport != "distributed":  # its groups have fixed members
+                for engine in self.engines:
+                    engine.prepare_sync()  # dropped engines that answer again get these weights
             if self.sender:
                 self.transport.begin(version)
         except BaseException as e:  # noqa: BLE001 - reported on every rank below
@@ -296,6 +299,8 @@ class WeightSync:
                     report.verified = True
                 if cfg.check_version:
                     self._check_version(version)
+                for engine in self.engines:
+                    engine.commit_sync(version)
             except BaseException as e:  # noqa: BLE001
                 error = e
         if self.sender and error is not None and self.transport is not None:
@@ -325,10 +330,12 @@ class WeightSync:
             report, err = payload[0]
             if err is not None and error is None:
                 kind, msg = err
+                if kind == "NoEnginesLeft":  # every rank stops the same way (train checkpoints)
+                    raise NoEnginesLeft(msg)
                 cls = WeightIntegrityError if kind == "WeightIntegrityError" else WeightSyncError
                 raise cls(f"weight sync v{report.version} failed on rank {src}: {msg}")
         if error is not None:
-            if isinstance(error, WeightIntegrityError | WeightSyncError):
+            if isinstance(error, WeightIntegrityError | WeightSyncError | NoEnginesLeft):
                 raise error
             raise WeightSyncError(f"weight sync v{report.version} failed: {error}") from error
         return report

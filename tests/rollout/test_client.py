@@ -147,7 +147,9 @@ def test_5xx_and_connection_errors_are_retried_on_another_engine(engine_a, faili
 
 
 def test_retries_back_off_then_fail_with_the_last_error(failing_engine):
-    client = _fast([failing_engine.url], max_retries=3, engine_cooldown_s=0.0)
+    client = _fast(
+        [failing_engine.url], max_retries=3, engine_cooldown_s=0.0, dead_after_failures=10
+    )
     tic = time.perf_counter()
     with pytest.raises(EngineError, match="after 4 attempts.*HTTP 503: engine overloaded"):
         client.generate([[1, 2]], SamplingParams(max_new_tokens=1))
@@ -166,20 +168,29 @@ def test_4xx_is_not_retried_and_carries_sglang_message(refusing_engine, engine_a
         _fast([engine_a.url]).end_weight_update()
 
 
-def test_inconsistent_response_is_rejected_and_counted(engine_a, monkeypatch):
+def test_inconsistent_sample_is_regenerated_nan_logprob_masked(engine_a, monkeypatch):
+    """A sample whose ids and log-probs disagree is generated again (same seed), alone; a NaN
+    log-prob is masked. When every re-send is inconsistent too, it is dropped and counted."""
     real = SGLangClient._request
+    spoil = {"first": True, "always": False}
 
     async def corrupting(session, method, url, body=None):
         status, raw = await real(session, method, url, body)
         items = json.loads(raw)
-        items[0]["meta_info"]["output_token_logprobs"].pop()  # one log-prob short
-        items[1]["meta_info"]["output_token_logprobs"][0][0] = float("nan")
+        if spoil["first"] or spoil["always"]:
+            items[0]["meta_info"]["output_token_logprobs"].pop()  # one log-prob short
+        if spoil["first"]:
+            items[1]["meta_info"]["output_token_logprobs"][0][0] = float("nan")
+        spoil["first"] = False
         return status, json.dumps(items).encode()
 
     monkeypatch.setattr(SGLangClient, "_request", staticmethod(corrupting))
-    res = _fast([engine_a.url]).generate(
-        [[1, 2]], SamplingParams(max_new_tokens=3, ignore_eos=True), n=2
-    )
-    assert res.stats.num_rejected == 1 and len(res.samples) == 1
-    assert res.samples[0].logprob_mask[0] is False and res.stats.num_masked_logprobs == 1
-    assert torch.isfinite(torch.tensor(res.samples[0].logprobs)).all()
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True, seed=3)
+    res = _fast([engine_a.url]).generate([[1, 2]], sp, n=2)
+    assert [s.key for s in res.samples] == [(0, 0), (0, 1)]
+    assert res.stats.num_rejected == 0 and res.stats.num_resent_samples == 1
+    assert res.samples[1].logprob_mask[0] is False and res.stats.num_masked_logprobs == 1
+    assert torch.isfinite(torch.tensor(res.samples[1].logprobs)).all()
+    spoil["always"] = True
+    res = _fast([engine_a.url], max_retries=2, dead_after_failures=10).generate([[1, 2]], sp, n=2)
+    assert [s.key for s in res.samples] == [(0, 1)] and res.stats.num_rejected == 1

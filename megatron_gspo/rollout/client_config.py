@@ -1,0 +1,72 @@
+"""`ClientConfig`: how `SGLangClient` reaches its engines (`rollout.client` in a run config)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_gspo.config_io import ConfigError
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ClientConfig:
+    """How the client reaches its engines."""
+
+    engine_urls: list[str] = dataclasses.field(default_factory=list)
+    """Base URL of every engine (`http://host:port`); control calls go to each of them. In a run
+    config: only for engines already running (`rollout.launch: null`); launched engines fill
+    it in."""
+    router_url: str | None = None
+    """If set, `/generate` goes through this `sglang-router` instead of client-side balancing."""
+    engine_tp_sizes: list[int] | None = None
+    """TP size of each engine (ranks in the weight-update group); default 1 each."""
+    max_batch_per_request: int = 64
+    """Most (prompt, sample) entries in one `/generate` request."""
+    max_inflight_per_engine: int = 4
+    """Most concurrent `/generate` requests per engine."""
+    request_timeout_s: float = 1800.0
+    """Total timeout of one `/generate` request."""
+    control_timeout_s: float = 600.0
+    """Total timeout of one control call (weight updates can be slow)."""
+    connect_timeout_s: float = 10.0
+    """Timeout of opening one TCP connection to an engine."""
+    max_retries: int = 6
+    """Re-sends of one `/generate` request before giving up."""
+    backoff_s: float = 0.2
+    """First retry delay; doubles per retry, capped at `backoff_max_s`."""
+    backoff_max_s: float = 10.0
+    """Longest retry delay."""
+    engine_cooldown_s: float = 5.0
+    """How long an engine that failed is skipped."""
+    dead_after_failures: int = 3
+    """Failed `/generate` requests in a row (connection error, timeout, 5xx, garbage or
+    inconsistent samples) after which an engine is dropped: no more generation, control calls
+    or weight syncs until it answers its health probe again and has received the full weights
+    (`rollout/engine_pool.py`). A failed control call (e.g. part of a weight sync) drops it at
+    once."""
+    resubmit_aborted: int = 0
+    """Times a sample that finished with `abort` (e.g. `pause_generation("abort")` during a
+    weight sync) is generated again from scratch, same seed; 0 returns it flagged `abort`."""
+    use_native_n: bool = False
+    """Use SGLang's `n` instead of client-side expansion (unseeded sampling only)."""
+    validate_requests: bool = False
+    """Check every body with SGLang's own request classes before sending (tests, debugging)."""
+    api_key: str | None = None
+    """Bearer token if the servers run with `--api-key` / `--admin-api-key`."""
+
+    def __post_init__(self) -> None:
+        if self.dead_after_failures < 1:
+            raise ConfigError(
+                f"rollout.client.dead_after_failures={self.dead_after_failures} must be >= 1"
+            )
+        for url in self.engine_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"rollout.client.engine_urls entry {url!r} is not an http(s) URL; fix it"
+                )
+        self.engine_urls = [u.rstrip("/") for u in self.engine_urls]
+        if self.engine_tp_sizes is None:
+            self.engine_tp_sizes = [1] * len(self.engine_urls)
+        if len(self.engine_tp_sizes) != len(self.engine_urls):
+            raise ConfigError(
+                "rollout.client.engine_tp_sizes needs one entry per rollout.client.engine_urls"
+            )
