@@ -75,9 +75,12 @@ class FaultyProxy:
 
         async def forward(request: web.Request) -> tuple[int, bytes]:
             body = await request.read()
-            async with aiohttp.ClientSession() as s, s.request(
-                request.method, upstream + request.path, data=body, headers=request.headers
-            ) as r:
+            async with (
+                aiohttp.ClientSession() as s,
+                s.request(
+                    request.method, upstream + request.path, data=body, headers=request.headers
+                ) as r,
+            ):
                 return r.status, await r.read()
 
         async def generate(request: web.Request) -> web.Response:
