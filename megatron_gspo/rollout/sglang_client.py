@@ -5,13 +5,15 @@ rid and seed, and sent as batched `/generate` requests of at most `max_batch_per
 entries, concurrently over the engines (least-loaded first, at most
 `max_inflight_per_engine` requests per engine), or one pair per request through one
 `sglang-router` URL (the router's schema admits no per-entry sampling params or rids). A request
-that fails with a connection error, a timeout or a 5xx is re-sent, after an exponential
-backoff, to another engine; the failed engine rests for `engine_cooldown_s`. A request is
-accounted only when its whole response arrived, so a dead engine loses no sample and
+that fails with a connection error, a timeout, a 5xx or an answer that is not a usable
+`/generate` answer is re-sent, after an exponential backoff, to another engine (samples whose
+ids and log-probs disagree: only those); the failed engine rests for `engine_cooldown_s`. A
+request is accounted only when its whole response arrived, so a dead engine loses no sample and
 duplicates none. A 4xx is never retried: it raises `EngineError` carrying SGLang's message.
 
 Control calls (weights, memory, pause, abort, cache) go to every engine directly: the router
-does not proxy them.
+does not proxy them. Engines that keep failing, or fail a control call, are dropped from both
+until they answer again and have received the full weights (`engine_pool.EnginePool`).
 """
 
 from __future__ import annotations
@@ -265,6 +267,9 @@ class SGLangClient(RolloutEngine):
             if attempt:
                 stats.num_retries += 1
                 stats.num_resent_samples += len(chunk) * n
+                # A fresh rid: the engine that timed out may still run the first one, and
+                # SGLang refuses a rid it already holds (same seed: the same sample).
+                chunk = [dataclasses.replace(e, rid=f"{e.rid}-a{attempt}") for e in chunk]
                 await asyncio.sleep(min(cfg.backoff_s * 2 ** (attempt - 1), cfg.backoff_max_s))
             body = self._body(chunk, n)
             target = await self._next_target(targets)
