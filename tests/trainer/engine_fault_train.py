@@ -30,7 +30,8 @@ def _collect_with_faults(self: trainer.Rollout) -> Any:
 
         async def kill_after_first_answer(session, method, url, body=None):  # noqa: ANN001
             out = await _request(session, method, url, body)
-            if url.endswith("/generate") and servers.restarts.get(0, 0) == 0:
+            if url.endswith("/generate") and not _calls.get("killed"):
+                _calls["killed"] = 1
                 servers.kill_engine(0)
                 print("[test] killed engine 0 mid-rollout", file=sys.stderr, flush=True)
             return out

@@ -61,6 +61,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "MGSPO_TEST_VERSIONS": str(versions),
     }
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    (tmp / "stderr.txt").write_text(proc.stderr)  # kept for a look after a failure
     assert versions.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics = [json.loads(ln) for ln in (tmp / "run/metrics.jsonl").read_text().splitlines()]
     synced = [json.loads(ln) for ln in versions.read_text().splitlines()]
