@@ -1,0 +1,243 @@
+"""Multi-turn rollouts (`rollout.env`): exact masks, the engine sees exactly the trainer's ids,
+env code runs in worker processes, env failures cost an episode and are loud.
+
+A fake engine (deterministic in its seed and prompt) records every `/generate` input; the
+expected response ids, masks and log-probs are rebuilt independently from those records and
+the test env's rules (tests/rollout/env_fixtures.py), not from the code under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+from megatron_gspo.config import ConfigError, load_config
+from megatron_gspo.data.prompts import PromptDataset, PromptLoader, PromptRecord
+from megatron_gspo.data.toy import build_toy_tokenizer
+from megatron_gspo.rewards import RewardPool
+from megatron_gspo.rollout.types import RolloutResult, RolloutStats, Sample, SamplingParams
+from megatron_gspo.trainer import Rollout, make_multiturn
+
+FIX = __name__.rpartition(".")[0] + ".env_fixtures"
+TOK = build_toy_tokenizer()
+
+
+class FakeEngine:
+    """`agenerate` for one prompt: 1-3 printable tokens chosen by (seed, prompt length), then EOS;
+    cut at `max_new_tokens` and at the first stop id. Records (prompt, sampling, output)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], SamplingParams, list[int]]] = []
+
+    async def agenerate(self, prompts, sampling, *, n=1):
+        (p,) = prompts
+        await asyncio.sleep(0)  # let other episodes interleave
+        key = (sampling.seed or 0) + len(p)
+        out = [4 + (key * 7 + i * 13) % 90 for i in range(1 + key % 3)] + [TOK.eos_token_id]
+        out = out[: sampling.max_new_tokens]
+        for i, t in enumerate(out):
+            if t in sampling.stop_token_ids:
+                out = out[: i + 1]
+                break
+        self.calls.append((list(p), sampling, out))
+        lps = [-0.001 * (key % 97 + i + 1) for i in range(len(out))]
+        sample = Sample(
+            prompt_ids=list(p),
+            response_ids=out,
+            logprobs=lps,
+            logprob_mask=[True] * len(out),
+            finish_reason="stop" if out and out[-1] == TOK.eos_token_id else "length",
+            truncated=False,
+            weight_version="v7",
+            engine_id="fake",
+            prompt_index=0,
+            sample_index=0,
+        )
+        return RolloutResult(samples=[sample], stats=RolloutStats())
+
+
+def _cfg(*extra: str):
+    return load_config(
+        None,
+        [
+            "model.hf_path=/m",
+            "data.train_path=/d.jsonl",
+            f"rollout.env={FIX}:ToolEnv",
+            "rollout.max_turns=3",
+            "rollout.max_new_tokens=4",
+            "rollout.max_total_tokens=64",
+            "rollout.env_workers=1",
+            "gspo.group_size=3",
+            "gspo.prompts_per_rollout=2",
+            "gspo.mini_batches_per_rollout=1",
+            "reward.kind=toy",
+            "reward.num_workers=0",
+            *extra,
+        ],
+    )
+
+
+def _rollout(cfg, answers=("12", "7")) -> tuple[Rollout, FakeEngine]:
+    records = [PromptRecord(index=i, prompt=f"add {i}+5=", answer=a) for i, a in enumerate(answers)]
+    dataset = PromptDataset(records, TOK, chat_template=False)
+    loader = PromptLoader(dataset, cfg.gspo.prompts_per_rollout, seed=0, shuffle=False)
+    engine = FakeEngine()
+    group_fn, envs = make_multiturn(cfg, engine, TOK)
+    ro = Rollout(cfg, engine, TOK, loader, RewardPool("toy", num_workers=0))
+    ro.group_fn, ro.envs = group_fn, envs
+    return ro, engine
+
+
+def _ids(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+def expected_episode(full: list[int], n_prompt: int, record_prompt: str, calls) -> tuple:
+    """Response ids, loss mask and pi_old of one ToolEnv episode, rebuilt from the engine's
+    recorded calls: the call whose input is the current context (and whose output the sequence
+    continues with: samples of a group share their first input), its output (mask 1, its
+    log-probs), then ToolEnv's observation (mask 0, log-prob 0)."""
+    prompt = full[:n_prompt]
+    resp = _ids(f"[{record_prompt}]")
+    mask, old = [0] * len(resp), [0.0] * len(resp)
+    for turn in range(1, 4):
+        ctx = prompt + resp
+        (p, sampling, out), *_ = [
+            c for c in calls if c[0] == ctx and full[len(ctx) : len(ctx) + len(c[2])] == c[2]
+        ]
+        key = (sampling.seed or 0) + len(p)
+        resp += out
+        mask += [1] * len(out)
+        old += [-0.001 * (key % 97 + i + 1) for i in range(len(out))]
+        if turn < 3:
+            obs = _ids(f"<{turn}:{len(TOK.decode(out, skip_special_tokens=True))}>")
+            resp, mask, old = resp + obs, mask + [0] * len(obs), old + [0.0] * len(obs)
+    return resp, mask, old
+
+
+def check_sequence(seq, record_prompt: str, calls) -> None:
+    full = list(seq.prompt_ids) + list(seq.response_ids)
+    resp, mask, old = expected_episode(full, len(seq.prompt_ids), record_prompt, calls)
+    assert list(seq.response_ids) == resp
+    assert list(seq.loss_mask) == mask
+    assert list(seq.old_logp) == pytest.approx(old, abs=0)
+
+
+def test_masks_are_exact_and_the_engine_sees_the_trainers_ids(capsys):
+    cfg = _cfg()
+    ro, engine = _rollout(cfg)
+    try:
+        seqs, metrics = ro.collect()
+    finally:
+        ro.close()
+    assert len(seqs) == 6
+    prompts = {tuple(TOK(f"add {i}+5=")["input_ids"]): f"add {i}+5=" for i in range(2)}
+    for seq in seqs:
+        check_sequence(seq, prompts[tuple(seq.prompt_ids)], engine.calls)
+        # the trainer's ids: every engine input is a prefix of them, one per model turn
+        full = list(seq.prompt_ids) + list(seq.response_ids)
+        mine = [c for c in engine.calls if full[: len(c[0])] == c[0] and c[0] != full]
+        assert len({len(c[0]) for c in mine}) == 3
+        assert seq.advantage == pytest.approx(0.0)  # ToolEnv's reward 0.75 for everyone
+    # a planted off-by-one (the mask shifted by one token) fails the check
+    bad = seqs[0]
+    bad.loss_mask = [0] + list(bad.loss_mask[:-1])
+    with pytest.raises(AssertionError):
+        check_sequence(bad, prompts[tuple(bad.prompt_ids)], engine.calls)
+    assert metrics["reward/mean"] == pytest.approx(0.75)  # the env's reward, not toy_reward
+    assert metrics["env/turns_mean"] == 3.0 and metrics["env/tool_call_rate"] == 1.0
+    assert metrics["env/failures"] == 0.0 and 0 < metrics["env/env_token_frac"] < 1
+    assert FIX not in sys.modules  # env code never imported in the trainer
+    assert "[env]" not in capsys.readouterr().err
+
+
+def test_token_cap_turn_stop_and_reward_fallback():
+    """rollout.max_total_tokens caps the episode (model + env tokens; budget passed to the
+    engine); rollout.turn_stop ids reach the engine; an env that gives no reward is scored by
+    the reward function on the decoded response."""
+    stop = "$"
+    cfg = _cfg(
+        f"rollout.env={FIX}:NoRewardEnv",
+        "rollout.max_total_tokens=6",
+        f"rollout.turn_stop=['{stop}']",
+    )
+    ro, engine = _rollout(cfg)
+    try:
+        seqs, metrics = ro.collect()
+    finally:
+        ro.close()
+    stop_id = _ids(stop)[0]
+    assert all(stop_id in c[1].stop_token_ids for c in engine.calls)
+    assert all(len(s.response_ids) <= 6 for s in seqs)
+    assert any(len(s.response_ids) == 6 for s in seqs)
+    assert all(c[1].max_new_tokens <= 4 for c in engine.calls)
+    assert any(c[1].max_new_tokens < 4 for c in engine.calls)  # the cap shrank a turn's budget
+    from megatron_gspo.rewards.toy import toy_reward
+
+    texts = [TOK.decode(s.response_ids, skip_special_tokens=True) for s in seqs]
+    assert metrics["reward/mean"] == pytest.approx(
+        sum(
+            toy_reward("", t, "12" if s.prompt_ids == TOK("add 0+5=")["input_ids"] else "7")
+            for s, t in zip(seqs, texts)
+        )
+        / len(seqs)
+    )
+    with pytest.raises(ConfigError, match="rollout.turn_stop entry 'ab' is 2 tokens"):
+        make_multiturn(_cfg("rollout.turn_stop=[ab]"), FakeEngine(), TOK)
+    with pytest.raises(ConfigError, match="set rollout.env"):
+        load_config(None, ["model.hf_path=/m", "data.train_path=/d", "rollout.turn_stop=[x]"])
+    with pytest.raises(ConfigError, match="cannot hold one episode"):
+        _cfg("rollout.max_total_tokens=9000")
+
+
+def test_env_runs_in_a_worker_process():
+    cfg = _cfg(f"rollout.env={FIX}:PidEnv", "rollout.env_workers=2")
+    ro, _ = _rollout(cfg)
+    record = ro.loader.dataset[0]
+    try:
+        samples = asyncio.run(
+            ro.group_fn(record, ro.loader.dataset.encode(record), SamplingParams(seed=1), 4, 0)
+        )
+        pids = set(ro.envs.worker_pids)
+    finally:
+        ro.close()
+    seen = {int(s.meta["env_reward"]) for s in samples}
+    assert seen <= pids and os.getpid() not in pids and len(pids) == 2
+    assert len(seen) == 2  # episodes spread over both workers
+    with pytest.raises(ConfigError, match="has no attribute 'Nope'"):
+        make_multiturn(_cfg(f"rollout.env={FIX}:Nope"), FakeEngine(), TOK)
+
+
+def test_env_failures_cost_the_episode_and_are_printed(capsys):
+    cfg = _cfg(f"rollout.env={FIX}:BuggyEnv", "gspo.prompts_per_rollout=4", "gspo.group_size=2")
+    ro, _ = _rollout(cfg, answers=("raise", "bad", "reset-bug", "ok"))
+    try:
+        seqs, metrics = ro.collect()
+    finally:
+        ro.close()
+    # reset-bug episodes are dropped (no model token); raise/bad end with reward 0
+    assert len(seqs) == 6 and metrics["env/failures"] == 6.0
+    assert metrics["reward/mean"] == pytest.approx(2 / 6)
+    err = capsys.readouterr().err
+    assert "ValueError: env bug in step" in err and "KeyError" in err and "TypeError" in err
+
+
+def test_env_timeout_replaces_the_worker():
+    cfg = _cfg(
+        f"rollout.env={FIX}:BuggyEnv",
+        "rollout.env_timeout_s=2",
+        "gspo.prompts_per_rollout=1",
+        "gspo.group_size=2",
+    )
+    ro, _ = _rollout(cfg, answers=("hang",))
+    try:
+        before = ro.envs.worker_pids
+        seqs, metrics = ro.collect()
+        after = ro.envs.worker_pids
+    finally:
+        ro.close()
+    assert metrics["env/timeouts"] >= 1 and metrics["reward/mean"] == 0.0
+    assert before != after and len(seqs) == 2
