@@ -182,6 +182,7 @@ class MultiTurn:
                         "start": len(resp),
                         "end": len(resp) + len(last.response_ids),
                         "weight_version": last.weight_version,
+                        "prompt_tokens": last.meta.get("prompt_tokens"),
                     }
                 )
                 resp.extend(last.response_ids)

@@ -241,3 +241,75 @@ def test_env_timeout_replaces_the_worker():
         ro.close()
     assert metrics["env/timeouts"] >= 1 and metrics["reward/mean"] == 0.0
     assert before != after and len(seqs) == 2
+
+
+def test_a_real_engine_scores_exactly_the_trainers_ids(client_a, ckpt_a):
+    """The embedded engine (SGLang's HTTP app, a HF model) over a 3-turn ToolEnv episode: every
+    engine turn saw the whole context (its prompt length), and a full forward pass of the
+    reference model over prompt + response ids (the trainer's sequence) reproduces the engine's
+    log-probs on every model token: the engine's context was those exact ids. Env tokens carry
+    log-prob 0 and mask False."""
+    from megatron_gspo.envs.pool import EnvPool
+    from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec
+
+    from .helpers import hf_model, rescore
+
+    record = PromptRecord(index=0, prompt="add 1+5=", answer="6")
+    prompt = TOK(record.prompt)["input_ids"]
+    with EnvPool(f"{FIX}:ToolEnv", num_workers=1, timeout_s=30) as envs:
+        codec = ObservationCodec(TOK, chat_template=False)
+        multi = MultiTurn(client_a, TOK, envs, codec, max_turns=3, max_total_tokens=40)
+        sampling = SamplingParams(max_new_tokens=4, seed=3)
+        samples = asyncio.run(multi.group_fn(record, prompt, sampling, 2, 0))
+    ref = hf_model(ckpt_a)
+    assert len(samples) == 2
+    for s in samples:
+        model_turns = [t for t in s.meta["turns"] if t["kind"] == "model"]
+        assert len(model_turns) == 3
+        assert [t["prompt_tokens"] for t in model_turns] == [
+            len(prompt) + t["start"] for t in model_turns
+        ]
+        trainer = rescore(ref, s.prompt_ids, s.response_ids)
+        on_model = {i for t in model_turns for i in range(t["start"], t["end"])}
+        for i, (e, t, m) in enumerate(zip(s.logprobs, trainer, s.logprob_mask, strict=True)):
+            if i in on_model:
+                assert m and abs(e - t) < 2e-5, (i, e, t)
+            else:
+                assert not m and e == 0.0
+
+
+CHAT = (
+    "{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def test_chat_template_observations_are_template_deltas():
+    """With a chat template, prompt + model turns + observation deltas, built incrementally, are
+    exactly the template's tokenisation of the whole conversation (a turn stopped without EOS
+    gets the template's closing from the env side; one that ended with EOS does not repeat
+    it)."""
+    from megatron_gspo.rollout.multiturn import ObservationCodec
+
+    tok = build_toy_tokenizer()
+    tok.chat_template = CHAT
+    codec = ObservationCodec(tok, chat_template=True)
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    msgs = [{"role": "user", "content": "add 1+5="}]
+    prompt = ids(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    turn1 = ids("?")  # stopped by rollout.turn_stop: no EOS
+    turn2 = ids("6") + [tok.eos_token_id]  # ended with EOS
+    built = prompt + turn1 + codec.encode("6", turn1) + turn2 + codec.encode("ok", turn2)
+    conv = [
+        *msgs,
+        {"role": "assistant", "content": "?"},
+        {"role": "tool", "content": "6"},
+        {"role": "assistant", "content": "6"},
+        {"role": "tool", "content": "ok"},
+    ]
+    whole = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert built == ids(whole)
+    assert ObservationCodec(tok, chat_template=False).encode("6", turn1) == ids("6")
