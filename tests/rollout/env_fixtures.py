@@ -53,3 +53,7 @@ class BuggyEnv:
         if self.mode == "bad":
             return "only two", 1.0
         return None, 1.0, True
+
+
+def raising_reward(prompt, response, answer):
+    raise RuntimeError("reward bug 42")

@@ -313,3 +313,18 @@ def test_chat_template_observations_are_template_deltas():
     whole = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
     assert built == ids(whole)
     assert ObservationCodec(tok, chat_template=False).encode("6", turn1) == ids("6")
+
+
+def test_reward_function_errors_are_printed_once_per_step(capsys):
+    """A reward function that raises is loud: the step prints the count and the first error
+    texts to stderr (was: reward 0 and a count in metrics.jsonl only)."""
+    cfg = _cfg(f"rollout.env={FIX}:NoRewardEnv")
+    ro, _ = _rollout(cfg)
+    ro.rewards = RewardPool(f"{FIX}:raising_reward", num_workers=1, timeout_s=30)
+    try:
+        _, metrics = ro.collect()
+    finally:
+        ro.close()
+    err = capsys.readouterr().err
+    assert metrics["reward/failures"] == 6.0
+    assert err.count("[reward] 6 of 6 calls failed") == 1 and "RuntimeError: reward bug 42" in err
