@@ -119,9 +119,15 @@ class EnvPool:
             slot = min(range(len(self._workers)), key=lambda i: self._open[i])
             self._open[slot] += 1
             ep = Episode(next(self._ids), slot, self._generation[slot])
-        reply = await asyncio.to_thread(
-            self._call, ep, {"op": "reset", "ep": ep.id, "record": record}
-        )
+        try:
+            reply = await asyncio.to_thread(
+                self._call, ep, {"op": "reset", "ep": ep.id, "record": record}
+            )
+        except EnvError:
+            with self._stats_lock:
+                if self._generation[slot] == ep.generation:
+                    self._open[slot] = max(0, self._open[slot] - 1)
+            raise
         return ep, reply.get("obs")
 
     async def step(self, ep: Episode, text: str) -> tuple[str | None, float | None, bool]:

@@ -185,6 +185,18 @@ def test_token_cap_turn_stop_and_reward_fallback():
         )
         / len(seqs)
     )
+    # rollout.max_turns ends an episode the env never ends
+    cfg = _cfg(f"rollout.env={FIX}:NoRewardEnv", "rollout.max_turns=2")
+    ro, engine = _rollout(cfg)
+    try:
+        seqs, metrics = ro.collect()
+    finally:
+        ro.close()
+    assert metrics["env/turns_mean"] == 2.0 and len(engine.calls) == 2 * len(seqs)
+    from megatron_gspo.preflight import _check_module
+
+    with pytest.raises(ConfigError, match="rollout.env='no_such_mod_xyz:E': cannot import"):
+        _check_module("no_such_mod_xyz:E", "rollout.env")
     with pytest.raises(ConfigError, match="rollout.turn_stop entry 'ab' is 2 tokens"):
         make_multiturn(_cfg("rollout.turn_stop=[ab]"), FakeEngine(), TOK)
     with pytest.raises(ConfigError, match="set rollout.env"):
