@@ -208,7 +208,7 @@ def make_multiturn(cfg: Config, engine: Any, tokenizer: Any) -> tuple[Any, Any]:
     from megatron_gspo.config_io import ConfigError
     from megatron_gspo.envs.pool import EnvPool
     from megatron_gspo.rewards.pool import worker_limits
-    from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec
+    from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec, rotated_clients
 
     r = cfg.rollout
     stop_ids = []
@@ -238,6 +238,7 @@ def make_multiturn(cfg: Config, engine: Any, tokenizer: Any) -> tuple[Any, Any]:
         max_turns=r.max_turns,
         max_total_tokens=r.episode_tokens,
         stop_ids=tuple(stop_ids),
+        engines=rotated_clients(engine),
     )
     return multi.group_fn, envs
 

@@ -34,7 +34,7 @@ from typing import Any
 from megatron_gspo.envs.pool import EnvError, EnvPool
 from megatron_gspo.rollout.types import Sample, SamplingParams
 
-__all__ = ["MultiTurn", "ObservationCodec", "episode_metrics", "record_dict"]
+__all__ = ["MultiTurn", "ObservationCodec", "episode_metrics", "record_dict", "rotated_clients"]
 
 _SENTINEL = "MGSPO7731"  # a content string no template rewrites
 
@@ -112,6 +112,11 @@ class MultiTurn:
     """Most response tokens (model + env) per episode (`rollout.max_total_tokens`)."""
     stop_ids: tuple[int, ...] = ()
     """Token ids that end a model turn besides EOS (`rollout.turn_stop`)."""
+    engines: tuple[Any, ...] = ()
+    """Generation-only clients, one per engine, each listing every engine with a different one
+    first (`rotated_clients`): episode k sends all its turns to client k mod len, so the
+    episodes spread over the engines, an episode's turns reuse one engine's prefix cache, and a
+    failed request still fails over. Empty: every turn goes through `engine`."""
 
     async def group_fn(
         self,
@@ -158,6 +163,8 @@ class MultiTurn:
                 mask.extend([False] * len(ids))
             return len(resp) < self.max_total_tokens
 
+        k = prompt_index * 1_000_003 + sample_index
+        client = self.engines[k % len(self.engines)] if self.engines else self.engine
         ep = None
         try:
             ep, obs = await self.envs.reset(record_dict(record))
@@ -171,7 +178,7 @@ class MultiTurn:
                     stop_token_ids=tuple(sampling.stop_token_ids) + self.stop_ids,
                     seed=seed,
                 )
-                result = await self.engine.agenerate([prompt + resp], sp, n=1)
+                result = await client.agenerate([prompt + resp], sp, n=1)
                 if not result.samples:  # the engine's answer was rejected (ids vs log-probs)
                     meta["env_error"] = "engine turn rejected"
                     break
@@ -183,6 +190,7 @@ class MultiTurn:
                         "end": len(resp) + len(last.response_ids),
                         "weight_version": last.weight_version,
                         "prompt_tokens": last.meta.get("prompt_tokens"),
+                        "engine": last.engine_id,
                     }
                 )
                 resp.extend(last.response_ids)
@@ -224,6 +232,29 @@ class MultiTurn:
             sample_index=sample_index,
             meta=meta,
         )
+
+
+def rotated_clients(client: Any) -> tuple[Any, ...]:
+    """For an `SGLangClient` over several engines without a router: one generation-only client
+    per engine, engine i listed first in client i (a client's least-loaded pick starts from its
+    first engine; a fresh `agenerate` call sees every engine idle, so one shared client would
+    send every single-prompt turn to the same engine). Otherwise ()."""
+    from megatron_gspo.rollout.sglang_client import SGLangClient
+
+    cfg = getattr(client, "config", None)
+    if not isinstance(client, SGLangClient) or cfg is None or cfg.router_url:
+        return ()
+    urls, tps = list(cfg.engine_urls), list(cfg.engine_tp_sizes or [1] * len(cfg.engine_urls))
+    if len(urls) < 2:
+        return ()
+    return tuple(
+        SGLangClient(
+            dataclasses.replace(
+                cfg, engine_urls=urls[i:] + urls[:i], engine_tp_sizes=tps[i:] + tps[:i]
+            )
+        )
+        for i in range(len(urls))
+    )
 
 
 def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:

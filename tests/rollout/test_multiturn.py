@@ -340,3 +340,38 @@ def test_reward_function_errors_are_printed_once_per_step(capsys):
     err = capsys.readouterr().err
     assert metrics["reward/failures"] == 6.0
     assert err.count("[reward] 6 of 6 calls failed") == 1 and "RuntimeError: reward bug 42" in err
+
+
+def test_episodes_spread_over_engines_and_stick_to_one(engine_a, engine_b):
+    """With two engines, a group's episodes use both, and each episode's turns stay on one
+    engine (its prefix cache). One shared client would send every turn to the first engine: a
+    fresh single-prompt `agenerate` call sees every engine idle."""
+    from megatron_gspo.envs.pool import EnvPool
+    from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec, rotated_clients
+    from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
+
+    client = SGLangClient(ClientConfig(engine_urls=[engine_a.url, engine_b.url]))
+    record = PromptRecord(index=0, prompt="add 1+5=", answer="6")
+    prompt = TOK(record.prompt)["input_ids"]
+    sampling = SamplingParams(max_new_tokens=3, seed=5)
+
+    def engines_per_episode(rotate: bool) -> list[set[str]]:
+        with EnvPool(f"{FIX}:ToolEnv", num_workers=1, timeout_s=30) as envs:
+            codec = ObservationCodec(TOK, chat_template=False)
+            multi = MultiTurn(
+                client,
+                TOK,
+                envs,
+                codec,
+                max_turns=3,
+                max_total_tokens=40,
+                engines=rotated_clients(client) if rotate else (),
+            )
+            samples = asyncio.run(multi.group_fn(record, prompt, sampling, 4, 0))
+        return [{t["engine"] for t in s.meta["turns"] if t["kind"] == "model"} for s in samples]
+
+    rotated = engines_per_episode(True)
+    assert all(len(e) == 1 for e in rotated)
+    assert set().union(*rotated) == {engine_a.url, engine_b.url}
+    assert set().union(*engines_per_episode(False)) == {engine_a.url}
+    client.close()
