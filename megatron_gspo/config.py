@@ -312,10 +312,10 @@ class RewardConfig:
     """Worker processes for reward calls; 0 runs in-process (no timeout enforcement)."""
     timeout_s: float = 10.0
     """Per-call timeout; a call past it scores 0 and counts in reward/timeouts."""
-    max_memory_mb: int | None = 4096
+    max_memory_mb: int | None = 8192
     """Address-space limit (RLIMIT_AS) of each reward and environment worker process; an
     allocation past it fails the call (scored 0, message printed) and the worker is replaced.
-    null: no limit."""
+    It counts virtual memory: importing torch alone maps ~3 GB. null: no limit."""
     max_cpu_s: float | None = None
     """CPU seconds one reward / environment call may use (RLIMIT_CPU, re-armed per call; the
     kernel kills the worker past it, e.g. many threads spinning inside the wall timeout);

@@ -50,7 +50,7 @@ class WorkerLimits:
     """Limits of one worker process (`reward.max_memory_mb`, `reward.max_cpu_s`,
     `reward.pass_env`)."""
 
-    max_memory_mb: int | None = 4096
+    max_memory_mb: int | None = 8192
     """Address-space limit (RLIMIT_AS) of the whole worker; None = unlimited."""
     max_cpu_s: float | None = None
     """CPU seconds one call may use (RLIMIT_CPU, re-armed per call); None = unlimited."""

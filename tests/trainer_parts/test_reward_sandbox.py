@@ -101,7 +101,7 @@ def test_limit_keys_reach_the_workers():
         None, [*BASE, "reward.kind=toy", "reward.timeout_s=4", "reward.num_workers=0"]
     )
     with build_reward_pool(cfg.reward) as pool:
-        assert pool.limits.max_cpu_s == 8.0 and pool.limits.max_memory_mb == 4096
+        assert pool.limits.max_cpu_s == 8.0 and pool.limits.max_memory_mb == 8192
     with pytest.raises(ConfigError, match="set reward.num_workers >= 1"):
         load_config(None, [*BASE, f"reward.kind={FIX}:pid", "reward.num_workers=0"])
     with pytest.raises(ConfigError, match="change reward.max_memory_mb"):
