@@ -209,9 +209,43 @@ class RolloutConfig:
     """Engines this job starts on rank 0's node (null: use rollout.client.engine_urls)."""
     client: ClientConfig = field(default_factory=ClientConfig)
     """How rank 0 reaches the engines (timeouts, retries, router, API key)."""
+    env: str | None = None
+    """Multi-turn rollouts with an environment class "package.module:Class" (reset/step, see
+    megatron_gspo/envs/__init__.py), run in env worker processes; null: one engine turn."""
+    max_turns: int = 4
+    """Most model turns of one episode (rollout.env only)."""
+    max_total_tokens: int | None = None
+    """Most response tokens of one episode, model and environment tokens together (rollout.env
+    only); null: rollout.max_turns * rollout.max_new_tokens."""
+    turn_stop: list[str] = field(default_factory=list)
+    """Texts that end a model turn besides EOS, e.g. a tool call's closing tag (rollout.env
+    only); each must be a single token of the tokenizer. The stop token stays in the turn."""
+    env_workers: int = 2
+    """Environment worker processes (rollout.env only); episodes are spread over them."""
+    env_timeout_s: float = 10.0
+    """Wall timeout of one environment call (reset or step); past it the worker is killed
+    and replaced, and its episodes end with reward 0 (env/timeouts)."""
 
     def __post_init__(self) -> None:
         _positive("rollout", temperature=self.temperature, top_p=self.top_p)
+        _positive(
+            "rollout",
+            max_turns=self.max_turns,
+            max_total_tokens=self.max_total_tokens,
+            env_workers=self.env_workers,
+            env_timeout_s=self.env_timeout_s,
+        )
+        if self.env is not None:
+            mod, sep, cls = self.env.partition(":")
+            _require(
+                bool(sep and mod and cls),
+                f'rollout.env={self.env!r} is not "module:Class"; change rollout.env',
+            )
+        _require(
+            self.env is not None or not self.turn_stop,
+            "rollout.turn_stop ends model turns of multi-turn rollouts only; set rollout.env "
+            "or remove rollout.turn_stop",
+        )
         _require(self.top_p <= 1, f"rollout.top_p={self.top_p} must be <= 1; change rollout.top_p")
         _require(
             self.top_k == -1 or self.top_k >= 1,
@@ -224,6 +258,13 @@ class RolloutConfig:
             "set exactly one of rollout.launch (engines this job starts) and "
             "rollout.client.engine_urls (engines already running; then rollout.launch: null)",
         )
+
+    @property
+    def episode_tokens(self) -> int:
+        """Most response tokens of one sample (an episode's cap with rollout.env)."""
+        if self.env is None:
+            return self.max_new_tokens
+        return self.max_total_tokens or self.max_turns * self.max_new_tokens
 
     @property
     def embedded(self) -> bool:
@@ -271,6 +312,18 @@ class RewardConfig:
     """Worker processes for reward calls; 0 runs in-process (no timeout enforcement)."""
     timeout_s: float = 10.0
     """Per-call timeout; a call past it scores 0 and counts in reward/timeouts."""
+    max_memory_mb: int | None = 8192
+    """Address-space limit (RLIMIT_AS) of each reward and environment worker process; an
+    allocation past it fails the call (scored 0, message printed) and the worker is replaced.
+    It counts virtual memory: importing torch alone maps ~3 GB. null: no limit."""
+    max_cpu_s: float | None = None
+    """CPU seconds one reward / environment call may use (RLIMIT_CPU, re-armed per call; the
+    kernel kills the worker past it, e.g. many threads spinning inside the wall timeout);
+    null: twice the call's wall timeout (reward.timeout_s, rollout.env_timeout_s)."""
+    pass_env: list[str] = field(default_factory=list)
+    """Names of environment variables reward and environment workers may see (e.g. an API key
+    a judge needs). Workers otherwise get only PATH, HOME, USER, LANG, LC_*, TMPDIR, TZ, TERM
+    and the import path: secrets in the trainer's environment stay out of user code."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("math", "toy"):
@@ -284,7 +337,18 @@ class RewardConfig:
             self.num_workers >= 0,
             f"reward.num_workers={self.num_workers} must be >= 0; change reward.num_workers",
         )
-        _positive("reward", timeout_s=self.timeout_s)
+        _require(
+            self.num_workers > 0 or self.kind in ("math", "toy"),
+            f"reward.num_workers=0 runs the reward in the trainer, which only the built-in kinds "
+            f"may do; user code (reward.kind={self.kind!r}) runs in worker processes: set "
+            "reward.num_workers >= 1",
+        )
+        _positive(
+            "reward",
+            timeout_s=self.timeout_s,
+            max_memory_mb=self.max_memory_mb,
+            max_cpu_s=self.max_cpu_s,
+        )
 
 
 @dataclass(**_CFG)
@@ -415,6 +479,13 @@ class Config:
             f"train.micro_batch_tokens={self.train.micro_batch_tokens} cannot hold one response "
             f"of rollout.max_new_tokens={self.rollout.max_new_tokens} plus its prompt; raise "
             "train.micro_batch_tokens or lower rollout.max_new_tokens",
+        )
+        _require(
+            self.train.micro_batch_tokens > self.rollout.episode_tokens,
+            f"train.micro_batch_tokens={self.train.micro_batch_tokens} cannot hold one episode "
+            f"of {self.rollout.episode_tokens} response tokens (rollout.max_total_tokens, or "
+            "rollout.max_turns * rollout.max_new_tokens) plus its prompt; raise "
+            "train.micro_batch_tokens or lower rollout.max_total_tokens",
         )
         _require(
             self.loss.tis_mode == "none" or self.gspo.pi_old == "recompute",

@@ -50,6 +50,8 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
         answer_key=cfg.data.answer_key,
     )
     _check_reward(cfg.reward.kind)
+    if cfg.rollout.env is not None:
+        _check_module(cfg.rollout.env, "rollout.env")
     _check_engine_python(cfg)
     if overwrite and int(os.environ.get("RANK", "0")) == 0:
         _clear_previous_run(cfg)
@@ -182,6 +184,11 @@ def _check_reward(kind: str) -> None:
     runs in the reward workers only."""
     if kind in ("math", "toy"):
         return
+    _check_module(kind, "reward.kind")
+
+
+def _check_module(kind: str, key: str) -> None:
+    """The module of "module:attr" can be found (located, not imported)."""
     module = kind.partition(":")[0]
     try:
         spec: Any = importlib.util.find_spec(module)
@@ -191,6 +198,6 @@ def _check_reward(kind: str) -> None:
         why = f"no module named {module!r}"
     require(
         spec is not None,
-        f"reward.kind={kind!r}: cannot import it ({why}) from the working directory or "
-        "PYTHONPATH; change reward.kind or PYTHONPATH",
+        f"{key}={kind!r}: cannot import it ({why}) from the working directory or "
+        f"PYTHONPATH; change {key} or PYTHONPATH",
     )

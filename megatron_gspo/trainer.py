@@ -9,9 +9,11 @@ the model and optimizer plus a small trainer state (step, data position, RNG).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +43,12 @@ class Rollout:
     next_seq_id: int = 0
     servers: Any = None
     stats: dict[str, float] = field(default_factory=dict)
+    group_fn: Any = None
+    """rollout.env: async (record, prompt_ids, sampling, n, prompt_index) -> list[Sample] that
+    generates one prompt's group (`rollout.multiturn.MultiTurn.group_fn`); None: one
+    `engine.generate` call for the whole batch."""
+    envs: Any = None
+    """rollout.env: the `EnvPool` of the env workers (closed with the rollout)."""
 
     def sampling(self) -> SamplingParams:
         r = self.cfg.rollout
@@ -58,16 +66,26 @@ class Rollout:
         records = self.loader.next_batch()
         prompts = [self.loader.dataset.encode(r) for r in records]
         g = self.cfg.gspo.group_size
-        result = self.engine.generate(prompts, self.sampling(), n=g)
+        if self.group_fn is None:
+            result = self.engine.generate(prompts, self.sampling(), n=g)
+            samples, gen_metrics = result.samples, result.stats.as_metrics()
+        else:
+            samples, gen_metrics = self._generate_groups(records, prompts, g)
         t_gen = time.perf_counter() - t0
-        samples = result.samples
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        # An episode's env reward wins; the reward function scores the others.
+        todo = [i for i, s in enumerate(samples) if s.meta.get("env_reward") is None]
         scored = self.rewards.score(
-            [records[s.prompt_index].prompt for s in samples],
-            texts,
-            [records[s.prompt_index].answer for s in samples],
+            [records[samples[i].prompt_index].prompt for i in todo],
+            [texts[i] for i in todo],
+            [records[samples[i].prompt_index].answer for i in todo],
         )
-        rewards = torch.tensor(scored.rewards, dtype=torch.float64)
+        values = [s.meta.get("env_reward") for s in samples]
+        for i, r in zip(todo, scored.rewards, strict=True):
+            values[i] = r
+        if (report := scored.report()) is not None:  # a broken reward function is loud
+            print(f"[step rollout] {report}", file=sys.stderr, flush=True)
+        rewards = torch.tensor(values, dtype=torch.float64)
         groups = torch.tensor([s.prompt_index for s in samples])
         adv = group_advantages(
             rewards, groups, eps=self.cfg.gspo.adv_eps, normalize_std=self.cfg.gspo.normalize_std
@@ -99,12 +117,38 @@ class Rollout:
             "time/rollout_s": t_gen,
             "time/reward_s": time.perf_counter() - t0 - t_gen,
             **scored.metrics(),
-            **result.stats.as_metrics(),
+            **gen_metrics,
         }
         return seqs, metrics
 
+    def _generate_groups(
+        self, records: list[Any], prompts: list[list[int]], g: int
+    ) -> tuple[list[Any], dict[str, float]]:
+        """Every prompt's group through `group_fn`, concurrently (rollout.env)."""
+        from megatron_gspo.rollout.multiturn import episode_metrics
+
+        sampling = self.sampling()
+
+        async def run() -> list[list[Any]]:
+            return await asyncio.gather(
+                *(
+                    self.group_fn(r, p, sampling, g, i)
+                    for i, (r, p) in enumerate(zip(records, prompts))
+                )
+            )
+
+        samples = [s for group in asyncio.run(run()) for s in group]
+        env_metrics, report = self.envs.take_report() if self.envs else ({}, None)
+        if report is not None:
+            print(f"[step rollout] {report}", file=sys.stderr, flush=True)
+        if not samples:
+            raise RuntimeError(f"no episode of this step produced a sample; {report or ''}")
+        return samples, {**env_metrics, **episode_metrics(samples)}
+
     def close(self) -> None:
         self.rewards.close()
+        if self.envs is not None:
+            self.envs.close()
         if self.servers is not None:
             self.servers.shutdown()
 
@@ -153,7 +197,52 @@ def make_rollout(cfg: Config) -> Rollout:
     loader = PromptLoader(
         dataset, cfg.gspo.prompts_per_rollout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
     )
-    return Rollout(cfg, engine, tokenizer, loader, build_reward_pool(cfg.reward), servers=servers)
+    rollout = Rollout(
+        cfg, engine, tokenizer, loader, build_reward_pool(cfg.reward), servers=servers
+    )
+    if r.env is not None:
+        rollout.group_fn, rollout.envs = make_multiturn(cfg, engine, tokenizer)
+    return rollout
+
+
+def make_multiturn(cfg: Config, engine: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """rollout.env: the env worker pool and the multi-turn `group_fn` over `engine`."""
+    from megatron_gspo.config_io import ConfigError
+    from megatron_gspo.envs.pool import EnvPool
+    from megatron_gspo.rewards.pool import worker_limits
+    from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec, rotated_clients
+
+    r = cfg.rollout
+    stop_ids = []
+    for text in r.turn_stop:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ConfigError(
+                f"rollout.turn_stop entry {text!r} is {len(ids)} tokens of the tokenizer, not "
+                "one; change rollout.turn_stop"
+            )
+        stop_ids.append(int(ids[0]))
+    try:
+        codec = ObservationCodec(tokenizer, chat_template=cfg.data.chat_template)
+        envs = EnvPool(
+            r.env or "",
+            num_workers=r.env_workers,
+            timeout_s=r.env_timeout_s,
+            limits=worker_limits(cfg.reward, r.env_timeout_s),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    multi = MultiTurn(
+        engine,
+        tokenizer,
+        envs,
+        codec,
+        max_turns=r.max_turns,
+        max_total_tokens=r.episode_tokens,
+        stop_ids=tuple(stop_ids),
+        engines=rotated_clients(engine),
+    )
+    return multi.group_fn, envs
 
 
 # ---------------------------------------------------------------------------------------------

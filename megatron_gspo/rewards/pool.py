@@ -9,8 +9,14 @@ and is named by `reward.kind`: "math" (`math_answer.math_reward`), "toy" (`toy.t
 alive between steps, hands each one call at a time, and kills a worker whose call runs past
 `timeout_s` (that call scores 0 and counts in `reward/timeouts`; a fresh worker replaces it), so
 neither an endless loop nor a C extension stuck without checking signals can hang the trainer.
-A call that raises, crashes its worker or returns a non-finite / non-numeric value scores 0 and
-counts in `reward/failures`.
+A call that raises, crashes its worker, runs out of memory or CPU time (`reward.max_memory_mb`,
+`reward.max_cpu_s`) or returns a non-finite / non-numeric value scores 0 and counts in
+`reward/failures`; the first messages are kept in `RewardBatch.errors` and the trainer prints
+them once per step (`RewardBatch.report`).
+
+User code runs only in the workers (`sandbox.py`: scrubbed environment, resource limits): the
+trainer never imports a user reward module. Only the built-in kinds may run in-process
+(`num_workers=0`, no timeout or limit enforced).
 
 Workers are plain `python -m megatron_gspo.rewards.worker` subprocesses speaking JSON lines
 (not multiprocessing): they never fork the trainer (threads, CUDA, process groups) and never
@@ -20,19 +26,24 @@ re-import its `__main__`. Answers must therefore be JSON-serialisable, as JSONL 
 from __future__ import annotations
 
 import importlib
-import json
 import math
-import os
 import selectors
-import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RewardBatch", "RewardFn", "RewardPool", "build_reward_pool", "load_reward_fn"]
+from megatron_gspo.rewards.sandbox import WorkerDied, WorkerLimits, WorkerProcess
+
+__all__ = [
+    "RewardBatch",
+    "RewardFn",
+    "RewardPool",
+    "build_reward_pool",
+    "load_reward_fn",
+    "worker_limits",
+]
 
 RewardFn = Callable[[str, str, Any], float]
 
@@ -41,7 +52,6 @@ _BUILTIN = {
     "toy": "megatron_gspo.rewards.toy:toy_reward",
 }
 _MAX_ERRORS_KEPT = 8
-_STARTUP_TIMEOUT_S = 120.0  # a worker importing a heavy user module on a loaded machine
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -91,6 +101,17 @@ class RewardBatch:
     time_s: float = 0.0
     """Wall time of the batch."""
 
+    def report(self, what: str = "reward") -> str | None:
+        """One block for stderr when a call failed or timed out (None when all went well):
+        the counts and the first error messages, so a broken reward function is loud."""
+        if not (self.failures or self.timeouts):
+            return None
+        head = (
+            f"[{what}] {self.failures} of {len(self.rewards)} calls failed and "
+            f"{self.timeouts} timed out (scored 0); first errors:"
+        )
+        return "\n".join([head, *(f"  {e}" for e in self.errors)])
+
     def metrics(self) -> dict[str, float]:
         """Counters for the metrics sink."""
         return {
@@ -100,77 +121,55 @@ class RewardBatch:
         }
 
 
-class _Worker:
-    """One `python -m megatron_gspo.rewards.worker SPEC` subprocess."""
-
-    def __init__(self, spec: str, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_gspo.rewards.worker", spec],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            text=True,
-            bufsize=1,
-        )
-        self.task: int | None = None
-        self.started = 0.0
-        self.ready = False
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Block until the worker has imported the reward function (not part of any call's
-        timeout: importing e.g. sympy takes seconds)."""
-        assert self.proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            line = self.proc.stdout.readline() if sel.select(timeout=timeout_s) else ""
-        if not line.strip() or not json.loads(line).get("ready"):
-            self.kill()
-            raise RuntimeError(
-                f"reward worker for {self.proc.args[-1]!r} did not start within {timeout_s} s "
-                "(its stderr above says why)"
-            )
-        self.ready = True
-
-    def send(self, task: int, prompt: str, response: str, answer: Any) -> None:
-        self.task, self.started = task, time.monotonic()
-        msg = {"id": task, "prompt": prompt, "response": response, "answer": answer}
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
-
-
 class RewardPool:
-    """Score batches with `reward.kind` in worker processes (or in-process when num_workers=0,
-    which enforces no timeout). Use as a context manager, or call `close()`."""
+    """Score batches with `reward.kind` in worker processes (see `sandbox.py`: scrubbed
+    environment, memory / CPU limits, wall timeout), or in-process when num_workers=0, which
+    only the built-in kinds may use (it enforces nothing). Use as a context manager, or call
+    `close()`."""
 
-    def __init__(self, spec: str, *, num_workers: int = 2, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        spec: str,
+        *,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        limits: WorkerLimits | None = None,
+    ) -> None:
         if num_workers < 0 or timeout_s <= 0:
             raise ValueError(
                 f"need num_workers >= 0 and timeout_s > 0, got {num_workers}, {timeout_s}"
             )
-        # Resolve here so a typo fails at start-up, not as a stream of zero rewards.
-        self.fn = load_reward_fn(spec)
+        if num_workers == 0 and spec not in _BUILTIN:
+            raise ValueError(
+                f"reward.kind={spec!r}: user reward code runs only in worker processes; "
+                "set reward.num_workers >= 1"
+            )
         self.spec = spec
         self.num_workers = num_workers
         self.timeout_s = timeout_s
-        # The workers see the trainer's import path, so a user module found here is found there.
-        paths = [p for p in sys.path if p and os.path.isdir(p)]
-        self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-        self._workers: list[_Worker] = []
+        self.limits = limits or WorkerLimits()
+        self._workers: list[WorkerProcess] = []
+        self.fn: RewardFn | None = None
+        if num_workers == 0:
+            self.fn = load_reward_fn(spec)
+        else:
+            # Start the workers now so a typo fails at start-up (with the worker's message),
+            # not as a stream of zero rewards. The user module is imported there, never here.
+            self._workers = [self._spawn() for _ in range(num_workers)]
+            try:
+                for w in self._workers:
+                    w.wait_ready()
+            except BaseException:
+                self.close()
+                raise
 
-    def _spawn(self) -> _Worker:
-        return _Worker(self.spec, self._env)
+    def _spawn(self) -> WorkerProcess:
+        return WorkerProcess("reward", self.spec, self.limits)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the live workers (tests: user code runs there, not here)."""
+        return [w.pid for w in self._workers]
 
     def score(
         self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]
@@ -183,7 +182,7 @@ class RewardPool:
             )
         t0 = time.monotonic()
         batch = RewardBatch(rewards=[0.0] * len(prompts))
-        if self.num_workers == 0:
+        if self.fn is not None:
             for i, item in enumerate(zip(prompts, responses, answers)):
                 reward, error = call_reward(self.fn, *item)
                 self._record(batch, i, reward, error)
@@ -207,25 +206,25 @@ class RewardPool:
             self._workers.append(self._spawn())
         for w in self._workers:
             if not w.ready:
-                w.wait_ready(_STARTUP_TIMEOUT_S)
+                w.wait_ready()
         pending = deque(range(len(prompts)))
         idle = list(self._workers)
-        busy: dict[int, _Worker] = {}  # stdout fd -> worker
+        busy: dict[int, WorkerProcess] = {}  # stdout fd -> worker
         sel = selectors.DefaultSelector()
         try:
             while pending or busy:
                 while idle and pending:
                     w, i = idle.pop(), pending.popleft()
                     if not w.ready:  # a replacement for a killed worker
-                        w.wait_ready(_STARTUP_TIMEOUT_S)
+                        w.wait_ready()
+                    msg = {"id": i, "prompt": prompts[i], "response": responses[i]}
                     try:
-                        w.send(i, prompts[i], responses[i], answers[i])
+                        w.send({**msg, "answer": answers[i]})
                     except (BrokenPipeError, OSError):  # died while idle: replace, retry
                         idle.append(self._replace(w))
                         pending.appendleft(i)
                         continue
                     except TypeError as e:  # the answer is not JSON-serialisable
-                        w.task = None
                         idle.append(w)
                         self._record(batch, i, 0.0, f"cannot send to worker: {e}")
                         continue
@@ -238,15 +237,15 @@ class RewardPool:
                 for key, _ in sel.select(timeout=max(0.0, wait)):
                     w = busy.pop(key.fd)
                     sel.unregister(key.fileobj)
-                    line = w.proc.stdout.readline()
-                    if not line:  # the worker died mid-call (os._exit, segfault, OOM kill)
-                        self._record(batch, w.task, 0.0, "reward worker exited during the call")
+                    task = w.task
+                    try:
+                        reply = w.read_reply()
+                    except WorkerDied as e:  # os._exit, segfault, SIGXCPU, OOM kill
+                        self._record(batch, task, 0.0, str(e))
                         idle.append(self._replace(w))
                         continue
-                    reply = json.loads(line)
                     self._record(batch, reply["id"], reply["reward"], reply["error"])
-                    w.task = None
-                    idle.append(w)
+                    idle.append(self._replace(w) if reply.get("restart") else w)
                 now = time.monotonic()
                 for fd, w in list(busy.items()):
                     if now - w.started >= self.timeout_s:
@@ -254,11 +253,16 @@ class RewardPool:
                         sel.unregister(w.proc.stdout)
                         batch.rewards[w.task] = 0.0
                         batch.timeouts += 1
+                        if len(batch.errors) < _MAX_ERRORS_KEPT:
+                            batch.errors.append(
+                                f"sample {w.task}: timed out after reward.timeout_s="
+                                f"{self.timeout_s:g} s (worker killed and replaced)"
+                            )
                         idle.append(self._replace(w))
         finally:
             sel.close()
 
-    def _replace(self, w: _Worker) -> _Worker:
+    def _replace(self, w: WorkerProcess) -> WorkerProcess:
         w.kill()
         new = self._spawn()
         self._workers[self._workers.index(w)] = new
@@ -283,8 +287,22 @@ class RewardPool:
             pass
 
 
+def worker_limits(reward_cfg: Any, timeout_s: float) -> WorkerLimits:
+    """The limits of reward and environment workers from a `RewardConfig`; `timeout_s` is the
+    calls' wall timeout (the CPU limit defaults to twice it)."""
+    cpu = reward_cfg.max_cpu_s if reward_cfg.max_cpu_s is not None else 2.0 * timeout_s
+    return WorkerLimits(
+        max_memory_mb=reward_cfg.max_memory_mb,
+        max_cpu_s=cpu,
+        pass_env=tuple(reward_cfg.pass_env),
+    )
+
+
 def build_reward_pool(reward_cfg: Any) -> RewardPool:
     """A pool from a `megatron_gspo.config.RewardConfig`."""
     return RewardPool(
-        reward_cfg.kind, num_workers=reward_cfg.num_workers, timeout_s=reward_cfg.timeout_s
+        reward_cfg.kind,
+        num_workers=reward_cfg.num_workers,
+        timeout_s=reward_cfg.timeout_s,
+        limits=worker_limits(reward_cfg, reward_cfg.timeout_s),
     )

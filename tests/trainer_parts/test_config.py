@@ -217,7 +217,8 @@ def test_validation_messages(overrides, fragment):
 
 def test_valid_edge_cases_pass():
     cfg("parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true")
-    cfg("reward.kind=my.pkg.rewards:score", "reward.num_workers=0")
+    cfg("reward.kind=my.pkg.rewards:score", "reward.num_workers=1")
+    cfg("reward.kind=toy", "reward.num_workers=0")  # built-ins may run in-process
     cfg("rollout.top_k=20", "rollout.top_p=1.0", "checkpoint.dir=/c", "checkpoint.resume=true")
     cfg("loss.eps_low=0", "loss.eps_high=0")  # allowed by the loss: a zero-width band
     cfg("gspo.pi_old=recompute", "loss.tis_mode=token", "loss.kind=grpo")
