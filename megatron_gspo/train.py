@@ -88,12 +88,13 @@ def _loop(
     from megatron_gspo.megatron.offload import offload_trainer, reload_trainer
 
     colocated = bool(rollout and cfg.rollout.launch and cfg.rollout.launch.colocated)
-    sync.push(policy.model)  # the engines serve exactly the trainer's weights from step 0
+    push = _pusher(policy, rollout, sync)
+    push()  # the engines serve exactly the trainer's weights from step 0
     bad = 0  # consecutive steps with a skipped (non-finite) update
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         offload_trainer(cfg, policy)  # colocated: trainer state off the devices while engines run
-        seqs, metrics = rollout.collect() if rollout else (None, None)
+        seqs, metrics = rollout.next_batch() if rollout else (None, None)
         if rollout and colocated:  # before the broadcast, so no rank reloads into engine memory
             rollout.engine.release_memory()
         seqs, metrics = dist.broadcast((seqs, metrics))
@@ -103,7 +104,7 @@ def _loop(
         t2 = time.perf_counter()
         if rollout and colocated:
             rollout.engine.resume_memory()
-        pushed = sync.push(policy.model)
+        pushed = push()
         metrics |= _step_metrics(pushed, seqs, t0, t1, t2)
         log.log(step + 1, metrics)
         bad = bad + 1 if metrics["train/skipped_updates"] else 0
@@ -128,6 +129,21 @@ def _loop(
 
         out = f"{cfg.checkpoint.dir}/hf_final"
         export_hf(policy.bridge, policy.model, out, hf_dir=cfg.model.hf_path)
+
+
+def _pusher(policy: Policy, rollout: Rollout | None, sync: WeightSync) -> Any:
+    """`push()`: the weight sync (every rank), with rank 0's rollout paused around it (async
+    mode: in-flight requests stop and continue on the new weights)."""
+
+    def push() -> Any:
+        if rollout:
+            rollout.before_push()
+        pushed = sync.push(policy.model)
+        if rollout:
+            rollout.after_push(pushed.version)
+        return pushed
+
+    return push
 
 
 def _saved(cfg: Config, step: int) -> str:
