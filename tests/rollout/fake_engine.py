@@ -4,7 +4,8 @@ Token t of a response is a pure function of the context so far (prompt + respons
 and, for the first token only, of the sample's seed; its log-prob is a pure function of the
 context, the token and the weight version. So a response continued after an abort is checked
 against `reference` token by token, and every token's version is logged as it is produced.
-Each token takes `token_s` seconds (asyncio sleep), so groups overlap and aborts land mid-way.
+Each token takes 1-4 x `token_s` seconds (asyncio sleep; by prompt), so groups overlap, finish
+at different times, and aborts land mid-way.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class FakeEngine:
                 if len(out) >= sp.max_new_tokens:
                     finish = "length"
                     break
-                await asyncio.sleep(self.token_s)
+                # prompts differ in speed (1x..4x), so groups finish far apart
+                await asyncio.sleep(self.token_s * (1 + prompt[1] % 4))
                 if rid in self.aborted:
                     finish = "abort"
                     break
