@@ -53,6 +53,9 @@ class Rollout:
     driver: RolloutDriver = field(init=False)
 
     def __post_init__(self) -> None:
+        self.driver = self._driver()
+
+    def _driver(self) -> RolloutDriver:
         r, g = self.cfg.rollout, self.cfg.gspo
         sched_cfg = SchedulerConfig(
             prompts=g.prompts_per_rollout,
@@ -68,7 +71,7 @@ class Rollout:
         scheduler = GroupScheduler(
             self.engine, queue, self._score, sched_cfg, self.sampling(), group_fn=self.group_fn
         )
-        self.driver = RolloutDriver(scheduler, lookahead=1 if r.async_rollout else 0)
+        return RolloutDriver(scheduler, lookahead=1 if r.async_rollout else 0)
 
     def sampling(self) -> SamplingParams:
         """Base sampling; the scheduler offsets the seed by the sequences handed out so far."""

@@ -225,8 +225,9 @@ class EmbeddedTokenizerManager:
         }
 
     def _wait_if_paused(self) -> bool:
-        """Block while paused; True if this request was retracted (its KV must be rebuilt)."""
-        if self._pause_event.is_set():
+        """Block while paused; True if this request was retracted (its KV must be rebuilt).
+        Paused with `abort`, every running request is aborted: it returns at once instead."""
+        if self._pause_event.is_set() or self._pause_mode == "abort":
             return False
         retracted = self._pause_mode == "retract"
         self._pause_event.wait()
