@@ -237,6 +237,7 @@ def test_async_driver_overlaps_and_respects_the_staleness_bound():
         for _ in range(4):
             batch, timing = driver.next_batch()
             train_version = driver.version
+            assert batch.target_version == train_version  # staleness is measured against it
             for g in batch.groups:
                 for s in g.samples:
                     check_sample_against_engine(engine, s)
