@@ -113,3 +113,23 @@ def test_weight_update_during_an_abort_pause_with_a_waiting_request(
     assert a.finish_reason == "abort" and 0 < len(a.response_ids) < 400
     assert a.weight_version == "old" and b.weight_version == "new"
     assert b.finish_reason == "length" and len(b.response_ids) == 3
+
+
+def test_concurrent_small_calls_spread_over_engines(engine_a, engine_b):
+    """One `agenerate` per group: concurrent calls are balanced over the engines by the
+    client's in-flight count across calls (per-call counters sent every call to engine 0)."""
+    from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
+    from megatron_gspo.rollout.sglang_client import requests_per_engine as per_engine
+
+    client = SGLangClient(ClientConfig(engine_urls=[engine_a.url, engine_b.url]))
+    sp = SamplingParams(max_new_tokens=4, seed=1)
+
+    async def go():
+        calls = [client.agenerate([PROMPTS[k % 2]], sp, n=2) for k in range(4)]
+        return await asyncio.gather(*calls)
+
+    try:
+        results = asyncio.run(go())
+    finally:
+        client.close()
+    assert dict(per_engine(results)) == {engine_a.url: 2, engine_b.url: 2}
