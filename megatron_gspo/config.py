@@ -205,6 +205,29 @@ class RolloutConfig:
     """Top-k sampling; -1 disables it (SGLang convention)."""
     max_new_tokens: int = 1024
     """Maximum response length in tokens."""
+    oversample: float = 1.0
+    """Over-sampling: generate ceil(gspo.prompts_per_rollout * oversample) groups at once and
+    keep the first gspo.prompts_per_rollout that finish; the rest are aborted (their prompts
+    return to the front of the queue) or, with rollout.partial_tokens, continued next step.
+    1.0 = off."""
+    drop_equal_reward_groups: bool = False
+    """Dynamic sampling: drop a finished group whose rewards are all equal (no signal) and
+    start another prompt instead (counted in rollout/groups_dropped)."""
+    partial_tokens: int | None = None
+    """Partial rollouts: each engine request generates at most this many new tokens; an
+    unfinished response continues with another request, and responses still unfinished when
+    the batch is full (or aborted by a weight update) continue in a later step under the new
+    weights, each token keeping its engine log-prob (pi_old) and weight version. null = off."""
+    async_rollout: bool = False
+    """Asynchronous mode: generate step k+1's batch while step k trains (engines must not
+    share the trainer's devices); weight pushes abort in-flight requests, which continue on
+    the new weights. Trains on tokens up to rollout.max_staleness versions old."""
+    max_staleness: int = 1
+    """Most weight versions a trained token may lag the weights it is trained under (async
+    mode and partial rollouts); an older carried partial response restarts from its prompt."""
+    fill_attempts: int = 4
+    """A step may launch fill_attempts * ceil(prompts_per_rollout * oversample) new groups;
+    if that does not fill its batch (all dropped) the run stops with an error."""
     launch: LaunchConfig | None = field(default_factory=LaunchConfig)
     """Engines this job starts on rank 0's node (null: use rollout.client.engine_urls)."""
     client: ClientConfig = field(default_factory=ClientConfig)
@@ -252,6 +275,27 @@ class RolloutConfig:
             f"rollout.top_k={self.top_k} must be -1 (off) or >= 1; change rollout.top_k",
         )
         _positive("rollout", max_new_tokens=self.max_new_tokens)
+        _require(
+            self.oversample >= 1.0,
+            f"rollout.oversample={self.oversample} must be >= 1 (1 = off); change "
+            "rollout.oversample",
+        )
+        _positive("rollout", partial_tokens=self.partial_tokens, fill_attempts=self.fill_attempts)
+        _require(
+            self.max_staleness >= 0,
+            f"rollout.max_staleness={self.max_staleness} must be >= 0; change "
+            "rollout.max_staleness",
+        )
+        _require(
+            self.max_staleness >= 1 or not (self.async_rollout or self.partial_tokens),
+            "rollout.async_rollout and rollout.partial_tokens train on tokens of an older "
+            "weight version: rollout.max_staleness must be >= 1; change rollout.max_staleness",
+        )
+        _require(
+            self.env is None or self.partial_tokens is None,
+            "rollout.partial_tokens continues single-turn responses only (a multi-turn episode "
+            "restarts when cut); unset rollout.partial_tokens or rollout.env",
+        )
         launched, listed = self.launch is not None, bool(self.client.engine_urls)
         _require(
             launched != listed,
@@ -514,6 +558,11 @@ class Config:
             "rollout.launch.colocated=true cannot run a real SGLang server on CPU "
             "(rollout.launch.device=cpu): SGLang 0.5.23's memory release/resume ends in "
             "torch.cuda.synchronize() and kills the CPU server; set rollout.launch.colocated=false",
+        )
+        _require(
+            not (self.rollout.async_rollout and launch is not None and launch.colocated),
+            "rollout.async_rollout=true generates while the trainer trains, which colocated "
+            "engines (rollout.launch.colocated=true) cannot; set one of them to false",
         )
         optimizer_steps = self.train.steps * self.gspo.mini_batches_per_rollout
         _require(

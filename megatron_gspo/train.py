@@ -89,7 +89,8 @@ def _loop(
     from megatron_gspo.megatron.offload import offload_trainer, reload_trainer
 
     colocated = bool(rollout and cfg.rollout.launch and cfg.rollout.launch.colocated)
-    sync.push(policy.model)  # the engines serve exactly the trainer's weights from step 0
+    push = _pusher(policy, rollout, sync)
+    push()  # the engines serve exactly the trainer's weights from step 0
     bad = 0  # consecutive steps with a skipped (non-finite) update
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
@@ -108,7 +109,7 @@ def _loop(
         if rollout and colocated:
             rollout.engine.resume_memory()
         try:
-            pushed = sync.push(policy.model)
+            pushed = push()
         except NoEnginesLeft as e:  # raised on every rank alike; the update itself is sound
             log.log(step + 1, metrics)
             _stop_without_engines(cfg, policy, rollout, step + 1, str(e))
@@ -143,11 +144,9 @@ def _collect(rollout: Rollout | None) -> tuple[Any, Any, str | None]:
     learns of it through the broadcast that follows."""
     if rollout is None:
         return None, None, None
-    position = rollout.loader.state_dict()
-    try:
-        seqs, metrics = rollout.collect()
+    try:  # the unused prompts stay in the rollout's checkpoint state
+        seqs, metrics = rollout.next_batch()
     except NoEnginesLeft as e:
-        rollout.loader.load_state_dict(position)  # nothing trained on this batch: redo it
         return None, None, str(e)
     return seqs, metrics, None
 
@@ -161,6 +160,21 @@ def _stop_without_engines(
 
         save_checkpoint(policy, rollout, step)
     raise NoEnginesLeft(f"{why}; {_saved(cfg, step)}")
+
+
+def _pusher(policy: Policy, rollout: Rollout | None, sync: WeightSync) -> Any:
+    """`push()`: the weight sync (every rank), with rank 0's rollout paused around it (async
+    mode: in-flight requests stop and continue on the new weights)."""
+
+    def push() -> Any:
+        if rollout:
+            rollout.before_push()
+        pushed = sync.push(policy.model)
+        if rollout:
+            rollout.after_push(pushed.version)
+        return pushed
+
+    return push
 
 
 def _saved(cfg: Config, step: int) -> str:

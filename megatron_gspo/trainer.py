@@ -9,12 +9,10 @@ the model and optimizer plus a small trainer state (step, data position, RNG).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import random
 import shutil
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +26,20 @@ from megatron_gspo.megatron.checkpoint import load_model_and_optimizer, save_mod
 from megatron_gspo.megatron.packing import TrainSequence
 from megatron_gspo.megatron.policy import Policy
 from megatron_gspo.rollout import RolloutEngine, SamplingParams
+from megatron_gspo.rollout.driver import RolloutDriver
+from megatron_gspo.rollout.scheduler import GroupFn, GroupScheduler, PromptQueue, SchedulerConfig
+from megatron_gspo.rollout.types import Sample
 from megatron_gspo.weights.convert import write_source_info
 
 
 @dataclass
 class Rollout:
-    """Rank 0's side: prompts -> engine samples -> rewards -> advantages -> sequences."""
+    """Rank 0's side: prompts -> engine samples -> rewards -> advantages -> sequences.
+
+    Groups come from a `GroupScheduler` (over-sampling, dynamic sampling, partial rollouts)
+    run by a `RolloutDriver` (synchronous, or one step ahead with `rollout.async_rollout`); the
+    loop sees the same three calls in every mode: `next_batch`, and `before_push` /
+    `after_push(version)` around each weight push."""
 
     cfg: Config
     engine: RolloutEngine
@@ -43,14 +49,37 @@ class Rollout:
     next_seq_id: int = 0
     servers: Any = None
     stats: dict[str, float] = field(default_factory=dict)
-    group_fn: Any = None
-    """rollout.env: async (record, prompt_ids, sampling, n, prompt_index) -> list[Sample] that
-    generates one prompt's group (`rollout.multiturn.MultiTurn.group_fn`); None: one
-    `engine.generate` call for the whole batch."""
+    group_fn: GroupFn | None = None
+    """Generates one group (default: one `agenerate` call); `rollout.env`: the multi-turn
+    `MultiTurn.group_fn` (`make_multiturn`)."""
     envs: Any = None
     """rollout.env: the `EnvPool` of the env workers (closed with the rollout)."""
+    _reward_batches: list[Any] = field(default_factory=list)
+    driver: RolloutDriver = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.driver = self._driver()
+
+    def _driver(self) -> RolloutDriver:
+        r, g = self.cfg.rollout, self.cfg.gspo
+        sched_cfg = SchedulerConfig(
+            prompts=g.prompts_per_rollout,
+            group_size=g.group_size,
+            max_new_tokens=r.max_new_tokens,
+            oversample=r.oversample,
+            drop_equal_reward_groups=r.drop_equal_reward_groups,
+            partial_tokens=r.partial_tokens,
+            max_staleness=r.max_staleness,
+            fill_attempts=r.fill_attempts,
+        )
+        queue = PromptQueue(self.loader, self.loader.dataset.encode)
+        scheduler = GroupScheduler(
+            self.engine, queue, self._score, sched_cfg, self.sampling(), group_fn=self.group_fn
+        )
+        return RolloutDriver(scheduler, lookahead=1 if r.async_rollout else 0)
 
     def sampling(self) -> SamplingParams:
+        """Base sampling; the scheduler offsets the seed by the sequences handed out so far."""
         r = self.cfg.rollout
         return SamplingParams(
             max_new_tokens=r.max_new_tokens,
@@ -58,55 +87,51 @@ class Rollout:
             top_p=r.top_p,
             top_k=r.top_k,
             stop_token_ids=tuple(t for t in [self.tokenizer.eos_token_id] if t is not None),
-            seed=self.cfg.train.seed * 7919 + self.next_seq_id,
+            seed=self.cfg.train.seed * 7919,
         )
 
-    def collect(self) -> tuple[list[TrainSequence], dict[str, float]]:
-        t0 = time.perf_counter()
-        records = self.loader.next_batch()
-        prompts = [self.loader.dataset.encode(r) for r in records]
-        g = self.cfg.gspo.group_size
-        if self.group_fn is None:
-            result = self.engine.generate(prompts, self.sampling(), n=g)
-            samples, gen_metrics = result.samples, result.stats.as_metrics()
-        else:
-            samples, gen_metrics = self._generate_groups(records, prompts, g)
-        t_gen = time.perf_counter() - t0
+    def _score(self, record: Any, samples: list[Sample]) -> tuple[list[float], dict[str, float]]:
+        """One group's rewards: an episode's env reward wins; `reward.kind` scores the rest."""
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-        # An episode's env reward wins; the reward function scores the others.
         todo = [i for i, s in enumerate(samples) if s.meta.get("env_reward") is None]
+        k = len(todo)
         scored = self.rewards.score(
-            [records[samples[i].prompt_index].prompt for i in todo],
-            [texts[i] for i in todo],
-            [records[samples[i].prompt_index].answer for i in todo],
+            [record.prompt] * k, [texts[i] for i in todo], [record.answer] * k
         )
-        values = [s.meta.get("env_reward") for s in samples]
+        values: list[float] = [s.meta.get("env_reward") or 0.0 for s in samples]
         for i, r in zip(todo, scored.rewards, strict=True):
             values[i] = r
-        if (report := scored.report()) is not None:  # a broken reward function is loud
-            print(f"[step rollout] {report}", file=sys.stderr, flush=True)
-        rewards = torch.tensor(values, dtype=torch.float64)
-        groups = torch.tensor([s.prompt_index for s in samples])
+        self._reward_batches.append(scored)
+        return values, scored.metrics()
+
+    def before_push(self) -> None:
+        """Before a weight push: in-flight generation (async mode) stops and keeps its tokens."""
+        self.driver.pause()
+
+    def after_push(self, version: int) -> None:
+        """The engines serve `version` now; generation goes on."""
+        self.driver.resume(version)
+
+    def next_batch(self) -> tuple[list[TrainSequence], dict[str, float]]:
+        batch, wait = self.driver.next_batch()
+        samples = [s for grp in batch.groups for s in grp.samples]
+        extra = self._step_reports(samples)
+        flat = [r for grp in batch.groups for r in grp.rewards]
+        rewards = torch.tensor(flat, dtype=torch.float64)
+        groups = torch.tensor([k for k, grp in enumerate(batch.groups) for _ in grp.samples])
         adv = group_advantages(
             rewards, groups, eps=self.cfg.gspo.adv_eps, normalize_std=self.cfg.gspo.normalize_std
         )
-        seqs = []
-        for s, a in zip(samples, adv.tolist(), strict=True):
-            mask = [int(m) for m in s.logprob_mask]
-            old = [lp if m else 0.0 for lp, m in zip(s.logprobs, mask, strict=True)]
-            seqs.append(
-                TrainSequence(
-                    seq_id=self.next_seq_id,
-                    prompt_ids=s.prompt_ids,
-                    response_ids=s.response_ids,
-                    old_logp=old,
-                    advantage=a,
-                    loss_mask=mask,
-                )
-            )
-            self.next_seq_id += 1
+        seqs = [self._sequence(s, a) for s, a in zip(samples, adv.tolist(), strict=True)]
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
         zero_var = [float(rewards[groups == i].std(unbiased=False) == 0) for i in groups.unique()]
+        stats = batch.stats
+        stats.num_samples = len(samples)
+        stats.num_truncated = sum(s.finish_reason == "length" for s in samples)
+        stats.num_aborted = sum(s.finish_reason == "abort" for s in samples)
+        stats.num_masked_logprobs = sum(len(s.logprobs) - s.num_valid_logprobs for s in samples)
+        stats.wall_s = batch.wall_s
+        reward_time = batch.reward_metrics.get("reward/time_s", 0.0)
         metrics = {
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item(),
@@ -114,38 +139,66 @@ class Rollout:
             "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(),
             "response/truncated_frac": sum(s.truncated for s in samples) / len(samples),
-            "time/rollout_s": t_gen,
-            "time/reward_s": time.perf_counter() - t0 - t_gen,
-            **scored.metrics(),
-            **gen_metrics,
+            "time/rollout_s": batch.wall_s,
+            "time/reward_s": reward_time,
+            **batch.metrics(),
+            **stats.as_metrics(),
+            **wait,
+            **extra,
         }
         return seqs, metrics
 
-    def _generate_groups(
-        self, records: list[Any], prompts: list[list[int]], g: int
-    ) -> tuple[list[Any], dict[str, float]]:
-        """Every prompt's group through `group_fn`, concurrently (rollout.env)."""
+    def _step_reports(self, samples: list[Sample]) -> dict[str, float]:
+        """Print reward / env failures once per step (a broken user function is loud); the
+        multi-turn episode metrics."""
+        from megatron_gspo.rewards.pool import RewardBatch
+
+        parts, self._reward_batches = self._reward_batches, []
+        step = RewardBatch(
+            rewards=[r for b in parts for r in b.rewards],
+            timeouts=sum(b.timeouts for b in parts),
+            failures=sum(b.failures for b in parts),
+            errors=[e for b in parts for e in b.errors][:5],
+        )
+        if (report := step.report()) is not None:
+            print(f"[step rollout] {report}", file=sys.stderr, flush=True)
+        if self.envs is None:
+            return {}
         from megatron_gspo.rollout.multiturn import episode_metrics
 
-        sampling = self.sampling()
-
-        async def run() -> list[list[Any]]:
-            return await asyncio.gather(
-                *(
-                    self.group_fn(r, p, sampling, g, i)
-                    for i, (r, p) in enumerate(zip(records, prompts))
-                )
-            )
-
-        samples = [s for group in asyncio.run(run()) for s in group]
-        env_metrics, report = self.envs.take_report() if self.envs else ({}, None)
+        env_metrics, report = self.envs.take_report()
         if report is not None:
             print(f"[step rollout] {report}", file=sys.stderr, flush=True)
-        if not samples:
-            raise RuntimeError(f"no episode of this step produced a sample; {report or ''}")
-        return samples, {**env_metrics, **episode_metrics(samples)}
+        return {**env_metrics, **episode_metrics(samples)}
+
+    def _sequence(self, s: Sample, advantage: float) -> TrainSequence:
+        mask = [int(m) for m in s.logprob_mask]
+        old = [lp if m else 0.0 for lp, m in zip(s.logprobs, mask, strict=True)]
+        seq = TrainSequence(
+            seq_id=self.next_seq_id,
+            prompt_ids=s.prompt_ids,
+            response_ids=s.response_ids,
+            old_logp=old,
+            advantage=advantage,
+            loss_mask=mask,
+        )
+        self.next_seq_id += 1
+        return seq
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.driver.state_dict(), "next_seq_id": self.next_seq_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from megatron_gspo.data.prompts import PromptRecord
+
+        if "scheduler" not in state:  # a checkpoint from before the scheduler: loader only
+            front = {"loader": state["loader"], "front": []}
+            state = {**state, "scheduler": {"queue": front, "seq_cursor": state["next_seq_id"]}}
+        self.driver.load_state_dict(state["scheduler"], PromptRecord)
+        self.next_seq_id = state["next_seq_id"]
 
     def close(self) -> None:
+        self.driver.close()
         self.rewards.close()
         if self.envs is not None:
             self.envs.close()
@@ -197,12 +250,11 @@ def make_rollout(cfg: Config) -> Rollout:
     loader = PromptLoader(
         dataset, cfg.gspo.prompts_per_rollout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
     )
-    rollout = Rollout(
-        cfg, engine, tokenizer, loader, build_reward_pool(cfg.reward), servers=servers
+    group_fn, envs = make_multiturn(cfg, engine, tokenizer) if r.env is not None else (None, None)
+    rewards = build_reward_pool(cfg.reward)
+    return Rollout(
+        cfg, engine, tokenizer, loader, rewards, servers=servers, group_fn=group_fn, envs=envs
     )
-    if r.env is not None:
-        rollout.group_fn, rollout.envs = make_multiturn(cfg, engine, tokenizer)
-    return rollout
 
 
 def make_multiturn(cfg: Config, engine: Any, tokenizer: Any) -> tuple[Any, Any]:
@@ -268,10 +320,7 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
     }
     torch.save(state, tmp / f"trainer_rank{rank()}.pt")
     if rollout is not None:
-        torch.save(
-            {"loader": rollout.loader.state_dict(), "next_seq_id": rollout.next_seq_id},
-            tmp / "rollout.pt",
-        )
+        torch.save(rollout.state_dict(), tmp / "rollout.pt")
     barrier()
     if rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -297,9 +346,7 @@ def load_checkpoint(policy: Policy, rollout: Rollout | None) -> int:
     random.setstate(state["py_rng"])
     policy.load_state_dict(state["policy"])
     if rollout is not None:
-        ro = torch.load(path / "rollout.pt", weights_only=True)
-        rollout.loader.load_state_dict(ro["loader"])
-        rollout.next_seq_id = ro["next_seq_id"]
+        rollout.load_state_dict(torch.load(path / "rollout.pt", weights_only=True))
     return int(state["step"])
 
 

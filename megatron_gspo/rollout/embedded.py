@@ -130,8 +130,11 @@ class EmbeddedTokenizerManager:
             cond.notify_all()
 
     async def _writer_call(self, fn, *args):
-        """Run a weight operation as SGLang does: immediately when paused, else exclusively."""
-        if self._paused:
+        """Run a weight operation as SGLang does: immediately when paused in place / retracted,
+        else exclusively. Paused with `abort`, the aborted requests drain first (SGLang's
+        scheduler finishes them before it handles the update), so none of their tokens comes
+        from the new weights and their reported weight version is the one they ran under."""
+        if self._paused and self._pause_mode != "abort":
             return await asyncio.to_thread(fn, *args)
         cond = self._condition()
         async with cond:
@@ -178,9 +181,12 @@ class EmbeddedTokenizerManager:
             specs.append((rid, list(ids), sp))
         if self._released & {"weights", "kv_cache"}:
             raise ValueError(f"memory released ({sorted(self._released)}); resume it first")
+        # As SGLang: a request that waits out a pause is not registered yet (so a weight update
+        # during the pause sees no pending request), and registration and the pause's abort-all
+        # are both atomic on this event loop, so a running request is always aborted by it.
+        await self._enter_reader()
         for rid, _, _ in specs:
             self.rid_to_state[rid] = _ReqState(rid=rid)
-        await self._enter_reader()
         try:
             loop = asyncio.get_running_loop()
             outs = await asyncio.gather(
@@ -219,8 +225,9 @@ class EmbeddedTokenizerManager:
         }
 
     def _wait_if_paused(self) -> bool:
-        """Block while paused; True if this request was retracted (its KV must be rebuilt)."""
-        if self._pause_event.is_set():
+        """Block while paused; True if this request was retracted (its KV must be rebuilt).
+        Paused with `abort`, every running request is aborted: it returns at once instead."""
+        if self._pause_event.is_set() or self._pause_mode == "abort":
             return False
         retracted = self._pause_mode == "retract"
         self._pause_event.wait()

@@ -86,6 +86,10 @@ class SGLangClient(RolloutEngine):
         """Live, dead and joining engines; `make_rollout` sets `pool.restart` for launched
         engines."""
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-client")
+        # Requests in flight and picks per URL over ALL concurrent `agenerate` calls, so that
+        # many small calls (one per group: `rollout/scheduler.py`) still spread over engines.
+        self._load: Counter = Counter()
+        self._picks: Counter = Counter()
 
     # ---- HTTP plumbing ---------------------------------------------------------------------
     def _session(self, timeout_s: float) -> aiohttp.ClientSession:
@@ -118,13 +122,21 @@ class SGLangClient(RolloutEngine):
         return asyncio.run(self.agenerate(prompts, sampling, n=n))
 
     async def agenerate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, n: int = 1
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        n: int = 1,
+        rid_prefix: str | None = None,
     ) -> RolloutResult:
-        """Generate `n` samples for each prompt; see `RolloutEngine.generate`."""
+        """Generate `n` samples for each prompt; see `RolloutEngine.generate`.
+
+        Request ids are `{rid_prefix}-p{i}-s{j}` (`rid_prefix` default: a fresh unique one), so
+        a caller that names the prefix can `abort` exactly its own requests."""
         if n < 1:
             raise ValueError("n must be >= 1")
         tic = time.perf_counter()
-        call = f"{uuid.uuid4().hex[:8]}-{next(self._calls)}"
+        call = rid_prefix or f"{uuid.uuid4().hex[:8]}-{next(self._calls)}"
         native = n if self.config.use_native_n else 1  # samples per entry, SGLang-side
         if native > 1 and sampling.seed is not None:
             raise ValueError("use_native_n gives all n samples one seed; unset seed or the flag")
@@ -188,8 +200,9 @@ class SGLangClient(RolloutEngine):
         if not up:
             return None
         # Least loaded first; among equals, the one picked least often (round robin).
-        best = min(up, key=lambda t: (t.inflight, t.picks))
+        best = min(up, key=lambda t: (self._load[t.url], self._picks[t.url]))
         best.picks += 1
+        self._picks[best.url] += 1
         return best
 
     async def _next_target(self, targets: list[_Target]) -> _Target:
@@ -275,6 +288,7 @@ class SGLangClient(RolloutEngine):
             target = await self._next_target(targets)
             url = target.url
             target.inflight += 1
+            self._load[target.url] += 1
             try:
                 async with target.sem:
                     status, raw = await self._request(session, "POST", url + "/generate", body)
@@ -285,6 +299,7 @@ class SGLangClient(RolloutEngine):
                 continue
             finally:
                 target.inflight -= 1
+                self._load[target.url] -= 1
             if status >= 500:
                 reason = f"HTTP {status}: {proto.error_message(raw)}"
                 last_error, inconsistent = f"{url}/generate: {reason}", False

@@ -114,6 +114,9 @@ class Sample:
     """False where the engine log-prob was not finite (never train on those tokens)."""
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Engine metadata kept for debugging (rid, prompt_tokens, e2e_latency, matched stop...)."""
+    token_versions: list[int] = dataclasses.field(default_factory=list)
+    """Weight version that sampled each response token (filled by the rollout scheduler; a
+    response continued after a weight update mixes versions). Empty: not tracked."""
 
     @property
     def group_index(self) -> int:

@@ -86,8 +86,8 @@ def _rollout(cfg, answers=("12", "7")) -> tuple[Rollout, FakeEngine]:
     loader = PromptLoader(dataset, cfg.gspo.prompts_per_rollout, seed=0, shuffle=False)
     engine = FakeEngine()
     group_fn, envs = make_multiturn(cfg, engine, TOK)
-    ro = Rollout(cfg, engine, TOK, loader, RewardPool("toy", num_workers=0))
-    ro.group_fn, ro.envs = group_fn, envs
+    rewards = RewardPool("toy", num_workers=0)
+    ro = Rollout(cfg, engine, TOK, loader, rewards, group_fn=group_fn, envs=envs)
     return ro, engine
 
 
@@ -130,7 +130,7 @@ def test_masks_are_exact_and_the_engine_sees_the_trainers_ids(capsys):
     cfg = _cfg()
     ro, engine = _rollout(cfg)
     try:
-        seqs, metrics = ro.collect()
+        seqs, metrics = ro.next_batch()
     finally:
         ro.close()
     assert len(seqs) == 6
@@ -166,7 +166,7 @@ def test_token_cap_turn_stop_and_reward_fallback():
     )
     ro, engine = _rollout(cfg)
     try:
-        seqs, metrics = ro.collect()
+        seqs, metrics = ro.next_batch()
     finally:
         ro.close()
     stop_id = _ids(stop)[0]
@@ -189,7 +189,7 @@ def test_token_cap_turn_stop_and_reward_fallback():
     cfg = _cfg(f"rollout.env={FIX}:NoRewardEnv", "rollout.max_turns=2")
     ro, engine = _rollout(cfg)
     try:
-        seqs, metrics = ro.collect()
+        seqs, metrics = ro.next_batch()
     finally:
         ro.close()
     assert metrics["env/turns_mean"] == 2.0 and len(engine.calls) == 2 * len(seqs)
@@ -227,12 +227,16 @@ def test_env_failures_cost_the_episode_and_are_printed(capsys):
     cfg = _cfg(f"rollout.env={FIX}:BuggyEnv", "gspo.prompts_per_rollout=4", "gspo.group_size=2")
     ro, _ = _rollout(cfg, answers=("raise", "bad", "reset-bug", "ok"))
     try:
-        seqs, metrics = ro.collect()
+        seqs, metrics = ro.next_batch()
     finally:
         ro.close()
-    # reset-bug episodes are dropped (no model token); raise/bad end with reward 0
-    assert len(seqs) == 6 and metrics["env/failures"] == 6.0
-    assert metrics["reward/mean"] == pytest.approx(2 / 6)
+    # reset-bug episodes have no sample: their group is dropped and another prompt takes its
+    # place (the batch stays full); raise/bad episodes end with reward 0, ok ones score 1
+    prompt_of = {tuple(ro.loader.dataset.encode(r)): r.answer for r in ro.loader.dataset}
+    answers = [prompt_of[tuple(s.prompt_ids)] for s in seqs]
+    assert len(seqs) == 8 and "reset-bug" not in answers
+    assert metrics["rollout/groups_dropped"] >= 1 and metrics["env/failures"] >= 6.0
+    assert metrics["reward/mean"] == pytest.approx(answers.count("ok") / 8)
     err = capsys.readouterr().err
     assert "ValueError: env bug in step" in err and "KeyError" in err and "TypeError" in err
 
@@ -247,7 +251,7 @@ def test_env_timeout_replaces_the_worker():
     ro, _ = _rollout(cfg, answers=("hang",))
     try:
         before = ro.envs.worker_pids
-        seqs, metrics = ro.collect()
+        seqs, metrics = ro.next_batch()
         after = ro.envs.worker_pids
     finally:
         ro.close()
@@ -334,7 +338,7 @@ def test_reward_function_errors_are_printed_once_per_step(capsys):
     ro, _ = _rollout(cfg)
     ro.rewards = RewardPool(f"{FIX}:raising_reward", num_workers=1, timeout_s=30)
     try:
-        _, metrics = ro.collect()
+        _, metrics = ro.next_batch()
     finally:
         ro.close()
     err = capsys.readouterr().err
@@ -373,5 +377,4 @@ def test_episodes_spread_over_engines_and_stick_to_one(engine_a, engine_b):
     rotated = engines_per_episode(True)
     assert all(len(e) == 1 for e in rotated)
     assert set().union(*rotated) == {engine_a.url, engine_b.url}
-    assert set().union(*engines_per_episode(False)) == {engine_a.url}
     client.close()

@@ -450,6 +450,66 @@ def test_in_place_pause_update_continue_spans_two_versions(server, client, ckpt_
         _restore(client, ckpt_a)
 
 
+def test_scheduler_continues_partial_responses_across_an_abort_pause_update(
+    server, client, ckpt_a, ckpt_b, weights_b, hf_bf16
+):
+    """Asynchronous mode's weight push on the real server (`rollout/scheduler.py`): while a
+    fill runs, pause(abort) returns the cut responses (ids + log-probs), the update with a
+    cache flush succeeds during the pause, and each cut response continues on the new weights;
+    every token's log-prob matches the weights of the version it carries."""
+    import asyncio
+
+    from megatron_gspo.data.prompts import PromptRecord
+    from megatron_gspo.rollout.scheduler import GroupScheduler, PromptQueue, SchedulerConfig
+
+    class Loader:
+        pos = 0
+
+        def next_batch(self):
+            self.pos += 2
+            return [PromptRecord(index=self.pos - 2 + i) for i in range(2)]
+
+    cfg = SchedulerConfig(prompts=2, group_size=2, max_new_tokens=32, partial_tokens=4)
+    sp = SamplingParams(max_new_tokens=32, seed=11, ignore_eos=True)
+    queue = PromptQueue(Loader(), lambda r: PROMPTS[r.index % len(PROMPTS)])
+    sched = GroupScheduler(client, queue, lambda r, ss: ([0.0] * len(ss), {}), cfg, sp)
+    paused_mid_fill = []
+
+    def push() -> None:
+        with client.weight_update_session(weight_version="2"):
+            client.update_weights_from_tensor(_bf16(weights_b))
+
+    async def go():
+        await sched.resume(1)
+        task = asyncio.create_task(sched.fill(2))
+        while not sched._stats.requests_per_engine:  # first chunks are back, more to come
+            await asyncio.sleep(0.005)
+        await sched.pause()
+        paused_mid_fill.append(sched._engine_paused)
+        await asyncio.to_thread(push)
+        await sched.resume(2)
+        return await task
+
+    client.set_weight_version("1")
+    try:
+        batch = asyncio.run(go())
+    finally:
+        client.continue_generation()
+        _restore(client, ckpt_a)
+    refs = {1: hf_bf16(ckpt_a), 2: hf_bf16(ckpt_b)}
+    diffs, versions = [], set()
+    for g in batch.groups:
+        for s in g.samples:
+            assert len(s.response_ids) == 32 == len(s.token_versions) == len(s.logprobs)
+            versions |= set(s.token_versions)
+            per_version = {v: rescore(m, s.prompt_ids, s.response_ids) for v, m in refs.items()}
+            diffs += [
+                abs(per_version[v][t] - s.logprobs[t]) for t, v in enumerate(s.token_versions)
+            ]
+    assert paused_mid_fill == [True] and versions == {1, 2}, versions
+    assert max(diffs) < BF16_LOGP_TOL and sum(diffs) / len(diffs) < BF16_LOGP_MEAN_TOL
+
+
 # ---- last: the stand-in was never asked for a kernel ----------------------------------------
 def test_no_stub_placeholder_was_called(server):
     """Runs after every route above: SGLang used only the two ops the stand-in implements."""

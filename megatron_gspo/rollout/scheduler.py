@@ -1,0 +1,501 @@
+"""Rank 0's rollout scheduler: one training step's batch of complete, scored groups.
+
+Pure asyncio, no torch.distributed. Every group (one prompt, `group_size` responses) is a task;
+`GroupScheduler.fill(target_version)` runs up to `ceil(prompts * oversample)` of them at once
+and returns as soon as `prompts` groups are complete and kept:
+
+* over-sampling / dynamic sampling: a finished group is scored at once; with
+  `drop_equal_reward_groups` a group whose rewards are all equal is dropped (its prompt is used
+  up) and another prompt starts. When the batch is full the groups still running are stopped
+  through the engine's `abort` (per request id); their prompts go back to the FRONT of the
+  prompt queue (`aborted`), or, with partial rollouts, they are kept as they are (`carried`)
+  and continue in the next fill. Per fill: launched + continued = kept + dropped + aborted +
+  carried. A fill that launched `fill_attempts * ceil(prompts * oversample)` new groups
+  without filling its batch raises `RolloutStarved` (e.g. every group of a too easy data set
+  has equal rewards).
+* partial rollouts (`partial_tokens`): every request asks for at most that many new tokens; an
+  unfinished response (cut by that budget, or aborted: a weight update's
+  `pause_generation("abort")`, or the end of the fill) continues later with prompt + response
+  so far as its prompt. Ids, engine log-probs (pi_old) and per-token weight versions
+  (`Sample.token_versions`) are concatenated exactly; a group is returned once, complete.
+* staleness: a batch trained under weights `target_version` must hold no token sampled more
+  than `max_staleness` versions earlier. A carried group that would break that restarts from
+  its prompt (`restarted`); `check_staleness` guards every returned batch.
+
+Aborted / unused prompts are never lost: they wait at the front of `PromptQueue`, whose
+checkpoint state also holds the prompts of every group not yet handed to the trainer (those
+are regenerated after a resume; nothing is trained twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import math
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from megatron_gspo.config_io import ConfigError
+from megatron_gspo.rollout.types import RolloutStats, Sample, SamplingParams
+
+GroupFn = Callable[[Any, list[int], SamplingParams, int, int], Awaitable[list[Sample]]]
+"""`async group_fn(record, prompt_ids, sampling, n, prompt_index) -> list[Sample]`: one group's
+responses (default: one `engine.agenerate([prompt_ids], sampling, n=n)`)."""
+ScoreFn = Callable[[Any, list[Sample]], tuple[list[float], dict[str, float]]]
+"""`score_fn(record, samples) -> (rewards, metrics)`; blocking, run in one worker thread."""
+
+_SEED_STRIDE = 1_000_003  # SamplingParams.sample_seed's prompt stride
+_CHUNK_SEED_STRIDE = 104_729
+
+
+class RolloutStarved(ConfigError):
+    """A fill launched its bounded number of groups without filling the batch."""
+
+
+class StalenessError(RuntimeError):
+    """A batch holds a token older than the staleness bound allows."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SchedulerConfig:
+    """What `GroupScheduler` needs from `gspo` and `rollout` (see `RolloutConfig`)."""
+
+    prompts: int
+    group_size: int
+    max_new_tokens: int
+    oversample: float = 1.0
+    drop_equal_reward_groups: bool = False
+    partial_tokens: int | None = None
+    max_staleness: int = 1
+    fill_attempts: int = 4
+
+    @property
+    def width(self) -> int:
+        """Groups generated concurrently."""
+        return math.ceil(self.prompts * self.oversample - 1e-9)
+
+    @property
+    def chunk(self) -> int:
+        """New tokens one request may ask for."""
+        return min(self.partial_tokens or self.max_new_tokens, self.max_new_tokens)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Group:
+    """One prompt's group on its way to the trainer."""
+
+    uid: int
+    """Unique per scheduler (identity checks: a group is returned at most once)."""
+    record: Any
+    prompt_ids: list[int]
+    slot: int = 0
+    """Position in the fill that (re)started it; seeds sampling as `prompt_index` did."""
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    rewards: list[float] = dataclasses.field(default_factory=list)
+    reward_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    rids: list[str] = dataclasses.field(default_factory=list)
+    """Request ids in flight (empty between requests, or when a custom group_fn runs)."""
+    chunks: int = 0
+    seed: int | None = None
+
+    def complete(self, max_new_tokens: int) -> bool:
+        return bool(self.samples) and all(sample_done(s, max_new_tokens) for s in self.samples)
+
+    def oldest_version(self) -> int | None:
+        versions = [v for s in self.samples for v in s.token_versions]
+        return min(versions) if versions else None
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Batch:
+    """One fill's result: `prompts` kept groups (in launch order) and the fill's counters."""
+
+    groups: list[Group]
+    target_version: int
+    counts: Counter
+    stats: RolloutStats
+    reward_metrics: dict[str, float]
+    wall_s: float
+
+    def metrics(self) -> dict[str, float]:
+        """`rollout/` counters and staleness, `reward/` scoring counters."""
+        versions = [v for g in self.groups for s in g.samples for v in s.token_versions]
+        stale = [self.target_version - v for v in versions]
+        out = {f"rollout/groups_{k}": float(self.counts[k]) for k in _COUNTS}
+        out |= {
+            "rollout/staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+            "rollout/staleness_max": float(max(stale, default=0)),
+            "rollout/continued_samples": float(
+                sum(s.meta.get("chunks", 1) > 1 for g in self.groups for s in g.samples)
+            ),
+        }
+        return out | self.reward_metrics
+
+
+_COUNTS = ("launched", "continued", "kept", "dropped", "aborted", "carried", "restarted")
+
+
+def sample_done(s: Sample, max_new_tokens: int) -> bool:
+    """Finished for good: a stop token, the total length cap, or an engine that stopped short
+    of a chunk's budget (context length)."""
+    if s.finish_reason == "stop":
+        return True
+    if s.finish_reason == "length":
+        return len(s.response_ids) >= max_new_tokens or bool(s.meta.get("stalled"))
+    return False
+
+
+def extend_sample(base: Sample, more: Sample, version: int) -> Sample:
+    """`base` continued by `more` (generated from prompt + base's response): response ids,
+    log-probs, mask and per-token versions concatenated; finish state from `more`."""
+    if len(more.prompt_ids) != len(base.prompt_ids) + len(base.response_ids):
+        raise ValueError("continuation prompt is not prompt + response so far")
+    return dataclasses.replace(
+        base,
+        response_ids=base.response_ids + more.response_ids,
+        logprobs=base.logprobs + more.logprobs,
+        logprob_mask=base.logprob_mask + more.logprob_mask,
+        token_versions=base.token_versions + [version] * len(more.response_ids),
+        finish_reason=more.finish_reason,
+        truncated=more.truncated,
+        weight_version=more.weight_version,
+        engine_id=more.engine_id,
+        meta=base.meta
+        | {"chunks": base.meta.get("chunks", 1) + 1, "stalled": more.meta.get("stalled")},
+    )
+
+
+def check_staleness(groups: Sequence[Group], target_version: int, max_staleness: int) -> None:
+    """Raise `StalenessError` if a token was sampled more than `max_staleness` versions
+    before `target_version` (the weights the batch is trained under)."""
+    for g in groups:
+        oldest = g.oldest_version()
+        if oldest is not None and target_version - oldest > max_staleness:
+            raise StalenessError(
+                f"group {g.uid} holds a token of weight version {oldest}, trained under "
+                f"{target_version}: more than rollout.max_staleness={max_staleness} behind"
+            )
+
+
+class PromptQueue:
+    """Prompts in order: returned ones first (front), then the loader's."""
+
+    def __init__(self, loader: Any, encode: Callable[[Any], list[int]]) -> None:
+        self.loader = loader
+        self.encode = encode
+        self.front: deque[Any] = deque()
+        self.drawn = 0
+        """Records taken from the loader (not counting returned ones taken again)."""
+
+    def take(self) -> Any:
+        if not self.front:
+            batch = self.loader.next_batch()
+            self.drawn += len(batch)
+            self.front.extend(batch)
+            return self.front.popleft()
+        return self.front.popleft()
+
+    def put_front(self, records: Sequence[Any]) -> None:
+        self.front.extendleft(reversed(list(records)))
+
+    def state_dict(self, owned: Sequence[Any] = ()) -> dict[str, Any]:
+        """Loader position plus every record not yet trained: `owned` (groups in flight),
+        then the queue's front. Records are stored as plain dicts."""
+        records = [*owned, *self.front]
+        return {
+            "loader": self.loader.state_dict(),
+            "front": [dataclasses.asdict(r) for r in records],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], record_type: Any) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self.front = deque(record_type(**r) for r in state["front"])
+
+
+class GroupScheduler:
+    """Runs groups on an engine with `agenerate(prompts, sampling, n=, rid_prefix=)` and
+    `abort(rid)`; see the module docstring. All methods run on one event loop."""
+
+    def __init__(
+        self,
+        engine: Any,
+        queue: PromptQueue,
+        score_fn: ScoreFn,
+        cfg: SchedulerConfig,
+        sampling: SamplingParams,
+        *,
+        group_fn: GroupFn | None = None,
+    ) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.score_fn = score_fn
+        self.cfg = cfg
+        self.sampling = sampling
+        """Base sampling; its seed (if any) is offset by `seq_cursor` per fill."""
+        self.group_fn = group_fn
+        self.continuable = group_fn is None
+        """Aborted/cut responses continue (default group_fn); a custom one restarts the group."""
+        self.version = 0
+        """The weight version the engines serve (set by `resume`)."""
+        self.seq_cursor = 0
+        """Sequences handed out so far (P * G per fill); seeds a fill as `next_seq_id` did."""
+        self.carried: list[Group] = []
+        self.owned: dict[int, Group] = {}
+        self._uids = itertools.count()
+        self._run = uuid.uuid4().hex[:8]
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._filling = False
+        self._engine_paused = False
+        self._stop = False
+        self._stats = RolloutStats()
+        self._score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-score")
+
+    # ---- weight-update hooks ---------------------------------------------------------------
+    async def pause(self) -> None:
+        """Before a weight push: no new request starts; in-flight ones are aborted and return
+        what they generated (continued after `resume`)."""
+        self._resumed.clear()
+        self._engine_paused = self._filling
+        if self._engine_paused:
+            await asyncio.to_thread(self.engine.pause_generation, "abort")
+
+    async def resume(self, version: int) -> None:
+        """After a weight push of `version`."""
+        self.version = int(version)
+        if self._engine_paused:
+            await asyncio.to_thread(self.engine.continue_generation)
+            self._engine_paused = False
+        self._resumed.set()
+
+    # ---- one batch ---------------------------------------------------------------------------
+    async def fill(self, target_version: int) -> Batch:
+        """`cfg.prompts` complete, kept groups, for training under `target_version`."""
+        cfg, tic = self.cfg, time.perf_counter()
+        counts: Counter = Counter()
+        self._stats, self._stop, self._filling = RolloutStats(), False, True
+        ready: deque[Group] = deque()
+        stale: list[Group] = []
+        for g in self.carried:
+            oldest = g.oldest_version()
+            too_old = oldest is not None and target_version - oldest > cfg.max_staleness
+            (stale if too_old else ready).append(g)
+        self.carried = []
+        for g in stale:
+            counts["restarted"] += 1
+            del self.owned[g.uid]
+        self.queue.put_front([g.record for g in stale])
+        seed = None if self.sampling.seed is None else self.sampling.seed + self.seq_cursor
+        slots = itertools.count()
+        active: dict[asyncio.Task, Group] = {}
+        kept: list[Group] = []
+        extra: list[Group] = []
+        limit = cfg.width * cfg.fill_attempts
+        try:
+            while len(kept) < cfg.prompts:
+                # width groups in play (running or kept); a dropped one is replaced
+                while len(active) + len(kept) < cfg.width and (ready or counts["launched"] < limit):
+                    if ready:
+                        g = ready.popleft()
+                        counts["continued"] += 1
+                    else:
+                        g = self._new_group()
+                        counts["launched"] += 1
+                    g.slot = next(slots)
+                    if not g.samples:  # a (re)started group takes this fill's seed slot
+                        g.seed = None if seed is None else seed + g.slot * _SEED_STRIDE
+                    active[asyncio.create_task(self._advance(g))] = g
+                if not active:
+                    raise RolloutStarved(
+                        f"{counts['launched']} groups launched for one step, "
+                        f"{counts['dropped']} dropped for equal rewards, only {len(kept)} of "
+                        f"{cfg.prompts} kept; raise rollout.fill_attempts or "
+                        "rollout.oversample, or set rollout.drop_equal_reward_groups=false"
+                    )
+                done, _ = await asyncio.wait(active, return_when=asyncio.FIRST_COMPLETED)
+                for t in sorted(done, key=lambda t: active[t].slot):
+                    g = active.pop(t)
+                    t.result()
+                    if not g.samples or (cfg.drop_equal_reward_groups and len(set(g.rewards)) <= 1):
+                        counts["dropped"] += 1
+                        del self.owned[g.uid]
+                    elif len(kept) < cfg.prompts:
+                        kept.append(g)
+                    else:
+                        extra.append(g)
+            self._stop = True
+            await self._abort(list(active.values()))
+            for t, g in active.items():
+                if not g.rids and self.group_fn is not None:
+                    t.cancel()  # a custom group_fn has no request ids to abort
+            for r in await asyncio.gather(*active, return_exceptions=True):
+                if isinstance(r, Exception):
+                    raise r
+            leftovers = sorted([*active.values(), *extra], key=lambda g: g.slot)
+        except BaseException:
+            for t in active:
+                t.cancel()
+            await asyncio.gather(*active, return_exceptions=True)
+            raise
+        finally:
+            self._filling = False
+        back = []
+        self.carried = list(ready)  # carried groups this fill had no room for: still carried
+        for g in leftovers:
+            if cfg.partial_tokens and self.continuable and g.samples:
+                self.carried.append(g)
+                counts["carried"] += 1
+            else:
+                back.append(g.record)
+                counts["aborted"] += 1
+                del self.owned[g.uid]
+        self.queue.put_front(back)
+        kept.sort(key=lambda g: g.slot)
+        counts["kept"] = len(kept)
+        check_staleness(kept, target_version, cfg.max_staleness)
+        self.seq_cursor += sum(len(g.samples) for g in kept)
+        return Batch(
+            groups=kept,
+            target_version=target_version,
+            counts=counts,
+            stats=self._stats,
+            reward_metrics=_sum_metrics(g.reward_metrics for g in kept),
+            wall_s=time.perf_counter() - tic,
+        )
+
+    def release(self, batch: Batch) -> None:
+        """The trainer took `batch`: its groups are no longer the scheduler's."""
+        for g in batch.groups:
+            self.owned.pop(g.uid, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        owned = [self.owned[k].record for k in sorted(self.owned)]
+        return {"queue": self.queue.state_dict(owned), "seq_cursor": self.seq_cursor}
+
+    def close(self) -> None:
+        self._score_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- groups ------------------------------------------------------------------------------
+    def _new_group(self) -> Group:
+        record = self.queue.take()
+        g = Group(uid=next(self._uids), record=record, prompt_ids=list(self.queue.encode(record)))
+        self.owned[g.uid] = g
+        return g
+
+    async def _gate(self) -> bool:
+        """Wait while paused; False once the fill is stopping."""
+        while not self._resumed.is_set() and not self._stop:
+            await asyncio.sleep(0.005)
+        return not self._stop
+
+    async def _advance(self, g: Group) -> None:
+        """Generate until `g` is complete (then score it) or the fill stops."""
+        while not self._complete(g):
+            if not await self._gate():
+                return
+            if g.samples and not self.continuable:
+                g.samples = []  # a custom group_fn was cut: start the group again
+            if not g.samples:
+                g.samples = await self._first_chunk(g)
+                if not g.samples:  # a custom group_fn had no sample (every episode failed)
+                    return
+            else:
+                await self._continue(g)
+        if not g.rewards:
+            loop = asyncio.get_running_loop()
+            g.rewards, g.reward_metrics = await loop.run_in_executor(
+                self._score_pool, self.score_fn, g.record, g.samples
+            )
+
+    def _complete(self, g: Group) -> bool:
+        """A custom group_fn (multi-turn) decides when its episodes end; only an aborted one
+        (a weight update's pause) restarts. The default one continues to the length cap."""
+        if self.continuable:
+            return g.complete(self.cfg.max_new_tokens)
+        return bool(g.samples) and all(s.finish_reason != "abort" for s in g.samples)
+
+    def _chunk_sampling(self, seed: int | None, budget: int) -> SamplingParams:
+        return dataclasses.replace(self.sampling, max_new_tokens=budget, seed=seed)
+
+    def _stamp(self, s: Sample, requested: int) -> int:
+        """The weight version of a response chunk: the engine's label when it is a number,
+        else the version the scheduler was told."""
+        try:
+            version = int(s.weight_version)
+        except ValueError:
+            version = self.version
+        if s.finish_reason == "length" and len(s.response_ids) < requested:
+            s.meta["stalled"] = True
+        return version
+
+    async def _first_chunk(self, g: Group) -> list[Sample]:
+        n, budget = self.cfg.group_size, self.cfg.chunk
+        sp = self._chunk_sampling(g.seed, budget)
+        g.chunks += 1
+        if self.group_fn is not None:
+            samples = await self.group_fn(g.record, g.prompt_ids, sp, n, g.slot)
+        else:
+            prefix = f"{self._run}-g{g.uid}-c{g.chunks}"
+            g.rids = [f"{prefix}-p0-s{j}" for j in range(n)]
+            try:
+                res = await self.engine.agenerate([g.prompt_ids], sp, n=n, rid_prefix=prefix)
+            finally:
+                g.rids = []
+            _add_stats(self._stats, res.stats)
+            samples = res.samples
+        for s in samples:
+            s.prompt_index = g.slot
+            if not s.token_versions:
+                s.token_versions = [self._stamp(s, budget)] * len(s.response_ids)
+        return samples
+
+    async def _continue(self, g: Group) -> None:
+        todo = [i for i, s in enumerate(g.samples) if not sample_done(s, self.cfg.max_new_tokens)]
+        g.chunks += 1
+        seed = None if g.seed is None else g.seed + g.chunks * _CHUNK_SEED_STRIDE
+        groups: dict[int, list[int]] = {}
+        for i in todo:  # one request per remaining budget (a chunk's max_new_tokens)
+            left = self.cfg.max_new_tokens - len(g.samples[i].response_ids)
+            groups.setdefault(min(self.cfg.chunk, left), []).append(i)
+        for budget, idx in groups.items():
+            prompts = [g.samples[i].prompt_ids + g.samples[i].response_ids for i in idx]
+            prefix = f"{self._run}-g{g.uid}-c{g.chunks}-b{budget}"
+            g.rids = [f"{prefix}-p{k}-s0" for k in range(len(idx))]
+            try:
+                res = await self.engine.agenerate(
+                    prompts, self._chunk_sampling(seed, budget), n=1, rid_prefix=prefix
+                )
+            finally:
+                g.rids = []
+            _add_stats(self._stats, res.stats)
+            by_prompt = {s.prompt_index: s for s in res.samples}
+            for k, i in enumerate(idx):
+                more = by_prompt.get(k)
+                if more is None:  # rejected by the client: retried with the next chunk
+                    continue
+                version = self._stamp(more, budget)
+                g.samples[i] = extend_sample(g.samples[i], more, version)
+
+    async def _abort(self, groups: list[Group]) -> None:
+        """Stop the requests of `groups` through the engine (they return partial output)."""
+        rids = [r for g in groups for r in g.rids]
+        await asyncio.gather(*(asyncio.to_thread(self.engine.abort, r) for r in rids))
+
+
+def _add_stats(total: RolloutStats, part: RolloutStats) -> None:
+    for name in ("num_rejected", "num_retries", "num_resubmitted"):
+        setattr(total, name, getattr(total, name) + getattr(part, name))
+    total.requests_per_engine.update(part.requests_per_engine)
+
+
+def _sum_metrics(parts: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in parts:
+        for k, v in m.items():
+            out[k] = out.get(k, 0.0) + float(v)
+    return out
