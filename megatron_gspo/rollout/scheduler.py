@@ -488,8 +488,10 @@ class GroupScheduler:
 
 
 def _add_stats(total: RolloutStats, part: RolloutStats) -> None:
-    for name in ("num_rejected", "num_retries", "num_resubmitted"):
+    for name in ("num_rejected", "num_retries", "num_resubmitted", "num_resent_samples"):
         setattr(total, name, getattr(total, name) + getattr(part, name))
+    # gauges, not counters: the latest call's view of the engine pool
+    total.engines_alive, total.engine_restarts = part.engines_alive, part.engine_restarts
     total.requests_per_engine.update(part.requests_per_engine)
 
 

@@ -19,7 +19,7 @@ from megatron_gspo import trainer
 from megatron_gspo.rollout.sglang_client import SGLangClient
 from megatron_gspo.weights.sync import WeightSync
 
-_collect, _push, _request = trainer.Rollout.collect, WeightSync.push, SGLangClient._request
+_collect, _push, _request = trainer.Rollout.next_batch, WeightSync.push, SGLangClient._request
 _calls = {"collect": 0}
 
 
@@ -62,6 +62,6 @@ def _push_and_record(self: WeightSync, model: Any) -> Any:
 if __name__ == "__main__":
     from megatron_gspo.train import cli
 
-    trainer.Rollout.collect = _collect_with_faults
+    trainer.Rollout.next_batch = _collect_with_faults
     WeightSync.push = _push_and_record
     cli()
