@@ -86,7 +86,7 @@ class StopSignals:
                 self._sigints += 1
             forced = self._sigints >= 2 or (self._sigints == 1 and signum == signal.SIGTERM)
         if forced:
-            self.force("second SIGINT")
+            self.force("second SIGINT" if signum == signal.SIGINT else f"{name} after SIGINT")
         if first:
             _say(
                 f"[train] {name}: stopping after this step with a checkpoint (at most "

@@ -12,8 +12,9 @@ pass. Unset (every real run), `point` returns at once. Points, in the order a st
 
 Actions: `sigkill` (this rank dies at once), `raise` (an exception), `hang` (the rank stops
 making progress, as one stuck in a collective with a dead peer), `sigterm` (a SIGTERM to this
-rank only), `ctrl-c` (a SIGINT to the launcher, as a terminal's Ctrl-C reaches torchrun) and
-`ctrl-c-twice` (the same twice: the second once this rank has seen the first, forwarded).
+rank only), `sigterm-launcher` (a SIGTERM to the launcher, as a scheduler's preemption notice
+reaches torchrun), `ctrl-c` (a SIGINT to the launcher, as a terminal's Ctrl-C reaches torchrun)
+and `ctrl-c-twice` (the same twice: the second once this rank has seen the first, forwarded).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 __all__ = ["ENV", "PlantedFault", "point"]
 
 ENV = "MGSPO_FAULT"
-_ACTIONS = ("sigkill", "raise", "hang", "sigterm", "ctrl-c", "ctrl-c-twice")
+_ACTIONS = ("sigkill", "raise", "hang", "sigterm", "sigterm-launcher", "ctrl-c", "ctrl-c-twice")
 _PHASES = ("rollout", "backward", "checkpoint")
 
 
@@ -82,6 +83,8 @@ def _fire(actions: list[str], phase: str, step: int) -> None:
                 time.sleep(1)
         elif action == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif action == "sigterm-launcher":
+            os.kill(os.getppid(), signal.SIGTERM)
         else:  # ctrl-c, ctrl-c-twice
             os.kill(os.getppid(), signal.SIGINT)
             if action == "ctrl-c-twice":
