@@ -71,7 +71,9 @@ class StopSignals:
                 timeout = max(0.0, self._first_at + self.grace_s - time.monotonic())
             ready = _wait_readable(read_fd, timeout)
             if not ready:  # the grace period ran out while the step did not finish
-                self.force(f"still running {self.grace_s:g} s after {self.requested}")
+                self.force(
+                    f"still running {self.grace_s:g} s after {self.requested} (train.stop_grace_s)"
+                )
             for signum in os.read(read_fd, 64):
                 self.on_signal(signum)
 

@@ -44,14 +44,15 @@ CHAIN: list[tuple[str, int, tuple[str, ...], int | str | None]] = [
     # Ctrl-C on the launcher (torchrun forwards SIGINT): step 2 (save_every), step 3, stop
     ("ctrl-c@backward:3:0", 3, ("[train] SIGINT: checkpoint written at step 3",), None),
     # Ctrl-C twice: forced exit in the middle of step 4, no checkpoint
-    ("ctrl-c-twice@rollout:4:0", 3, ("exiting now without a checkpoint",), "non-zero"),
+    # (torchrun answers the second with SIGTERM: "SIGTERM after SIGINT"; not the grace timer)
+    ("ctrl-c-twice@rollout:4:0", 3, ("SIGINT: exiting now without a checkpoint",), "non-zero"),
     # SIGTERM on the launcher (preemption) while rank 1 is stuck (as in a collective with a
     # dead peer): torchrun forwards it and would wait TORCHRUN_SHUTDOWN_S; each rank exits
     # train.stop_grace_s after the signal by itself (exit 130)
     (
         "sigterm-launcher@rollout:4:0,hang@backward:4:1",
         3,
-        (f"still running {GRACE_S} s after SIGTERM",),
+        (f"still running {GRACE_S} s after SIGTERM (train.stop_grace_s)",),
         "non-zero",
     ),
     # an exception on rank 1: torchrun ends rank 0 (dist_timeout_s is 1 h)
