@@ -472,6 +472,11 @@ class TrainConfig:
     generates a rollout the other ranks wait in one (a broadcast), so it must exceed the
     longest rollout plus reward and weight sync; torch's own default, 600 s, is too short
     for long RL generations."""
+    stop_grace_s: float = 600.0
+    """After SIGTERM or Ctrl-C the job finishes the current step, writes a checkpoint and
+    exits; a rank still running this many seconds after the signal (a step that does not
+    finish, a peer that died) exits without one. Under torchrun, raise its --shutdown-timeout
+    (default 30 s, after which it SIGKILLs its workers) to at least this."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -480,6 +485,7 @@ class TrainConfig:
             micro_batch_tokens=self.micro_batch_tokens,
             max_bad_steps=self.max_bad_steps,
             dist_timeout_s=self.dist_timeout_s,
+            stop_grace_s=self.stop_grace_s,
         )
         _require(
             self.routing_flip_every >= 0,

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from megatron_gspo.checkpoint_guard import check_resume_layout
 from megatron_gspo.config import Config
 from megatron_gspo.config_io import ConfigError, require
 from megatron_gspo.data.prompts import load_prompt_jsonl
@@ -43,6 +44,8 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
         _check_weights(Path(cfg.model.hf_path))
     _check_dtype(cfg)
     cfg.parallel.validate(world_size, hf_config)
+    if resume:
+        check_resume_layout(cfg.checkpoint.dir, cfg.parallel, world_size)
     load_prompt_jsonl(
         cfg.data.train_path,
         prompt_key=cfg.data.prompt_key,

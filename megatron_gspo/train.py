@@ -8,7 +8,6 @@ weights to the engines -> log -> checkpoint. Algorithm choice lives in the confi
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -21,6 +20,8 @@ from megatron_gspo.console import route_third_party_output, third_party_stdio
 from megatron_gspo.metrics_log import MetricsLogger
 from megatron_gspo.preflight import preflight
 from megatron_gspo.rollout.engine import NoEnginesLeft
+from megatron_gspo.stop import StopSignals
+from megatron_gspo.testing import faults
 from megatron_gspo.weights.sync import WeightSync
 
 if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
@@ -51,7 +52,15 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_gspo.megatron.policy import Policy
     from megatron_gspo.trainer import load_checkpoint, make_rollout
 
+    # SIGTERM / Ctrl-C from here on: a checkpoint at the next step boundary, every rank gone
+    # within train.stop_grace_s (megatron_gspo/stop.py).
+    stop = StopSignals(cfg.train.stop_grace_s).install()
     dist.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
+    if cfg.checkpoint.resume and cfg.checkpoint.dir:  # a damaged checkpoint: before any start
+        from megatron_gspo.checkpoint_guard import latest_checkpoint, verify
+
+        if (path := latest_checkpoint(cfg.checkpoint.dir)) is not None:
+            verify(path)
     with third_party_stdio(cfg.logging.dir):
         policy = Policy.build(cfg)
     rollout = sync = log = None
@@ -60,8 +69,6 @@ def main(argv: list[str] | None = None) -> None:
             rollout = make_rollout(cfg) if dist.rank() == 0 else None
         sync = WeightSync(policy.bridge, rollout.engine if rollout else [], cfg.weights)
         start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
-        stop = {"now": False}
-        signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
         log = MetricsLogger.from_config(
             cfg.logging,
             total_steps=cfg.train.steps,
@@ -84,7 +91,7 @@ def _loop(
     sync: WeightSync,
     log: MetricsLogger,
     start: int,
-    stop: dict[str, bool],
+    stop: StopSignals,
 ) -> None:
     from megatron_gspo.megatron.offload import offload_trainer, reload_trainer
 
@@ -96,6 +103,7 @@ def _loop(
         t0 = time.perf_counter()
         offload_trainer(cfg, policy)  # colocated: trainer state off the devices while engines run
         seqs, metrics, lost = _collect(rollout)
+        faults.point("rollout", step + 1)  # tests only: MGSPO_FAULT
         if rollout and colocated and lost is None:  # before the broadcast, so no rank reloads
             rollout.engine.release_memory()  # into engine memory
         seqs, metrics, lost = dist.broadcast((seqs, metrics, lost))
@@ -104,6 +112,7 @@ def _loop(
             _stop_without_engines(cfg, policy, rollout, step, lost)
         t1 = time.perf_counter()
         metrics |= reload_trainer(cfg, policy)
+        faults.point("backward", step + 1, policy.model)
         metrics |= policy.update(seqs, step)
         t2 = time.perf_counter()
         if rollout and colocated:
@@ -117,7 +126,8 @@ def _loop(
         log.log(step + 1, metrics)
         bad = bad + 1 if metrics["train/skipped_updates"] else 0
         every = cfg.checkpoint.save_every
-        last = stop["now"] or bad >= cfg.train.max_bad_steps or step + 1 == cfg.train.steps
+        stopping = stop.agreed()  # collective: a signal on any rank stops every rank here
+        last = stopping or bad >= cfg.train.max_bad_steps or step + 1 == cfg.train.steps
         if cfg.checkpoint.dir and (last or (every and (step + 1) % every == 0)):
             from megatron_gspo.trainer import save_checkpoint
 
@@ -129,8 +139,9 @@ def _loop(
                 f" {_saved(cfg, step + 1)}. Lower optim.lr, check the data and "
                 "rewards, or resume from an earlier checkpoint."
             )
-        if dist.broadcast(stop["now"]):
-            print(f"[train] SIGTERM: {_saved(cfg, step + 1)}", file=sys.stderr)
+        if stopping:
+            why = stop.requested or "stop requested on another rank"
+            print(f"[train] {why}: {_saved(cfg, step + 1)}", file=sys.stderr, flush=True)
             return
     if cfg.checkpoint.export_hf_at_end:
         from megatron_gspo.weights.convert import export_hf
@@ -204,12 +215,12 @@ def cli() -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         raise SystemExit(2) from None
-    except TrainingDiverged as e:
+    except (TrainingDiverged, NoEnginesLeft) as e:  # checkpointed first; exit 3 / 4
         if dist.rank() == 0:
             print(f"[train] stopped: {e}", file=sys.stderr, flush=True)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        raise SystemExit(3) from None
+        raise SystemExit(3 if isinstance(e, TrainingDiverged) else 4) from None
 
 
 if __name__ == "__main__":

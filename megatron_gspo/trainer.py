@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from megatron_gspo.algo import group_advantages
+from megatron_gspo.checkpoint_guard import latest_checkpoint, write_manifest
 from megatron_gspo.config import Config
 from megatron_gspo.dist import barrier, free_port, rank
 from megatron_gspo.megatron.checkpoint import load_model_and_optimizer, save_model_and_optimizer
@@ -29,6 +30,7 @@ from megatron_gspo.rollout import RolloutEngine, SamplingParams
 from megatron_gspo.rollout.driver import RolloutDriver
 from megatron_gspo.rollout.scheduler import GroupFn, GroupScheduler, PromptQueue, SchedulerConfig
 from megatron_gspo.rollout.types import Sample
+from megatron_gspo.testing import faults
 from megatron_gspo.weights.convert import write_source_info
 
 
@@ -302,7 +304,8 @@ def make_multiturn(cfg: Config, engine: Any, tokenizer: Any) -> tuple[Any, Any]:
 # ---------------------------------------------------------------------------------------------
 def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
     """Model + optimizer (megatron-core dist checkpoint) and trainer state, written to a
-    temporary directory and renamed, so a crash mid-save never leaves a half checkpoint."""
+    temporary directory with a manifest of checksums (`checkpoint_guard`) and renamed, so a
+    crash mid-save never leaves a half checkpoint under a final name."""
     root = Path(_checkpoint_dir(policy))
     final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
     if rank() == 0:
@@ -321,7 +324,9 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
     torch.save(state, tmp / f"trainer_rank{rank()}.pt")
     if rollout is not None:
         torch.save(rollout.state_dict(), tmp / "rollout.pt")
+    faults.point("checkpoint", step)
     barrier()
+    write_manifest(tmp)  # collective; only a complete directory gets its final name
     if rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -335,11 +340,11 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
 
 
 def load_checkpoint(policy: Policy, rollout: Rollout | None) -> int:
-    """Restore the latest checkpoint; returns the step to continue from (0 if none)."""
-    latest = Path(_checkpoint_dir(policy)) / "latest"
-    if not latest.exists():
+    """Restore the latest checkpoint; returns the step to continue from (0 if none). Its
+    integrity is checked before (`checkpoint_guard.verify`, in `train.main`)."""
+    path = latest_checkpoint(_checkpoint_dir(policy))
+    if path is None:
         return 0
-    path = latest.parent / latest.read_text().strip()
     load_model_and_optimizer(policy.model, policy.optimizer, path)
     state = torch.load(path / f"trainer_rank{rank()}.pt", weights_only=True)
     torch.set_rng_state(state["torch_rng"])

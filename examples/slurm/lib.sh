@@ -127,6 +127,8 @@ mgspo_wait_healthy() {
 }
 
 # One torchrun per trainer node (srun --ntasks-per-node=1), c10d rendezvous on the first one.
+# torchrun SIGKILLs its workers --shutdown-timeout seconds after forwarding a SIGTERM (30 s by
+# default): GRACE_S instead, the time the trainer has to finish its step and checkpoint.
 mgspo_start_trainer() {
   local -a trainer_nodes=("${@}") sets extra=()
   local s nodelist
@@ -145,6 +147,7 @@ mgspo_start_trainer() {
     "$PYTHON" -m torch.distributed.run --nnodes "${#trainer_nodes[@]}" \
     --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d \
     --rdzv-endpoint "${trainer_nodes[0]}:$RDZV_PORT" --rdzv-id "${SLURM_JOB_ID:-mgspo}" \
+    --shutdown-timeout "$GRACE_S" \
     -m megatron_gspo.train --config "$CONFIG" "${USER_SETS[@]}" "${extra[@]}" &
   TRAINER_PID=$!
 }

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from megatron_gspo.patches.optimizer import chained, resume_hooks
+from megatron_gspo.stop import die_with_parent
 
 _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -85,9 +86,35 @@ def _has_stepped(optimizer: Any) -> bool:
     return bool(flag.item())
 
 
+_MANAGERS: list[Any] = []
+
+
+def _results_queue_that_dies_with_us() -> None:
+    """megatron-core's torch_dist writer collects write results through a multiprocessing
+    Manager process it spawns on the first save (`filesystem_async.get_write_results_queue`,
+    cached in the module global `_results_queue`). That process outlives a SIGKILLed rank
+    (observed: it stays, holding the job's stdout open, after a SIGKILL mid-checkpoint). Start
+    the Manager here first, with `PR_SET_PDEATHSIG` = SIGKILL, and hand megatron-core its queue.
+    """
+    import multiprocessing
+    import signal
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _MANAGERS or getattr(filesystem_async, "_results_queue", True) is not None:
+        return  # ours already, or megatron-core no longer caches one there
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(signal.SIGKILL,))
+    _MANAGERS.append(manager)
+    filesystem_async._results_queue = manager.Queue()
+
+
 def save_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, directory: Path) -> None:
     """Collective: every rank writes its shards of the model and optimizer into `directory`."""
     from megatron.core import dist_checkpointing
+
+    _results_queue_that_dies_with_us()
 
     hooks = resume_hooks()
     rank = torch.distributed.get_rank()
@@ -122,5 +149,5 @@ def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, direc
     # training loop does after a load.
     optimizer.reload_model_params()
     rank = torch.distributed.get_rank()
-    steps = torch.load(Path(directory) / f"adam_steps_rank{rank}.pt")
+    steps = torch.load(Path(directory) / f"adam_steps_rank{rank}.pt", weights_only=True)
     hooks.restore_adam_steps(optimizer, steps)

@@ -153,6 +153,7 @@ def _check_trainer(job: Job, hosts: list[str], urls: list[str]) -> dict[str, str
     assert _value(cmd, "--rdzv-backend") == "c10d"
     assert _value(cmd, "--rdzv-endpoint") == f"{hosts[0]}:29500"
     assert _value(cmd, "--rdzv-id") == "4242"
+    assert _value(cmd, "--shutdown-timeout") == "170"  # GRACE_S: time to checkpoint on SIGTERM
     assert cmd[cmd.index("megatron_gspo.train") - 1] == "-m"
     assert _value(cmd, "--config") == str(RECIPE)
     sets = _sets(cmd)

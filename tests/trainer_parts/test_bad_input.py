@@ -316,6 +316,8 @@ def test_previous_run_is_refused_without_resume_or_overwrite(tmp_path: Path) -> 
     assert "--resume" in msg and "--overwrite" in msg
     (run / "metrics.jsonl").unlink()
     (ckpt / "step_000002").mkdir(parents=True)
+    # the layout it was written at (preflight compares it with this run's on --resume)
+    (ckpt / "step_000002" / "mgspo_conversion.json").write_text('{"layout": {}, "world_size": 1}')
     (ckpt / "latest").write_text("step_000002")
     with pytest.raises(ConfigError) as e:
         _check(cfg)

@@ -1,0 +1,154 @@
+"""How a training job stops on a signal: every rank, within a bound, with a checkpoint when it can.
+
+    stop = StopSignals(grace_s=cfg.train.stop_grace_s).install()   # each rank, main thread
+    ...
+    if stop.agreed():  # collective at the step boundary: any rank's signal stops all ranks
+        save_checkpoint(...); return
+
+* SIGTERM (a scheduler's preemption notice, torchrun forwarding one) or a first SIGINT (Ctrl-C;
+  torchrun forwards it to its workers, which sit in sessions of their own) asks for a graceful
+  stop: the current step finishes, every rank learns of it through one all-reduce (a signal
+  that reached rank 1 only stops rank 0 too), a checkpoint is written and the job exits 0.
+* A second Ctrl-C forces the exit at once, without a checkpoint (exit code 130): after a
+  SIGINT, any further SIGINT or SIGTERM does (torchrun answers a second Ctrl-C with SIGTERM
+  to its workers). SIGTERM after SIGTERM does not: a scheduler and torchrun may both deliver
+  one for the same preemption.
+* Either way the process is gone at most `grace_s` after the first signal, even when its main
+  thread is stuck in a collective with a dead peer (a C call, where Python signal handlers do
+  not run): the signal numbers reach a watchdog thread through `signal.set_wakeup_fd`, which
+  the C-level handler writes at once.
+* The launcher dying (torchrun SIGKILLed, or torchrun exiting on a second Ctrl-C while it
+  waits for its workers) delivers SIGINT to each rank (`PR_SET_PDEATHSIG`): a graceful stop if
+  it is the first, a forced one otherwise.
+
+A forced exit SIGKILLs this process's children (engines, reward workers) before `os._exit`;
+they also die with their parent by their own `PR_SET_PDEATHSIG`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+__all__ = ["FORCED_EXIT_CODE", "StopSignals", "seen_sigint"]
+
+FORCED_EXIT_CODE = 130  # the shell's code for "ended by SIGINT"
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """The stop state of one rank; see the module docstring."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.requested: str | None = None  # name of the first stop signal received
+        self._first_at = 0.0
+        self._sigints = 0
+        self._lock = threading.Lock()
+
+    def install(self) -> StopSignals:
+        """Main thread only (CPython's rule for signal handlers and the wakeup fd)."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # the C handler must never block
+        for sig in _SIGNALS:
+            # A Python handler replaces the default action (exit, KeyboardInterrupt); the
+            # decision is the watchdog's, which sees the signal even when this thread cannot.
+            signal.signal(sig, lambda *_: None)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_fd,), daemon=True, name="stop").start()
+        die_with_parent(signal.SIGINT)
+        global _INSTALLED
+        _INSTALLED = self
+        return self
+
+    def _watch(self, read_fd: int) -> None:
+        while True:
+            timeout = None
+            if self.requested is not None:
+                timeout = max(0.0, self._first_at + self.grace_s - time.monotonic())
+            ready = _wait_readable(read_fd, timeout)
+            if not ready:  # the grace period ran out while the step did not finish
+                self.force(
+                    f"still running {self.grace_s:g} s after {self.requested} (train.stop_grace_s)"
+                )
+            for signum in os.read(read_fd, 64):
+                self.on_signal(signum)
+
+    def on_signal(self, signum: int) -> None:
+        """What one delivered signal does (called by the watchdog thread)."""
+        name = signal.Signals(signum).name
+        with self._lock:
+            first = self.requested is None
+            if first:
+                self.requested, self._first_at = name, time.monotonic()
+            if signum == signal.SIGINT:
+                self._sigints += 1
+            forced = self._sigints >= 2 or (self._sigints == 1 and signum == signal.SIGTERM)
+        if forced:
+            self.force("second SIGINT" if signum == signal.SIGINT else f"{name} after SIGINT")
+        if first:
+            _say(
+                f"[train] {name}: stopping after this step with a checkpoint (at most "
+                f"{self.grace_s:g} s, train.stop_grace_s; Ctrl-C again to stop at once)"
+            )
+
+    def force(self, why: str) -> None:
+        """Exit now: no checkpoint; children (engines, reward workers) are SIGKILLed first."""
+        _say(f"[train] {why}: exiting now without a checkpoint")
+        _kill_children()
+        os._exit(FORCED_EXIT_CODE)
+
+    def agreed(self) -> bool:
+        """Collective (every rank, same point of the step): whether any rank was asked to stop."""
+        import torch
+
+        flag = torch.tensor([float(self.requested is not None)])
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            from megatron_gspo import dist
+
+            flag = flag.to(dist.device())
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+_INSTALLED: StopSignals | None = None
+
+
+def seen_sigint() -> bool:
+    """Whether the installed `StopSignals` has received a SIGINT (the fault tests wait for it)."""
+    return _INSTALLED is not None and _INSTALLED._sigints > 0
+
+
+def _wait_readable(fd: int, timeout: float | None) -> bool:
+    import select
+
+    ready, _, _ = select.select([fd], [], [], timeout)
+    return bool(ready)
+
+
+def _say(text: str) -> None:
+    rank = os.environ.get("RANK", "0")
+    print(f"{text} (rank {rank})", file=sys.stderr, flush=True)
+
+
+def _kill_children() -> None:
+    try:
+        import psutil
+    except ImportError:  # the children still die with us (their own PR_SET_PDEATHSIG)
+        return
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
+def die_with_parent(sig: int) -> None:
+    """Linux: `sig` is delivered to this process when its parent (the launcher) dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG

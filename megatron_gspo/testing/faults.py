@@ -1,0 +1,97 @@
+"""Planted faults for the fault tests: a rank kills, signals or breaks itself at a given point.
+
+`MGSPO_FAULT` holds comma-separated `action@phase:step[:rank]` entries (rank 0 if omitted), e.g.
+`MGSPO_FAULT=sigkill@backward:3:1` SIGKILLs rank 1 in the middle of step 3's first backward
+pass. Unset (every real run), `point` returns at once. Points, in the order a step reaches them:
+
+* `rollout`: right after rank 0 got the step's samples and rewards, before they are broadcast
+  (the loader and the sample ids have advanced; the other ranks wait in the broadcast);
+* `backward`: inside the step's first backward pass (a gradient hook on the first parameter);
+* `checkpoint`: inside `save_checkpoint`, after the model and optimizer are written to the
+  temporary directory and before the manifest, the rename and `latest`.
+
+Actions: `sigkill` (this rank dies at once), `raise` (an exception), `hang` (the rank stops
+making progress, as one stuck in a collective with a dead peer), `sigterm` (a SIGTERM to this
+rank only), `sigterm-launcher` (a SIGTERM to the launcher, as a scheduler's preemption notice
+reaches torchrun), `ctrl-c` (a SIGINT to the launcher, as a terminal's Ctrl-C reaches torchrun)
+and `ctrl-c-twice` (the same twice: the second once this rank has seen the first, forwarded).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+__all__ = ["ENV", "PlantedFault", "point"]
+
+ENV = "MGSPO_FAULT"
+_ACTIONS = ("sigkill", "raise", "hang", "sigterm", "sigterm-launcher", "ctrl-c", "ctrl-c-twice")
+_PHASES = ("rollout", "backward", "checkpoint")
+
+
+class PlantedFault(RuntimeError):
+    """The exception of the `raise` action."""
+
+
+def _planned(phase: str, step: int) -> list[str]:
+    rank = int(os.environ.get("RANK", "0"))
+    found = []
+    for entry in filter(None, os.environ.get(ENV, "").split(",")):
+        action, _, where = entry.partition("@")
+        parts = where.split(":")
+        if action not in _ACTIONS or parts[0] not in _PHASES or len(parts) not in (2, 3):
+            raise ValueError(f"{ENV}: bad entry {entry!r} (action@phase:step[:rank])")
+        at_rank = int(parts[2]) if len(parts) == 3 else 0
+        if parts[0] == phase and int(parts[1]) == step and at_rank == rank:
+            found.append(action)
+    return found
+
+
+def point(phase: str, step: int, model: list[Any] | None = None) -> None:
+    """Fire the actions planned for `phase` of `step` (1-based) on this rank. For `backward`
+    pass the model chunks: the actions then fire from inside the next backward pass."""
+    actions = _planned(phase, step)
+    if not actions:
+        return
+    if phase == "backward":
+        if model is None:
+            raise ValueError("point('backward', ...) needs the model")
+        param = next(p for p in model[0].parameters() if p.requires_grad)
+        handle: list[Any] = []
+
+        def hook(grad: Any) -> Any:
+            handle.pop().remove()  # the first backward of the step only
+            _fire(actions, phase, step)
+            return grad
+
+        handle.append(param.register_hook(hook))
+        return
+    _fire(actions, phase, step)
+
+
+def _fire(actions: list[str], phase: str, step: int) -> None:
+    for action in actions:
+        if action == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # never returns: the signal is delivered at once
+        elif action == "raise":
+            raise PlantedFault(f"planted fault at {phase} of step {step}")
+        elif action == "hang":
+            while True:
+                time.sleep(1)
+        elif action == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif action == "sigterm-launcher":
+            os.kill(os.getppid(), signal.SIGTERM)
+        else:  # ctrl-c, ctrl-c-twice
+            os.kill(os.getppid(), signal.SIGINT)
+            if action == "ctrl-c-twice":
+                from megatron_gspo import stop
+
+                deadline = time.monotonic() + 60
+                while not stop.seen_sigint() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                os.kill(os.getppid(), signal.SIGINT)
+                time.sleep(60)  # the forced exit comes while this rank waits here
