@@ -236,9 +236,9 @@ class MultiTurn:
 
 def rotated_clients(client: Any) -> tuple[Any, ...]:
     """For an `SGLangClient` over several engines without a router: one generation-only client
-    per engine, engine i listed first in client i (a client's least-loaded pick starts from its
-    first engine; a fresh `agenerate` call sees every engine idle, so one shared client would
-    send every single-prompt turn to the same engine). Otherwise ()."""
+    per engine, engine i listed first in client i and picked first (`in_order`), so an episode's
+    turns stay on one engine (its prefix cache) and fail over to the next only when it is down;
+    the clients share the parent's engine pool (dead / rejoining engines). Otherwise ()."""
     from megatron_gspo.rollout.sglang_client import SGLangClient
 
     cfg = getattr(client, "config", None)
@@ -247,14 +247,18 @@ def rotated_clients(client: Any) -> tuple[Any, ...]:
     urls, tps = list(cfg.engine_urls), list(cfg.engine_tp_sizes or [1] * len(cfg.engine_urls))
     if len(urls) < 2:
         return ()
-    return tuple(
+    clients = tuple(
         SGLangClient(
             dataclasses.replace(
                 cfg, engine_urls=urls[i:] + urls[:i], engine_tp_sizes=tps[i:] + tps[:i]
-            )
+            ),
+            in_order=True,
         )
         for i in range(len(urls))
     )
+    for c in clients:  # one view of dead / rejoining engines: no turn goes to an engine the
+        c.pool = client.pool  # weight sync has dropped or not yet re-admitted
+    return clients
 
 
 def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:

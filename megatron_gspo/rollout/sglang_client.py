@@ -73,7 +73,10 @@ class _Target:
 class SGLangClient(RolloutEngine):
     """`RolloutEngine` over SGLang's HTTP API (real servers or the embedded engine)."""
 
-    def __init__(self, config: ClientConfig) -> None:
+    def __init__(self, config: ClientConfig, *, in_order: bool = False) -> None:
+        """`in_order`: each request goes to the first usable engine in `engine_urls` order
+        (sticky, e.g. one multi-turn episode per engine for its prefix cache), the others
+        only when it is down; default: the least loaded."""
         if not config.engine_urls:
             raise ValueError("SGLangClient needs at least one engine URL (engine_urls)")
         self.config = config
@@ -90,6 +93,7 @@ class SGLangClient(RolloutEngine):
         # many small calls (one per group: `rollout/scheduler.py`) still spread over engines.
         self._load: Counter = Counter()
         self._picks: Counter = Counter()
+        self._in_order = in_order
 
     # ---- HTTP plumbing ---------------------------------------------------------------------
     def _session(self, timeout_s: float) -> aiohttp.ClientSession:
@@ -159,7 +163,8 @@ class SGLangClient(RolloutEngine):
             limit = self.config.max_inflight_per_engine * len(self.config.engine_urls)
             targets = [_Target(self.config.router_url, limit)]
         else:
-            urls = self.pool.require_live()
+            live = set(self.pool.require_live())  # in this client's order (`in_order`)
+            urls = [u for u in self.config.engine_urls if u in live]
             targets = [_Target(u, self.config.max_inflight_per_engine) for u in urls]
         stats = RolloutStats()
         async with self._session(self.config.request_timeout_s) as session:
@@ -200,7 +205,11 @@ class SGLangClient(RolloutEngine):
         if not up:
             return None
         # Least loaded first; among equals, the one picked least often (round robin).
-        best = min(up, key=lambda t: (self._load[t.url], self._picks[t.url]))
+        best = (
+            up[0]
+            if self._in_order
+            else min(up, key=lambda t: (self._load[t.url], self._picks[t.url]))
+        )
         best.picks += 1
         self._picks[best.url] += 1
         return best

@@ -377,4 +377,6 @@ def test_episodes_spread_over_engines_and_stick_to_one(engine_a, engine_b):
     rotated = engines_per_episode(True)
     assert all(len(e) == 1 for e in rotated)
     assert set().union(*rotated) == {engine_a.url, engine_b.url}
+    # one view of dead / rejoining engines (the weight sync's): no turn to an engine it dropped
+    assert all(c.pool is client.pool for c in rotated_clients(client))
     client.close()
