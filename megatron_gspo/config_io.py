@@ -25,6 +25,7 @@ __all__ = [
     "describe_keys",
     "field_docs",
     "plain",
+    "positive",
     "read_yaml",
     "require",
 ]
@@ -38,6 +39,12 @@ def require(ok: bool, msg: str) -> None:
     """Raise `ConfigError(msg)` unless `ok`."""
     if not ok:
         raise ConfigError(msg)
+
+
+def positive(section: str, **values: float | int | None) -> None:
+    """Each given `section.name` value is None or > 0, else a `ConfigError` naming the key."""
+    for name, v in values.items():
+        require(v is None or v > 0, f"{section}.{name}={v} must be > 0; change {section}.{name}")
 
 
 def _hints(cls: type) -> dict[str, Any]:
