@@ -50,7 +50,6 @@ class Rollout:
     rewards: Any
     next_seq_id: int = 0
     servers: Any = None
-    stats: dict[str, float] = field(default_factory=dict)
     group_fn: GroupFn | None = None
     """Generates one group (default: one `agenerate` call); `rollout.env`: the multi-turn
     `MultiTurn.group_fn` (`make_multiturn`)."""

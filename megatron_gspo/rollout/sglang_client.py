@@ -66,8 +66,6 @@ class _Target:
     def __init__(self, url: str, limit: int) -> None:
         self.url = url
         self.sem = asyncio.Semaphore(limit)
-        self.inflight = 0
-        self.picks = 0
 
 
 class SGLangClient(RolloutEngine):
@@ -210,7 +208,6 @@ class SGLangClient(RolloutEngine):
             if self._in_order
             else min(up, key=lambda t: (self._load[t.url], self._picks[t.url]))
         )
-        best.picks += 1
         self._picks[best.url] += 1
         return best
 
@@ -296,7 +293,6 @@ class SGLangClient(RolloutEngine):
             body = self._body(chunk, n)
             target = await self._next_target(targets)
             url = target.url
-            target.inflight += 1
             self._load[target.url] += 1
             try:
                 async with target.sem:
@@ -307,7 +303,6 @@ class SGLangClient(RolloutEngine):
                 self._fault(url, f"{type(e).__name__}: {e}")
                 continue
             finally:
-                target.inflight -= 1
                 self._load[target.url] -= 1
             if status >= 500:
                 reason = f"HTTP {status}: {proto.error_message(raw)}"
