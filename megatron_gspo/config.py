@@ -36,11 +36,11 @@ from megatron_gspo.config_io import (
     read_yaml,
     require,
 )
+from megatron_gspo.engines.client_config import ClientConfig
+from megatron_gspo.engines.launch import LaunchConfig
 from megatron_gspo.layout import Layout
-from megatron_gspo.rollout.client_config import ClientConfig
-from megatron_gspo.rollout.launch import LaunchConfig
-from megatron_gspo.rollout.rollout_config import RolloutConfig
-from megatron_gspo.weights.sync import WeightSyncConfig
+from megatron_gspo.rollout.config import RolloutConfig
+from megatron_gspo.weights.config import WeightSyncConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -48,7 +48,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
-    "GspoConfig",
+    "RLConfig",
     "LaunchConfig",
     "Layout",
     "LoggingConfig",
@@ -113,7 +113,7 @@ class OptimConfig:
     """Final learning rate of a decaying schedule."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """After warmup: constant at optim.lr, or decay to optim.min_lr by the last optimizer step
-    (train.steps * gspo.mini_batches_per_rollout). megatron-core's OptimizerParamScheduler."""
+    (train.steps * rl.mini_batches_per_rollout). megatron-core's OptimizerParamScheduler."""
     warmup_steps: int = 0
     """Linear warmup from 0 to optim.lr over this many optimizer steps."""
     weight_decay: float = 0.0
@@ -146,7 +146,7 @@ class OptimConfig:
 
 
 @dataclass(**_CFG)
-class GspoConfig:
+class RLConfig:
     """How a rollout becomes updates: groups, mini-batches, advantages and where pi_old comes
     from (the loss itself is the `loss` section)."""
 
@@ -165,21 +165,21 @@ class GspoConfig:
     """Added to the group std before dividing."""
 
     def __post_init__(self) -> None:
-        _positive("gspo", adv_eps=self.adv_eps)
+        _positive("rl", adv_eps=self.adv_eps)
         _require(
             self.group_size >= 2,
-            f"gspo.group_size={self.group_size} must be >= 2 (a group of one has no relative "
-            "advantage); change gspo.group_size",
+            f"rl.group_size={self.group_size} must be >= 2 (a group of one has no relative "
+            "advantage); change rl.group_size",
         )
         for name in ("prompts_per_rollout", "mini_batches_per_rollout"):
             v = getattr(self, name)
-            _require(v >= 1, f"gspo.{name}={v} must be >= 1; change gspo.{name}")
+            _require(v >= 1, f"rl.{name}={v} must be >= 1; change rl.{name}")
         n = self.prompts_per_rollout * self.group_size
         _require(
             n % self.mini_batches_per_rollout == 0,
-            f"gspo.prompts_per_rollout*group_size = {n} responses do not split into "
-            f"gspo.mini_batches_per_rollout={self.mini_batches_per_rollout} equal mini-batches; "
-            "change gspo.mini_batches_per_rollout or gspo.prompts_per_rollout",
+            f"rl.prompts_per_rollout*group_size = {n} responses do not split into "
+            f"rl.mini_batches_per_rollout={self.mini_batches_per_rollout} equal mini-batches; "
+            "change rl.mini_batches_per_rollout or rl.prompts_per_rollout",
         )
 
     @property
@@ -325,7 +325,7 @@ class TrainConfig:
     """The outer loop."""
 
     steps: int = 100
-    """Rollout steps (each: one rollout, gspo.mini_batches_per_rollout optimizer steps)."""
+    """Rollout steps (each: one rollout, rl.mini_batches_per_rollout optimizer steps)."""
     seed: int = 0
     """Seed of model init and sampling (data order uses data.seed)."""
     micro_batch_tokens: int = 8192
@@ -380,7 +380,7 @@ class Config:
     """Optimizer and schedule."""
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """Policy loss: GSPO, GSPO-token or GRPO, clip ranges, mismatch correction."""
-    gspo: GspoConfig = field(default_factory=GspoConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     """Groups, mini-batches, advantages, pi_old source."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout engines and sampling."""
@@ -410,9 +410,9 @@ class Config:
             "train.micro_batch_tokens or lower rollout.max_total_tokens",
         )
         _require(
-            self.loss.tis_mode == "none" or self.gspo.pi_old == "recompute",
+            self.loss.tis_mode == "none" or self.rl.pi_old == "recompute",
             f"loss.tis_mode={self.loss.tis_mode} compares a recomputed pi_old with the engine; "
-            "set gspo.pi_old=recompute or loss.tis_mode=none",
+            "set rl.pi_old=recompute or loss.tis_mode=none",
         )
         _require(
             not (self.weights.fp8 and self.rollout.embedded),
@@ -442,11 +442,11 @@ class Config:
             "rollout.async_rollout=true generates while the trainer trains, which colocated "
             "engines (rollout.launch.colocated=true) cannot; set one of them to false",
         )
-        optimizer_steps = self.train.steps * self.gspo.mini_batches_per_rollout
+        optimizer_steps = self.train.steps * self.rl.mini_batches_per_rollout
         _require(
             self.optim.warmup_steps < optimizer_steps,
             f"optim.warmup_steps={self.optim.warmup_steps} must be below the run's "
-            f"{optimizer_steps} optimizer steps (train.steps * gspo.mini_batches_per_rollout); "
+            f"{optimizer_steps} optimizer steps (train.steps * rl.mini_batches_per_rollout); "
             "change optim.warmup_steps",
         )
         if launch is not None and not launch.model_path:
@@ -476,6 +476,11 @@ class Config:
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a `Config` from a nested dict (e.g. parsed YAML)."""
     _require(isinstance(data, dict), f"the config must be a mapping, got {type(data).__name__}")
+    _require(
+        "gspo" not in data,
+        "the config section `gspo:` is now `rl:` (it drives GRPO too); rename it (and any "
+        "--set gspo.KEY=... to --set rl.KEY=...)",
+    )
     return build_dataclass(Config, data)
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from megatron_gspo.config import Config, ConfigError, load_config
 from megatron_gspo.config_io import require
+from megatron_gspo.engines.launch import LaunchConfig, engine_command, router_command
 from megatron_gspo.layout import Layout, _num_experts
 from megatron_gspo.plan_memory import (
     PROCESS_OVERHEAD_GB,
@@ -49,7 +50,6 @@ from megatron_gspo.plan_memory import (
     hf_tensor_bytes,
     memory_formula,
 )
-from megatron_gspo.rollout.launch import LaunchConfig, engine_command, router_command
 
 __all__ = [
     "GiB",
@@ -211,7 +211,7 @@ def make_plan(
     kv_per_token = 2 * hf.num_hidden_layers * kv_heads * d * kv_b
     kv_tokens = max(0.0, frac * mem_bytes - engine_weights) / kv_per_token
     seq_tokens = prompt + cfg.rollout.max_new_tokens
-    concurrent = cfg.gspo.rollout_size / max(1, num_engines)
+    concurrent = cfg.rl.rollout_size / max(1, num_engines)
     engine = dict(
         num_engines=num_engines,
         tp_size=launch.tp_size,

@@ -267,6 +267,6 @@ def _activations(
 
 def _micro_batches(cfg: Config, dp: int, prompt_tokens: int) -> int:
     """Packed micro-batches per mini-batch per DP rank (sequences at their longest)."""
-    seqs = cfg.gspo.rollout_size / cfg.gspo.mini_batches_per_rollout / dp
+    seqs = cfg.rl.rollout_size / cfg.rl.mini_batches_per_rollout / dp
     tokens = seqs * (prompt_tokens + cfg.rollout.max_new_tokens)
     return max(1, math.ceil(tokens / cfg.train.micro_batch_tokens))

@@ -19,16 +19,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from megatron_gspo.checkpoint_guard import check_resume_layout
+from megatron_gspo.checkpoint import check_resume_layout, has_checkpoint, remove_checkpoints
 from megatron_gspo.config import Config
 from megatron_gspo.config_io import ConfigError, require
 from megatron_gspo.data.prompts import load_prompt_jsonl
+from megatron_gspo.engines.interpreter import sglang_python
 
-__all__ = ["check_run_dir", "preflight", "read_hf_config", "sglang_python"]
+__all__ = ["check_run_dir", "preflight", "read_hf_config"]
 
 # What a previous run leaves: refused unless --resume or --overwrite.
 _RUN_FILES = ("metrics.jsonl",)
-_CKPT_MARK = "latest"
 
 
 def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) -> None:
@@ -66,9 +66,9 @@ def check_run_dir(cfg: Config, *, resume: bool, overwrite: bool) -> None:
     if resume or overwrite:
         return
     found = [Path(cfg.logging.dir) / name for name in _RUN_FILES]
-    if cfg.checkpoint.dir is not None:
-        found.append(Path(cfg.checkpoint.dir) / _CKPT_MARK)
     found = [p for p in found if p.exists()]
+    if cfg.checkpoint.dir is not None and (marker := has_checkpoint(cfg.checkpoint.dir)):
+        found.append(marker)
     require(
         not found,
         f"{found[0] if found else ''}: a previous run is there; pass --resume to continue it, "
@@ -83,12 +83,7 @@ def _clear_previous_run(cfg: Config) -> None:
         (log_dir / name).unlink(missing_ok=True)
     shutil.rmtree(log_dir / "tb", ignore_errors=True)  # TensorBoard would show both runs
     if cfg.checkpoint.dir is not None:
-        ckpt = Path(cfg.checkpoint.dir)
-        (ckpt / _CKPT_MARK).unlink(missing_ok=True)
-        # Only our own step directories: checkpoint.dir may hold other things of the user's.
-        for step_dir in ckpt.glob("step_*"):
-            if step_dir.is_dir():
-                shutil.rmtree(step_dir, ignore_errors=True)
+        remove_checkpoints(cfg.checkpoint.dir)
 
 
 def _check_dir(path: str, key: str) -> Path:
@@ -137,40 +132,6 @@ def _check_dtype(cfg: Config) -> None:
         f"model.dtype={cfg.model.dtype} on CPU: the CPU path computes in fp32; set "
         "model.dtype=fp32",
     )
-
-
-def sglang_python(fallback: str | None = None) -> str:
-    """The interpreter for a real SGLang server when rollout.launch.python is unset: the engine
-    venv of scripts/engine_env.sh if built (SGLang pins its own torch, so it rarely lives in the
-    trainer's venv), else `fallback` (default: this interpreter) if it can import SGLang's
-    server, else a ConfigError naming the fix, rather than a server that dies at startup with
-    an ImportError buried in its log."""
-    import subprocess
-    import sys
-
-    from megatron_gspo.testing.sglang_server import ENGINE_PYTHON_ENV, engine_python
-
-    found = engine_python()
-    if found is not None:
-        require(
-            Path(found).exists(),
-            f"{ENGINE_PYTHON_ENV}={found}: no such file; run bash scripts/engine_env.sh and set "
-            "rollout.launch.python=<its output>/bin/python",
-        )
-        return found
-    python = fallback or sys.executable
-    # In a subprocess: importing the server here would load SGLang's CUDA stack into the
-    # trainer (~5 s, once per rank, and only when no engine venv is built).
-    probe = subprocess.run(
-        [python, "-c", "import sglang.launch_server"], capture_output=True, timeout=300
-    )
-    require(
-        probe.returncode == 0,
-        "rollout.launch.backend=sglang but rollout.launch.python is unset and sglang's server "
-        f"cannot be imported by {python}: run bash scripts/engine_env.sh and set "
-        "rollout.launch.python=<its output>/bin/python",
-    )
-    return python
 
 
 def _check_engine_python(cfg: Config) -> None:

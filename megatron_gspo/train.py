@@ -14,19 +14,18 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from megatron_gspo import dist
+from megatron_gspo import dist, faults
 from megatron_gspo.config import Config, ConfigError, dump_config, parse_cli
 from megatron_gspo.console import route_third_party_output, third_party_stdio
+from megatron_gspo.engines.protocols import NoEnginesLeft
 from megatron_gspo.metrics_log import MetricsLogger
 from megatron_gspo.preflight import preflight
-from megatron_gspo.rollout.engine import NoEnginesLeft
 from megatron_gspo.stop import StopSignals
-from megatron_gspo.testing import faults
 from megatron_gspo.weights.sync import WeightSync
 
 if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
     from megatron_gspo.megatron.policy import Policy
-    from megatron_gspo.trainer import Rollout
+    from megatron_gspo.rollout.experience import Rollout
 
 
 class TrainingDiverged(RuntimeError):
@@ -49,15 +48,16 @@ def main(argv: list[str] | None = None) -> None:
     # Library chatter (import-time tracebacks, deprecations, loading bars) goes to
     # <logging.dir>/third_party.log; the console keeps our progress bar and messages.
     route_third_party_output(cfg.logging.dir)
+    from megatron_gspo.checkpoint import load_checkpoint
     from megatron_gspo.megatron.policy import Policy
-    from megatron_gspo.trainer import load_checkpoint, make_rollout
+    from megatron_gspo.rollout.experience import make_rollout
 
     # SIGTERM / Ctrl-C from here on: a checkpoint at the next step boundary, every rank gone
     # within train.stop_grace_s (megatron_gspo/stop.py).
     stop = StopSignals(cfg.train.stop_grace_s).install()
     dist.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
     if cfg.checkpoint.resume and cfg.checkpoint.dir:  # a damaged checkpoint: before any start
-        from megatron_gspo.checkpoint_guard import latest_checkpoint, verify
+        from megatron_gspo.checkpoint import latest_checkpoint, verify
 
         if (path := latest_checkpoint(cfg.checkpoint.dir)) is not None:
             verify(path)
@@ -129,7 +129,7 @@ def _loop(
         stopping = stop.agreed()  # collective: a signal on any rank stops every rank here
         last = stopping or bad >= cfg.train.max_bad_steps or step + 1 == cfg.train.steps
         if cfg.checkpoint.dir and (last or (every and (step + 1) % every == 0)):
-            from megatron_gspo.trainer import save_checkpoint
+            from megatron_gspo.checkpoint import save_checkpoint
 
             save_checkpoint(policy, rollout, step + 1)
         if bad >= cfg.train.max_bad_steps:
@@ -167,7 +167,7 @@ def _stop_without_engines(
 ) -> NoReturn:
     """Checkpoint the state after `step` trained steps (every rank), then stop."""
     if cfg.checkpoint.dir:
-        from megatron_gspo.trainer import save_checkpoint
+        from megatron_gspo.checkpoint import save_checkpoint
 
         save_checkpoint(policy, rollout, step)
     raise NoEnginesLeft(f"{why}; {_saved(cfg, step)}")

@@ -1,12 +1,16 @@
-"""Fixtures shared across test packages."""
+"""Fixtures shared across test packages: the real SGLang server's interpreter, tiny HF
+checkpoints and in-process embedded engines (session-scoped: starting one costs the SGLang import
+once, then ~1 s; every fixture stops what it started), the toy tokenizer."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 
 from megatron_gspo.testing import sglang_server
+from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +29,69 @@ def engine_python() -> str:
             f"scripts/test.sh builds it and sets {sglang_server.REQUIRE_ENV}=1)"
         )
     return python
+
+
+@pytest.fixture(scope="session")
+def ckpt_a(tmp_path_factory) -> str:
+    """Tiny Qwen3-MoE checkpoint, seed 0 (the engine's initial weights)."""
+    return str(save_tiny_hf_checkpoint(tmp_path_factory.mktemp("ckpt_a"), seed=0))
+
+
+@pytest.fixture(scope="session")
+def ckpt_b(tmp_path_factory) -> str:
+    """Tiny Qwen3-MoE checkpoint, seed 1 (the "trained" weights pushed by updates)."""
+    return str(save_tiny_hf_checkpoint(tmp_path_factory.mktemp("ckpt_b"), seed=1))
+
+
+@pytest.fixture(scope="session")
+def weights_a(ckpt_a) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(f"{ckpt_a}/model.safetensors")
+
+
+@pytest.fixture(scope="session")
+def weights_b(ckpt_b) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(f"{ckpt_b}/model.safetensors")
+
+
+def _start(path: str):
+    from megatron_gspo.engines.embedded.server import EmbeddedServer
+
+    return EmbeddedServer(path).start()
+
+
+@pytest.fixture(scope="session")
+def engine_a(ckpt_a):
+    """An embedded engine on 127.0.0.1 serving `ckpt_a` (weights may be changed by tests
+    that restore them afterwards)."""
+    srv = _start(ckpt_a)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_b(ckpt_a):
+    """A second embedded engine with the same initial weights."""
+    srv = _start(ckpt_a)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client_a(engine_a):
+    from megatron_gspo.engines.client import ClientConfig, SGLangClient
+
+    c = SGLangClient(ClientConfig(engine_urls=[engine_a.url], validate_requests=True))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def toy_tokenizer():
+    """The character-level toy tokenizer (transformers import: a few seconds, paid once)."""
+    from megatron_gspo.data.toy import build_toy_tokenizer
+
+    return build_toy_tokenizer()

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_gspo.rewards.sandbox import WorkerDied, WorkerLimits, WorkerProcess, WorkerTimeout
+from megatron_gspo.sandbox.process import WorkerDied, WorkerLimits, WorkerProcess, WorkerTimeout
 
 __all__ = ["EnvError", "EnvPool", "Episode"]
 

@@ -71,7 +71,7 @@ class Policy:
             load_from=bridge if cfg.model.load_weights else None,
         )
         optimizer = build_optimizer(model, cfg.optim)
-        total = cfg.train.steps * cfg.gspo.mini_batches_per_rollout
+        total = cfg.train.steps * cfg.rl.mini_batches_per_rollout
         return cls(cfg, bridge, model, optimizer, build_scheduler(optimizer, cfg.optim, total))
 
     def plan(self, seqs: Sequence[TrainSequence]) -> list[PackedMicroBatch]:
@@ -83,12 +83,12 @@ class Policy:
         Identical metrics on every rank."""
         cfg = self.cfg
         temperature = cfg.rollout.temperature
-        if cfg.gspo.pi_old == "recompute":
+        if cfg.rl.pi_old == "recompute":
             fresh = mstep.compute_logprobs(self.model, self.plan(seqs), temperature=temperature)
             for s in seqs:
                 s.rollout_logp, s.old_logp = list(s.old_logp), fresh[s.seq_id].tolist()
         step_cfg = mstep.StepConfig(loss=cfg.loss, temperature=temperature)
-        n = cfg.gspo.mini_batches_per_rollout
+        n = cfg.rl.mini_batches_per_rollout
         every = cfg.train.routing_flip_every
         before = probe = None
         if every and step % every == 0 and RoutingRecorder(self.model).routers:

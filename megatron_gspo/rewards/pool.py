@@ -18,7 +18,7 @@ User code runs only in the workers (`sandbox.py`: scrubbed environment, resource
 trainer never imports a user reward module. Only the built-in kinds may run in-process
 (`num_workers=0`, no timeout or limit enforced).
 
-Workers are plain `python -m megatron_gspo.rewards.worker` subprocesses speaking JSON lines
+Workers are plain `python -m megatron_gspo.sandbox.worker` subprocesses speaking JSON lines
 (not multiprocessing): they never fork the trainer (threads, CUDA, process groups) and never
 re-import its `__main__`. Answers must therefore be JSON-serialisable, as JSONL answers are.
 """
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_gspo.rewards.sandbox import WorkerDied, WorkerLimits, WorkerProcess
+from megatron_gspo.sandbox.process import WorkerDied, WorkerLimits, WorkerProcess
 
 __all__ = [
     "RewardBatch",

@@ -1,30 +1,6 @@
-"""Rollout: the `RolloutEngine` interface, the SGLang HTTP client and the embedded CPU engine.
+"""The RL side of experience: the scheduler that fills each step's batch of scored groups
+(over-sampling, dynamic sampling, partial and asynchronous rollouts), multi-turn episodes, and
+`Rollout`, which turns engine samples into training sequences with rewards and advantages.
 
-This package knows SGLang and nothing of Megatron. Importing it is cheap: SGLang's modules are
-imported only by the functions that need them (weight payloads, validation, the embedded
-engine).
+It talks to the engines only through `megatron_gspo.engines.protocols` and imports no Megatron.
 """
-
-from megatron_gspo.rollout.engine import EngineError, NoEnginesLeft, RolloutEngine
-from megatron_gspo.rollout.types import (
-    RolloutResult,
-    RolloutStats,
-    Sample,
-    SampleValidationError,
-    SamplingParams,
-    abs_logp_diff,
-    mismatch_metrics,
-)
-
-__all__ = [
-    "EngineError",
-    "NoEnginesLeft",
-    "RolloutEngine",
-    "RolloutResult",
-    "RolloutStats",
-    "Sample",
-    "SampleValidationError",
-    "SamplingParams",
-    "abs_logp_diff",
-    "mismatch_metrics",
-]

@@ -31,8 +31,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_gspo.engines.types import Sample, SamplingParams
 from megatron_gspo.envs.pool import EnvError, EnvPool
-from megatron_gspo.rollout.types import Sample, SamplingParams
 
 __all__ = ["MultiTurn", "ObservationCodec", "episode_metrics", "record_dict", "rotated_clients"]
 
@@ -239,7 +239,7 @@ def rotated_clients(client: Any) -> tuple[Any, ...]:
     per engine, engine i listed first in client i and picked first (`in_order`), so an episode's
     turns stay on one engine (its prefix cache) and fail over to the next only when it is down;
     the clients share the parent's engine pool (dead / rejoining engines). Otherwise ()."""
-    from megatron_gspo.rollout.sglang_client import SGLangClient
+    from megatron_gspo.engines.client import SGLangClient
 
     cfg = getattr(client, "config", None)
     if not isinstance(client, SGLangClient) or cfg is None or cfg.router_url:

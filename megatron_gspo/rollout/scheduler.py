@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from megatron_gspo.config_io import ConfigError
-from megatron_gspo.rollout.types import RolloutStats, Sample, SamplingParams
+from megatron_gspo.engines.types import RolloutStats, Sample, SamplingParams
 
 GroupFn = Callable[[Any, list[int], SamplingParams, int, int], Awaitable[list[Sample]]]
 """`async group_fn(record, prompt_ids, sampling, n, prompt_index) -> list[Sample]`: one group's

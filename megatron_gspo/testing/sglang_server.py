@@ -7,16 +7,16 @@ SGLang pins a torch the trainer does not use), so it is found by path, never imp
 
 from __future__ import annotations
 
-import hashlib
-import os
 import subprocess
-from pathlib import Path
 from typing import Any
 
-from megatron_gspo.rollout.launch import LaunchConfig
+from megatron_gspo.engines.interpreter import (  # noqa: F401  (re-exported for tests)
+    ENGINE_PYTHON_ENV,
+    engine_python,
+    engine_venv_dir,
+)
+from megatron_gspo.engines.launch import LaunchConfig
 
-ENGINE_PYTHON_ENV = "MGSPO_ENGINE_PYTHON"
-"""Env var naming the engine venv's python (scripts/test.sh sets it after building the venv)."""
 REQUIRE_ENV = "MGSPO_REQUIRE_SGLANG"
 """Env var: when set, tests that need the real server fail instead of skipping without it."""
 GPU_TINY_ENGINE_ARGS = (
@@ -31,26 +31,6 @@ GPU_TINY_ENGINE_ARGS = (
 )
 """SGLang flags for a tiny model on a GPU (the GPU smoke test and tests/gpu/acceptance.py): no
 CUDA-graph capture (startup time) and backends that take any head/vocab size."""
-
-_ROOT = Path(__file__).resolve().parents[2]
-
-
-def engine_venv_dir(root: Path = _ROOT) -> Path:
-    """Where scripts/engine_env.sh builds (or built) the engine venv for this checkout."""
-    digest = hashlib.sha256((root / "constraints-engine.txt").read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("MGSPO_CACHE") or Path.home() / ".cache/megatron-gspo")
-    return cache / f"engine-venv-{digest}"
-
-
-def engine_python() -> str | None:
-    """The engine venv's interpreter: `$MGSPO_ENGINE_PYTHON`, else the cached venv if it was
-    built completely, else None."""
-    if path := os.environ.get(ENGINE_PYTHON_ENV):
-        return path
-    venv = engine_venv_dir()
-    if (venv / ".complete").exists():
-        return str(venv / "bin" / "python")
-    return None
 
 
 def engine_package_version(python: str, package: str = "sglang") -> str:

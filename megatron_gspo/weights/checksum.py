@@ -1,7 +1,7 @@
 """Per-tensor integrity check of a weight sync: sender and engine checksum the same bytes.
 
 The checksum is the one SGLang's `/weights_checker` computes per tensor (sha256 of the raw
-bytes, first 8 bytes), taken from `megatron_gspo.rollout.sglang_protocol` so that the trainer
+bytes, first 8 bytes), taken from `megatron_gspo.engines.wire` so that the trainer
 and every engine implementing `RolloutEngine.weights_checksum()` agree bit for bit. It is
 computed on the host (a device->host copy on GPU) and costs about one memcpy plus sha256 per
 byte, which is why `WeightSyncConfig.verify_every` can thin it out.
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron_gspo.rollout.sglang_protocol import tensor_checksum
+from megatron_gspo.engines.wire import tensor_checksum
 
 
 class WeightIntegrityError(RuntimeError):

@@ -36,11 +36,11 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_gspo.config_io import ConfigError
-from megatron_gspo.rollout.engine import NoEnginesLeft, RolloutEngine
+from megatron_gspo.engines.protocols import NoEnginesLeft, RolloutEngine
 from megatron_gspo.weights import fp8 as fp8_lib
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
+from megatron_gspo.weights.config import WeightSyncConfig
 from megatron_gspo.weights.sglang_names import SGLangChecksums, reported_in_sglang_naming
 from megatron_gspo.weights.stream import Bucket, StreamStats, is_sender, model_buckets
 from megatron_gspo.weights.transports import (
@@ -53,76 +53,6 @@ from megatron_gspo.weights.transports import (
 
 class WeightSyncError(RuntimeError):
     """A weight sync failed (transport error or wrong engine version)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class WeightSyncConfig:
-    """How trainer weights reach the rollout engines."""
-
-    transport: Literal["tensor", "distributed", "disk"] = "tensor"
-    """tensor: colocated (same node, IPC); distributed: a process group with the engines;
-    disk: a HF checkpoint directory per version (`disk_dir`) that engines reload."""
-    bucket_mb: float = 512.0
-    """Upper bound of one bucket in MiB (a single larger tensor is sent alone)."""
-    dtype: str | None = None
-    """Send dtype ("bfloat16", "float32"); None keeps the trainer's. Match the engine's dtype."""
-    fp8: bool = False
-    """Blockwise FP8 (e4m3, 128x128, `weight_scale_inv`) for decoder linear weights; the
-    rest go as `dtype` or bf16. The engines must serve an FP8 block checkpoint config."""
-    fp8_check: bool = True
-    """Dequantise every FP8 weight on the sender and check the e4m3 error bound per block."""
-    verify_every: int = 1
-    """Compare per-tensor checksums with the engines every N syncs (0 = never)."""
-    verify_names: Literal["all", "common"] = "all"
-    """all: every sent tensor must be reported by the engine, under its HF name or, for a real
-    SGLang server, under SGLang's fused parameter name; common: only names the engine reports
-    are compared."""
-    check_version: bool = True
-    """Require every engine to report the new weight version after a sync."""
-    sender_rank: int = 0
-    """Global trainer rank that keeps and sends the buckets."""
-    experts_to_first: bool = True
-    """Gather expert weights to EP rank 0 only (the sender), not to every EP rank; False keeps
-    megatron-bridge's all-gather (see `stream.experts_to_ep_rank0`)."""
-    disk_dir: str | None = None
-    """Root directory of the disk transport (must be visible to the engines); None in a run
-    config: `<logging.dir>/weights`."""
-    disk_keep: int = 2
-    """Versions kept on disk."""
-    master_address: str | None = None
-    """Address of the sender for the distributed transport's rendezvous, which every engine
-    rank connects to (and the sender's gloo device binds). None: the local address that routes
-    to the engines (`transports.routable_address`; a remote engine's route, never loopback,
-    when any engine is on another host)."""
-    master_port: int = 0
-    """Port of that rendezvous (one group per engine pool: pool i uses `master_port + i`);
-    0: a free port, picked per pool."""
-    group_name: str = "weight_update_group"
-    """Name of the distributed transport's process group on the engines."""
-    backend: str | None = None
-    """Distributed transport backend; None: nccl with CUDA, gloo otherwise."""
-    timeout_s: float = 600.0
-    """Timeout of the distributed transport's rendezvous and collectives."""
-
-    def __post_init__(self) -> None:
-        if self.transport not in ("tensor", "distributed", "disk"):
-            raise ConfigError(f"weights.transport={self.transport!r}: tensor|distributed|disk")
-        if self.bucket_mb <= 0:
-            raise ConfigError(f"weights.bucket_mb={self.bucket_mb} must be > 0")
-        if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ConfigError(f"weights.dtype={self.dtype!r} is not a torch dtype name")
-        if self.verify_every < 0:
-            raise ConfigError("weights.verify_every must be >= 0")
-        if not 0 <= self.master_port < 65536:
-            raise ConfigError(f"weights.master_port={self.master_port}: 0 (free) or a TCP port")
-
-    @property
-    def bucket_bytes(self) -> int:
-        return int(self.bucket_mb * 1024**2)
-
-    @property
-    def torch_dtype(self) -> torch.dtype | None:
-        return None if self.dtype is None else getattr(torch, self.dtype)
 
 
 @dataclass(slots=True)
@@ -345,15 +275,3 @@ class WeightSync:
         if self.transport is not None and self._ready:
             self.transport.close()
         self._ready = False
-
-
-def make_weight_sync(
-    bridge: Any,
-    engines: RolloutEngine | Sequence[RolloutEngine],
-    transport: str = "tensor",
-    *,
-    fp8: bool = False,
-    **kwargs: Any,
-) -> WeightSync:
-    """`WeightSync(bridge, engines, WeightSyncConfig(transport=..., fp8=..., **kwargs))`."""
-    return WeightSync(bridge, engines, WeightSyncConfig(transport=transport, fp8=fp8, **kwargs))

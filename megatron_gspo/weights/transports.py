@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from megatron_gspo.dist import free_port
-from megatron_gspo.rollout.engine import RolloutEngine
+from megatron_gspo.engines.protocols import RolloutEngine
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.stream import Bucket
 
@@ -181,7 +181,7 @@ class DistributedTransport(Transport):
         self.groups: list[Any] = []
 
     def setup(self) -> None:
-        from megatron_gspo.rollout.dist_group import init_weight_update_group
+        from megatron_gspo.weights.group import init_weight_update_group
 
         if self.groups:
             return
@@ -250,7 +250,7 @@ class DistributedTransport(Transport):
         _end_session(self.engines, version)
 
     def close(self) -> None:
-        from megatron_gspo.rollout.dist_group import destroy_weight_update_group
+        from megatron_gspo.weights.group import destroy_weight_update_group
 
         for engine, pg, group_name in zip(
             self.engines, self.groups, self.group_names, strict=False
@@ -316,6 +316,3 @@ class DiskTransport(Transport):
 
     def abort(self) -> None:
         self._writer = None  # no session to close; a half-written directory is overwritten
-
-
-TRANSPORTS = ("tensor", "distributed", "disk")

@@ -60,7 +60,7 @@ BF16_MISMATCH_BOUND = 0.05
 """Max `mismatch/abs_logp_diff` (mean |engine - trainer| per token, first mini-batch, where the
 whole ratio is mismatch) for a bf16 engine vs the bf16 trainer. The same bound as the GPU smoke
 test's engine-vs-HF-bf16 rescoring (tests/gpu/test_sglang_server.py); the CPU server measured a
-mean of 0.0009 (tests/rollout/test_sglang_server_cpu.py). Different kernels (SGLang's decode
+mean of 0.0009 (tests/engines/test_sglang_server_cpu.py). Different kernels (SGLang's decode
 with KV cache vs TE's fused attention) make it nonzero; a wrong weight mapping gives > 0.5."""
 RUN_BUDGET_S = 8 * 60
 """The issue's budget for the whole run (environment build excluded)."""
@@ -110,9 +110,9 @@ def phases(
         "parallel.ep": 1,
         "train.device": "cuda",
         "data.train_path": inputs["data"],
-        "gspo.prompts_per_rollout": 8,
-        "gspo.group_size": 4,
-        "gspo.mini_batches_per_rollout": 2,
+        "rl.prompts_per_rollout": 8,
+        "rl.group_size": 4,
+        "rl.mini_batches_per_rollout": 2,
         "rollout.max_new_tokens": 8,
         "rollout.launch.backend": "sglang",
         "rollout.launch.python": engine_python,
@@ -182,8 +182,8 @@ def check_command(phase: Phase, cmd: list[str], engines: list[list[str]]) -> lis
 
     from megatron_gspo.config import parse_cli
     from megatron_gspo.dist import free_port
+    from megatron_gspo.engines.launch import engine_command
     from megatron_gspo.preflight import preflight
-    from megatron_gspo.rollout.launch import engine_command
 
     assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
     run = torchrun_args(cmd[3:])

@@ -49,8 +49,8 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpts, tmp_path_factory):
-    from megatron_gspo.rollout.embedded import free_port
-    from megatron_gspo.rollout.launch import LaunchConfig, ServerGroup
+    from megatron_gspo.engines.embedded.server import free_port
+    from megatron_gspo.engines.launch import LaunchConfig, ServerGroup
     from megatron_gspo.testing.sglang_server import GPU_TINY_ENGINE_ARGS
 
     cfg = LaunchConfig(
@@ -76,7 +76,7 @@ def server(ckpts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
+    from megatron_gspo.engines.client import ClientConfig, SGLangClient
 
     c = SGLangClient(ClientConfig(engine_urls=server.engine_urls, validate_requests=True))
     yield c
@@ -102,7 +102,7 @@ def _rescore(model, samples, temperature):
 
 
 def _check_logprobs(client, model, tag):
-    from megatron_gspo.rollout.types import SamplingParams, mismatch_metrics
+    from megatron_gspo.engines.types import SamplingParams, mismatch_metrics
 
     prompts = [[1, 5 + i, 17, 33] for i in range(8)]
     res = client.generate(prompts, SamplingParams(max_new_tokens=32, temperature=T), n=4)

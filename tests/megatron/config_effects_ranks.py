@@ -22,10 +22,10 @@ def config(hf_dir: str, *overrides: str) -> Config:
             "model.dtype=fp32",
             "data.train_path=unused.jsonl",
             "parallel.ep=2",
-            "gspo.prompts_per_rollout=5",
-            "gspo.group_size=2",
-            "gspo.mini_batches_per_rollout=1",
-            "gspo.pi_old=recompute",  # on-policy pi_old: ratio 1, every sequence has a gradient
+            "rl.prompts_per_rollout=5",
+            "rl.group_size=2",
+            "rl.mini_batches_per_rollout=1",
+            "rl.pi_old=recompute",  # on-policy pi_old: ratio 1, every sequence has a gradient
             "loss.kind=grpo",
             "optim.lr=1e-2",
             "optim.use_distributed_optimizer=false",
@@ -145,9 +145,9 @@ def planted_nan(hf_dir: str) -> dict[str, Any]:
     policy = Policy.build(
         config(
             hf_dir,
-            "gspo.mini_batches_per_rollout=2",
-            "gspo.prompts_per_rollout=2",
-            "gspo.group_size=5",
+            "rl.mini_batches_per_rollout=2",
+            "rl.prompts_per_rollout=2",
+            "rl.group_size=5",
         )
     )
     before = params(policy)

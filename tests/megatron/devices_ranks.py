@@ -24,7 +24,7 @@ LAYOUTS = {
     "tp2_sp": ("parallel.ep=1", "parallel.tp=2"),
 }
 # Every part of the step runs: recompute (compute_logprobs), the routing probe, 2 mini-batches.
-STEP = ("gspo.mini_batches_per_rollout=2", "train.routing_flip_every=1")
+STEP = ("rl.mini_batches_per_rollout=2", "train.routing_flip_every=1")
 
 
 def whole_step(hf_dir: str, overrides: tuple[str, ...]) -> tuple[Policy, dict[str, Any]]:

@@ -43,7 +43,7 @@ def run(hf_dir: str, dist_opt: bool, offload: bool) -> dict[str, Any]:
         f"optim.use_distributed_optimizer={str(dist_opt).lower()}",
         "rollout.launch.colocated=true",
         f"train.steps={STEPS}",
-        "gspo.mini_batches_per_rollout=2",
+        "rl.mini_batches_per_rollout=2",
     )
     policy = Policy.build(cfg)
     metrics, while_off, moved = [], [], []

@@ -17,9 +17,9 @@ import pytest
 from megatron_gspo.config import ConfigError, load_config
 from megatron_gspo.data.prompts import PromptDataset, PromptLoader, PromptRecord
 from megatron_gspo.data.toy import build_toy_tokenizer
+from megatron_gspo.engines.types import RolloutResult, RolloutStats, Sample, SamplingParams
 from megatron_gspo.rewards import RewardPool
-from megatron_gspo.rollout.types import RolloutResult, RolloutStats, Sample, SamplingParams
-from megatron_gspo.trainer import Rollout, make_multiturn
+from megatron_gspo.rollout.experience import Rollout, make_multiturn
 
 FIX = __name__.rpartition(".")[0] + ".env_fixtures"
 TOK = build_toy_tokenizer()
@@ -70,9 +70,9 @@ def _cfg(*extra: str):
             "rollout.max_new_tokens=4",
             "rollout.max_total_tokens=64",
             "rollout.env_workers=1",
-            "gspo.group_size=3",
-            "gspo.prompts_per_rollout=2",
-            "gspo.mini_batches_per_rollout=1",
+            "rl.group_size=3",
+            "rl.prompts_per_rollout=2",
+            "rl.mini_batches_per_rollout=1",
             "reward.kind=toy",
             "reward.num_workers=0",
             *extra,
@@ -83,7 +83,7 @@ def _cfg(*extra: str):
 def _rollout(cfg, answers=("12", "7")) -> tuple[Rollout, FakeEngine]:
     records = [PromptRecord(index=i, prompt=f"add {i}+5=", answer=a) for i, a in enumerate(answers)]
     dataset = PromptDataset(records, TOK, chat_template=False)
-    loader = PromptLoader(dataset, cfg.gspo.prompts_per_rollout, seed=0, shuffle=False)
+    loader = PromptLoader(dataset, cfg.rl.prompts_per_rollout, seed=0, shuffle=False)
     engine = FakeEngine()
     group_fn, envs = make_multiturn(cfg, engine, TOK)
     rewards = RewardPool("toy", num_workers=0)
@@ -224,7 +224,7 @@ def test_env_runs_in_a_worker_process():
 
 
 def test_env_failures_cost_the_episode_and_are_printed(capsys):
-    cfg = _cfg(f"rollout.env={FIX}:BuggyEnv", "gspo.prompts_per_rollout=4", "gspo.group_size=2")
+    cfg = _cfg(f"rollout.env={FIX}:BuggyEnv", "rl.prompts_per_rollout=4", "rl.group_size=2")
     ro, _ = _rollout(cfg, answers=("raise", "bad", "reset-bug", "ok"))
     try:
         seqs, metrics = ro.next_batch()
@@ -245,8 +245,8 @@ def test_env_timeout_replaces_the_worker():
     cfg = _cfg(
         f"rollout.env={FIX}:BuggyEnv",
         "rollout.env_timeout_s=2",
-        "gspo.prompts_per_rollout=1",
-        "gspo.group_size=2",
+        "rl.prompts_per_rollout=1",
+        "rl.group_size=2",
     )
     ro, _ = _rollout(cfg, answers=("hang",))
     try:
@@ -350,9 +350,9 @@ def test_episodes_spread_over_engines_and_stick_to_one(engine_a, engine_b):
     """With two engines, a group's episodes use both, and each episode's turns stay on one
     engine (its prefix cache). One shared client would send every turn to the first engine: a
     fresh single-prompt `agenerate` call sees every engine idle."""
+    from megatron_gspo.engines.client import ClientConfig, SGLangClient
     from megatron_gspo.envs.pool import EnvPool
     from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec, rotated_clients
-    from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
 
     client = SGLangClient(ClientConfig(engine_urls=[engine_a.url, engine_b.url]))
     record = PromptRecord(index=0, prompt="add 1+5=", answer="6")

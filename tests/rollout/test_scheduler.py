@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_gspo.data.prompts import PromptRecord
+from megatron_gspo.engines.types import Sample, SamplingParams
 from megatron_gspo.rollout.driver import RolloutDriver
 from megatron_gspo.rollout.scheduler import (
     Group,
@@ -25,8 +26,7 @@ from megatron_gspo.rollout.scheduler import (
     check_staleness,
     extend_sample,
 )
-from megatron_gspo.rollout.types import Sample, SamplingParams
-from tests.rollout.fake_engine import FakeEngine, check_sample_against_engine
+from tests.engines.fake_engine import FakeEngine, check_sample_against_engine
 
 P, G = 4, 3
 
@@ -305,7 +305,7 @@ def test_sequence_log_ratio_of_a_continued_response_covers_its_model_tokens():
     response tokens with a valid engine log-prob, from both chunks."""
     from megatron_gspo.algo.losses import PolicyLossConfig, PolicyLossInputs, gspo_loss
     from megatron_gspo.megatron.packing import pack
-    from megatron_gspo.trainer import Rollout
+    from megatron_gspo.rollout.experience import Rollout
 
     engine = FakeEngine(stop_token=None)
     sched = make(engine, max_new=7, oversample=2.0, partial_tokens=2, max_staleness=3)

@@ -10,9 +10,9 @@ import threading
 import time
 
 from megatron_gspo.data.prompts import PromptRecord
+from megatron_gspo.engines.types import SamplingParams
 from megatron_gspo.rollout.scheduler import GroupScheduler, PromptQueue, SchedulerConfig
-from megatron_gspo.rollout.types import SamplingParams
-from tests.rollout.helpers import hf_model, rescore
+from tests.engines.helpers import hf_model, rescore
 
 PROMPTS = [[1, 17, 33, 9], [1, 5, 7]]
 
@@ -118,8 +118,8 @@ def test_weight_update_during_an_abort_pause_with_a_waiting_request(
 def test_concurrent_small_calls_spread_over_engines(engine_a, engine_b):
     """One `agenerate` per group: concurrent calls are balanced over the engines by the
     client's in-flight count across calls (per-call counters sent every call to engine 0)."""
-    from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
-    from megatron_gspo.rollout.sglang_client import requests_per_engine as per_engine
+    from megatron_gspo.engines.client import ClientConfig, SGLangClient
+    from megatron_gspo.engines.client import requests_per_engine as per_engine
 
     client = SGLangClient(ClientConfig(engine_urls=[engine_a.url, engine_b.url]))
     sp = SamplingParams(max_new_tokens=4, seed=1)

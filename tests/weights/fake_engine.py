@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.rollout.engine import RolloutEngine
-from megatron_gspo.rollout.sglang_protocol import (
+from megatron_gspo.engines.protocols import RolloutEngine
+from megatron_gspo.engines.wire import (
     deserialize_named_tensors,
     overall_checksum,
     serialize_flattened_bucket,

@@ -1,5 +1,5 @@
 """Checksums in SGLang's parameter naming, against explicitly fused tensors (no server needed;
-tests/rollout/test_sglang_server_cpu.py checks them against the real server)."""
+tests/engines/test_sglang_server_cpu.py checks them against the real server)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from megatron_gspo.rollout.sglang_protocol import tensor_checksum
+from megatron_gspo.engines.wire import tensor_checksum
 from megatron_gspo.weights.sglang_names import (
     SGLangChecksums,
     reported_in_sglang_naming,

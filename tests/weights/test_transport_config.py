@@ -13,8 +13,8 @@ import torch
 
 from megatron_gspo.config_io import ConfigError
 from megatron_gspo.dist import free_port
-from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_gspo.rollout.sglang_protocol import (
+from megatron_gspo.engines.client import ClientConfig, SGLangClient
+from megatron_gspo.engines.wire import (
     deserialize_named_tensors,
     serialize_flattened_bucket,
 )

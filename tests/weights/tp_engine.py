@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.rollout.embedded import (
+from megatron_gspo.engines.embedded.server import (
     _CURRENT_TM,
     _INSTALLED,
     EmbeddedTokenizerManager,
     _install_sglang_app,
 )
-from megatron_gspo.rollout.sglang_protocol import tensor_checksum
+from megatron_gspo.engines.wire import tensor_checksum
 
 
 class _Recorder(torch.nn.Module):

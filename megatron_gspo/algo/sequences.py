@@ -1,0 +1,45 @@
+"""`TrainSequence`: one sampled response in the form the loss consumes (plain data, no torch).
+
+It is the hand-over between the RL side (`rollout/experience.py` builds them from engine
+samples and advantages) and the trainer (`megatron/packing.py` packs them into micro-batches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class TrainSequence:
+    """One sampled response with what the loss needs. Lists are per response token."""
+
+    seq_id: int
+    """Global index of the sequence in its rollout batch (for reassembly and metrics)."""
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    old_logp: Sequence[float]
+    """pi_old log-probs of the response tokens (the engine's, or recomputed)."""
+    advantage: float | Sequence[float]
+    """Per-sequence advantage, or per response token (GSPO-token)."""
+    loss_mask: Sequence[int] | None = None
+    """1 = the token counts in the loss; None = all response tokens count."""
+    rollout_logp: Sequence[float] | None = None
+    """Engine log-probs when `old_logp` was recomputed (truncated importance correction)."""
+
+    def __post_init__(self) -> None:
+        r = len(self.response_ids)
+        if not self.prompt_ids:
+            raise ValueError(f"sequence {self.seq_id}: empty prompt")
+        for name in ("old_logp", "loss_mask", "rollout_logp"):
+            v = getattr(self, name)
+            if v is not None and len(v) != r:
+                raise ValueError(
+                    f"sequence {self.seq_id}: {name} has {len(v)} entries for {r} response tokens"
+                )
+        if not isinstance(self.advantage, float | int) and len(self.advantage) != r:
+            raise ValueError(f"sequence {self.seq_id}: per-token advantage length mismatch")
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)

@@ -1,0 +1,618 @@
+"""`SGLangClient`: the `RolloutEngine` for SGLang servers (and the embedded engine) over HTTP.
+
+Generation: the (prompt, sample) pairs of one call are expanded client-side, each with its own
+rid and seed, and sent as batched `/generate` requests of at most `max_batch_per_request`
+entries, concurrently over the engines (least-loaded first, at most
+`max_inflight_per_engine` requests per engine), or one pair per request through one
+`sglang-router` URL (the router's schema admits no per-entry sampling params or rids). A request
+that fails with a connection error, a timeout, a 5xx or an answer that is not a usable
+`/generate` answer is re-sent, after an exponential backoff, to another engine (samples whose
+ids and log-probs disagree: only those); the failed engine rests for `engine_cooldown_s`. A
+request is accounted only when its whole response arrived, so a dead engine loses no sample and
+duplicates none. A 4xx is never retried: it raises `EngineError` carrying SGLang's message.
+
+Control calls (weights, memory, pause, abort, cache) go to every engine directly: the router
+does not proxy them. Engines that keep failing, or fail a control call, are dropped from both
+until they answer again and have received the full weights (`engine_pool.EnginePool`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import aiohttp
+import torch
+
+from megatron_gspo.engines import wire as proto
+from megatron_gspo.engines.client_config import ClientConfig
+from megatron_gspo.engines.pool import EnginePool
+from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, RolloutEngine
+from megatron_gspo.engines.types import (
+    RolloutResult,
+    RolloutStats,
+    Sample,
+    SampleValidationError,
+    SamplingParams,
+    build_sample,
+)
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+
+
+@dataclasses.dataclass(slots=True)
+class _Entry:
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    sampling: dict[str, Any]
+    rid: str
+
+
+class _Target:
+    """One place `/generate` requests can go (an engine, or the router)."""
+
+    def __init__(self, url: str, limit: int) -> None:
+        self.url = url
+        self.sem = asyncio.Semaphore(limit)
+
+
+class SGLangClient(RolloutEngine):
+    """`RolloutEngine` over SGLang's HTTP API (real servers or the embedded engine)."""
+
+    def __init__(self, config: ClientConfig, *, in_order: bool = False) -> None:
+        """`in_order`: each request goes to the first usable engine in `engine_urls` order
+        (sticky, e.g. one multi-turn episode per engine for its prefix cache), the others
+        only when it is down; default: the least loaded."""
+        if not config.engine_urls:
+            raise ValueError("SGLangClient needs at least one engine URL (engine_urls)")
+        self.config = config
+        self._calls = itertools.count()
+        self.pool = EnginePool(
+            config.engine_urls,
+            dead_after_failures=config.dead_after_failures,
+            cooldown_s=config.engine_cooldown_s,
+        )
+        """Live, dead and joining engines; `make_rollout` sets `pool.restart` for launched
+        engines."""
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-client")
+        # Requests in flight and picks per URL over ALL concurrent `agenerate` calls, so that
+        # many small calls (one per group: `rollout/scheduler.py`) still spread over engines.
+        self._load: Counter = Counter()
+        self._picks: Counter = Counter()
+        self._in_order = in_order
+
+    # ---- HTTP plumbing ---------------------------------------------------------------------
+    def _session(self, timeout_s: float) -> aiohttp.ClientSession:
+        headers = {}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self.config.connect_timeout_s)
+        return aiohttp.ClientSession(timeout=timeout, headers=headers)
+
+    @staticmethod
+    async def _request(
+        session: aiohttp.ClientSession, method: str, url: str, body: Any = None
+    ) -> tuple[int, bytes]:
+        async with session.request(method, url, json=body) as resp:
+            return resp.status, await resp.read()
+
+    def _validate(self, route: str, body: dict[str, Any]) -> None:
+        if not self.config.validate_requests:
+            return
+        if route == "/generate":
+            proto.validate_generate_body(body)
+        elif proto.ROUTES[route][1] is not None:
+            proto.validate_control_body(route, body)
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, n: int = 1
+    ) -> RolloutResult:
+        """Blocking `agenerate`."""
+        return asyncio.run(self.agenerate(prompts, sampling, n=n))
+
+    async def agenerate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        n: int = 1,
+        rid_prefix: str | None = None,
+    ) -> RolloutResult:
+        """Generate `n` samples for each prompt; see `RolloutEngine.generate`.
+
+        Request ids are `{rid_prefix}-p{i}-s{j}` (`rid_prefix` default: a fresh unique one), so
+        a caller that names the prefix can `abort` exactly its own requests."""
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        tic = time.perf_counter()
+        call = rid_prefix or f"{uuid.uuid4().hex[:8]}-{next(self._calls)}"
+        native = n if self.config.use_native_n else 1  # samples per entry, SGLang-side
+        if native > 1 and sampling.seed is not None:
+            raise ValueError("use_native_n gives all n samples one seed; unset seed or the flag")
+        entries = [
+            _Entry(
+                pi,
+                sj,
+                list(map(int, p)),
+                sampling.to_sglang(seed=sampling.sample_seed(pi, sj)),
+                f"{call}-p{pi}-s{sj}",
+            )
+            for pi, p in enumerate(prompts)
+            for sj in range(n // native)
+        ]
+        per_req = max(1, self.config.max_batch_per_request // native)
+        if self.config.router_url and native == 1:
+            per_req = 1  # the router admits only one prompt per request (or native n)
+        chunks = [entries[i : i + per_req] for i in range(0, len(entries), per_req)]
+        if self.config.router_url:
+            limit = self.config.max_inflight_per_engine * len(self.config.engine_urls)
+            targets = [_Target(self.config.router_url, limit)]
+        else:
+            live = set(self.pool.require_live())  # in this client's order (`in_order`)
+            urls = [u for u in self.config.engine_urls if u in live]
+            targets = [_Target(u, self.config.max_inflight_per_engine) for u in urls]
+        stats = RolloutStats()
+        async with self._session(self.config.request_timeout_s) as session:
+            tasks = [
+                asyncio.create_task(self._send_chunk(session, targets, c, native, stats))
+                for c in chunks
+            ]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                # One request failed for good: stop the others before the session closes.
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+        samples: dict[tuple[int, int], Sample] = {}
+        for chunk_samples in results:
+            for s in chunk_samples:
+                if s.key in samples:  # cannot happen by construction; guard the invariant
+                    raise AssertionError(f"duplicate sample {s.key}")
+                samples[s.key] = s
+        ordered = [samples[k] for k in sorted(samples)]
+        stats.num_samples = len(ordered)
+        stats.num_truncated = sum(s.finish_reason == "length" for s in ordered)
+        stats.num_aborted = sum(s.finish_reason == "abort" for s in ordered)
+        stats.num_masked_logprobs = sum(len(s.logprobs) - s.num_valid_logprobs for s in ordered)
+        stats.wall_s = time.perf_counter() - tic
+        stats.engines_alive = len(self.pool.live())
+        stats.engine_restarts = self.pool.restarts
+        return RolloutResult(samples=ordered, stats=stats)
+
+    def _usable(self, target: _Target) -> bool:
+        return self.config.router_url is not None or target.url in self.pool.live()
+
+    def _pick(self, targets: list[_Target]) -> _Target | None:
+        now = time.monotonic()
+        up = [t for t in targets if self._usable(t) and self.pool.down_until.get(t.url, 0.0) <= now]
+        if not up:
+            return None
+        # Least loaded first; among equals, the one picked least often (round robin).
+        best = (
+            up[0]
+            if self._in_order
+            else min(up, key=lambda t: (self._load[t.url], self._picks[t.url]))
+        )
+        self._picks[best.url] += 1
+        return best
+
+    async def _next_target(self, targets: list[_Target]) -> _Target:
+        target = self._pick(targets)
+        if target is not None:
+            return target
+        usable = [t for t in targets if self._usable(t)]
+        if not usable:
+            self.pool.require_live()  # raises NoEnginesLeft
+        soonest = min(self.pool.down_until.get(t.url, 0.0) for t in usable) - time.monotonic()
+        await asyncio.sleep(max(0.0, min(soonest, self.config.backoff_max_s)))
+        return self._pick(targets) or usable[0]
+
+    def _fault(self, url: str, reason: str) -> None:
+        if self.config.router_url:  # the router is not an engine: rest it, drop nothing
+            self.pool.down_until[url] = time.monotonic() + self.config.engine_cooldown_s
+        else:
+            self.pool.failed(url, reason)
+
+    async def _send_chunk(
+        self,
+        session: aiohttp.ClientSession,
+        targets: list[_Target],
+        chunk: list[_Entry],
+        n: int,
+        stats: RolloutStats,
+        resubmits: int = 0,
+    ) -> list[Sample]:
+        samples = await self._send_once(session, targets, chunk, n, stats)
+        aborted = {s.key for s in samples if s.finish_reason == "abort"}
+        if not aborted or n > 1 or resubmits >= self.config.resubmit_aborted:
+            return samples
+        redo = [
+            dataclasses.replace(e, rid=f"{e.rid}-r{resubmits + 1}")
+            for e in chunk
+            if (e.prompt_index, e.sample_index) in aborted
+        ]
+        stats.num_resubmitted += len(redo)
+        again = await self._send_chunk(session, targets, redo, n, stats, resubmits + 1)
+        return [s for s in samples if s.key not in aborted] + again
+
+    def _body(self, chunk: list[_Entry], n: int) -> dict[str, Any]:
+        if n > 1:
+            body = proto.generate_body_native_n([e.prompt for e in chunk], chunk[0].sampling, n)
+        elif self.config.router_url:
+            (e,) = chunk
+            body = proto.generate_body_single(e.prompt, e.sampling, e.rid)
+        else:
+            body = proto.generate_body(
+                [e.prompt for e in chunk], [e.sampling for e in chunk], [e.rid for e in chunk]
+            )
+        self._validate("/generate", body)
+        return body
+
+    async def _send_once(
+        self,
+        session: aiohttp.ClientSession,
+        targets: list[_Target],
+        chunk: list[_Entry],
+        n: int,
+        stats: RolloutStats,
+    ) -> list[Sample]:
+        """Generate `chunk`, re-sending to another engine what a fault left without an answer.
+
+        Engine faults: a connection error or timeout, a 5xx, an answer that is no usable JSON
+        (the whole request is re-sent), and samples whose ids and log-probs disagree (only
+        those entries are re-sent). Only whole answers are accounted, so nothing is lost or
+        duplicated. Entries still inconsistent after `max_retries` re-sends are dropped and
+        counted (`num_rejected`) rather than failing the step.
+        """
+        cfg = self.config
+        done: list[Sample] = []
+        last_error, inconsistent = "no engine available", False
+        for attempt in range(cfg.max_retries + 1):
+            if attempt:
+                stats.num_retries += 1
+                stats.num_resent_samples += len(chunk) * n
+                # A fresh rid: the engine that timed out may still run the first one, and
+                # SGLang refuses a rid it already holds (same seed: the same sample).
+                chunk = [dataclasses.replace(e, rid=f"{e.rid}-a{attempt}") for e in chunk]
+                await asyncio.sleep(min(cfg.backoff_s * 2 ** (attempt - 1), cfg.backoff_max_s))
+            body = self._body(chunk, n)
+            target = await self._next_target(targets)
+            url = target.url
+            self._load[target.url] += 1
+            try:
+                async with target.sem:
+                    status, raw = await self._request(session, "POST", url + "/generate", body)
+            except _RETRYABLE as e:
+                last_error, inconsistent = f"{url}/generate: {type(e).__name__}: {e}", False
+                logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
+                self._fault(url, f"{type(e).__name__}: {e}")
+                continue
+            finally:
+                self._load[target.url] -= 1
+            if status >= 500:
+                reason = f"HTTP {status}: {proto.error_message(raw)}"
+                last_error, inconsistent = f"{url}/generate: {reason}", False
+                logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
+                self._fault(url, reason)
+                continue
+            if status >= 400:
+                raise EngineError(
+                    f"{url}/generate refused the request: HTTP {status}: "
+                    f"{proto.error_message(raw)}",
+                    status=status,
+                    url=url,
+                )
+            try:
+                got, bad = self._to_samples(chunk, n, json.loads(raw), url)
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+                reason = f"unusable answer ({type(e).__name__}: {str(e)[:200]})"
+                last_error, inconsistent = f"{url}/generate: {reason}", False
+                logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
+                self._fault(url, reason)
+                continue
+            stats.requests_per_engine[url] += 1
+            done += got
+            if not bad:
+                self.pool.succeeded(url)
+                return done
+            reason = f"{len(bad)} inconsistent samples ({bad[0][1]})"
+            last_error, inconsistent = f"{url}/generate: {reason}", True
+            logger.warning("re-sending /generate (attempt %d): %s", attempt + 1, last_error)
+            self._fault(url, reason)
+            chunk = [e for e, _ in bad]
+        if inconsistent:
+            logger.warning("dropping %d samples: %s", len(chunk) * n, last_error)
+            stats.num_rejected += len(chunk) * n
+            return done
+        raise EngineError(
+            f"/generate failed after {cfg.max_retries + 1} attempts: {last_error}", url=None
+        )
+
+    def _to_samples(
+        self, chunk: list[_Entry], n: int, payload: Any, url: str
+    ) -> tuple[list[Sample], list[tuple[_Entry, str]]]:
+        """The samples of a 200 answer, and the entries whose samples were inconsistent (with
+        the reason). Raises ValueError & co. for an answer of the wrong shape."""
+        items = proto.as_response_list(payload)
+        if len(items) != len(chunk) * n:
+            raise ValueError(f"{len(items)} responses for {len(chunk) * n} requests")
+        if n == 1:
+            by_rid = {it.get("meta_info", {}).get("id"): it for it in items}
+            if set(by_rid) == {e.rid for e in chunk}:
+                items = [by_rid[e.rid] for e in chunk]
+        out: list[tuple[int, Sample]] = []
+        bad: dict[int, str] = {}
+        for k, item in enumerate(items):
+            if self.config.validate_requests:
+                proto.validate_generate_response(item)
+            entry = chunk[k // n]
+            meta = item.get("meta_info", {})
+            try:
+                sample = build_sample(
+                    prompt_ids=entry.prompt,
+                    output_ids=item.get("output_ids") or [],
+                    token_logprobs=meta.get("output_token_logprobs") or [],
+                    finish_reason=meta.get("finish_reason"),
+                    weight_version=meta.get("weight_version"),
+                    engine_id=url,
+                    prompt_index=entry.prompt_index,
+                    sample_index=k % n if n > 1 else entry.sample_index,
+                    meta={
+                        "rid": meta.get("id"),
+                        "prompt_tokens": meta.get("prompt_tokens"),
+                        "e2e_latency": meta.get("e2e_latency"),
+                    },
+                )
+            except SampleValidationError as e:
+                bad.setdefault(k // n, str(e))
+                continue
+            out.append((k // n, sample))
+        # With native n an entry's samples are re-sent together: keep none of a bad entry's.
+        good = [sample for i, sample in out if i not in bad]
+        return good, [(chunk[i], why) for i, why in sorted(bad.items())]
+
+    # ---- control plane -------------------------------------------------------------------
+    async def _acall(
+        self,
+        route: str,
+        bodies: dict[str, dict[str, Any] | None],
+        *,
+        method: str = "POST",
+        retries: int = 0,
+        timeout_s: float | None = None,
+    ) -> dict[str, tuple[int, bytes]]:
+        """`route` on each engine URL with its body, concurrently; connection failures of
+        idempotent calls (`retries` > 0) are retried, then reported as status 599."""
+        for b in bodies.values():
+            if b is not None:
+                self._validate(route, b)
+
+        async def one(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
+            for attempt in range(retries + 1):
+                try:
+                    return await self._request(session, method, url + route, bodies[url])
+                except _RETRYABLE as e:
+                    if attempt == retries:
+                        return 599, f"{type(e).__name__}: {e}".encode()
+                    await asyncio.sleep(self.config.backoff_s * 2**attempt)
+            raise AssertionError("unreachable")
+
+        async with self._session(timeout_s or self.config.control_timeout_s) as session:
+            got = await asyncio.gather(*(one(session, u) for u in bodies))
+        return dict(zip(bodies, got))
+
+    @staticmethod
+    def _check(route: str, res: dict[str, tuple[int, bytes]]) -> dict[str, tuple[int, bytes]]:
+        """Raise `EngineError` naming every engine that did not answer 200, with its message."""
+        bad = {u: r for u, r in res.items() if r[0] != 200}
+        if bad:
+            detail = "; ".join(
+                f"{u}: HTTP {s}: {proto.error_message(raw)}" for u, (s, raw) in bad.items()
+            )
+            raise EngineError(f"{route} failed: {detail}", status=next(iter(bad.values()))[0])
+        return res
+
+    def _drop_failed(
+        self, route: str, res: dict[str, tuple[int, bytes]]
+    ) -> dict[str, tuple[int, bytes]]:
+        """Drop the engines that did not answer (connection error, timeout: 599) or failed
+        (5xx); the rest carry on. A 4xx is the request's fault and stays for `_check`."""
+        for url, (status, raw) in list(res.items()):
+            if status >= 500:
+                self.pool.drop(url, f"{route}: HTTP {status}: {proto.error_message(raw)[:200]}")
+                del res[url]
+        if not res:
+            self.pool.require_targets()  # raises NoEnginesLeft when none is left
+            raise NoEnginesLeft(f"{route}: no engine answered")
+        return res
+
+    def _control(
+        self, route: str, body: dict[str, Any] | None = None, *, method: str = "POST", **kw: Any
+    ) -> dict[str, tuple[int, bytes]]:
+        """Call `route` with the same body on every engine still in the pool and wait."""
+        bodies = {u: body for u in self.pool.require_targets()}
+        res = asyncio.run(self._acall(route, bodies, method=method, **kw))
+        return self._check(route, self._drop_failed(route, res))
+
+    def _in_thread(self, route: str, bodies: dict[str, dict[str, Any]]) -> Future[None]:
+        """Per-engine calls in a worker thread (the caller acts on the process group meanwhile)."""
+
+        def run() -> None:
+            self._check(route, self._drop_failed(route, asyncio.run(self._acall(route, bodies))))
+
+        return self._pool.submit(run)
+
+    def prepare_sync(self) -> None:
+        """Dropped engines that pass their health probe join this sync (full weights)."""
+        self.pool.probe_dead(self._healthy)
+
+    def commit_sync(self, weight_version: str) -> None:
+        self.pool.commit(weight_version)
+
+    def _healthy(self, urls: list[str]) -> set[str]:
+        # Short: a hung engine must not stall every sync; one still starting joins a later one.
+        timeout = self.config.connect_timeout_s
+        res = asyncio.run(
+            self._acall("/health_generate", dict.fromkeys(urls), method="GET", timeout_s=timeout)
+        )
+        return {u for u, (status, _) in res.items() if status == 200}
+
+    def set_weight_version(self, weight_version: str) -> None:
+        # abort_all_requests defaults to True in SGLang: a version stamp must not kill rollouts.
+        body = {"new_version": str(weight_version), "abort_all_requests": False}
+        self._control("/update_weight_version", body)
+
+    def begin_weight_update(self) -> None:
+        self._control("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._control("/end_weight_update", {})
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        # One flattened copy for all engines, one payload per TP rank of each engine (SGLang's
+        # rank r reads entry r: an engine given fewer entries than ranks fails its update).
+        bucket = proto.flatten_bucket(named_tensors)
+        bodies = {
+            url: {
+                "serialized_named_tensors": proto.bucket_payloads(bucket, tp),
+                "load_format": "flattened_bucket",
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+            }
+            for url, tp in zip(self.config.engine_urls, self.config.engine_tp_sizes, strict=True)
+            if url in self.pool.require_targets()
+        }
+        # The payloads are handles onto `bucket`'s memory: keep it alive until every engine
+        # answered (result() below), as SGLang requires.
+        self._in_thread("/update_weights_from_tensor", bodies).result()
+        del bucket
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> Future[None]:
+        world = 1 + sum(self.config.engine_tp_sizes)
+        offsets = itertools.accumulate([1] + self.config.engine_tp_sizes[:-1])
+        bodies = {
+            url: {
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": off,
+                "world_size": world,
+                "group_name": group_name,
+                "backend": backend,
+            }
+            for url, off in zip(self.config.engine_urls, offsets)
+        }
+        return self._in_thread("/init_weights_update_group", bodies)
+
+    @property
+    def weight_update_world_size(self) -> int:
+        """World size of the weight-update group (trainer + every engine rank)."""
+        return 1 + sum(self.config.engine_tp_sizes)
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype | str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        flattened_bucket: bool = True,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> Future[None]:
+        body = {
+            "names": list(names),
+            "dtypes": [proto.dtype_name(d) for d in dtypes],
+            "shapes": [list(map(int, s)) for s in shapes],
+            "group_name": group_name,
+            "load_format": "flattened_bucket" if flattened_bucket else None,
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+        }
+        return self._in_thread(
+            "/update_weights_from_distributed", {u: body for u in self.config.engine_urls}
+        )
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self._control("/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weights_from_disk(self, path: str, *, weight_version: str | None = None) -> None:
+        body = {"model_path": str(path), "weight_version": weight_version}
+        self._control("/update_weights_from_disk", body)
+
+    def weight_version(self) -> dict[str, str]:
+        res = self._control("/model_info", method="GET", retries=2)
+        return {u: json.loads(raw)["weight_version"] for u, (_, raw) in res.items()}
+
+    def weights_checksum(self) -> dict[str, dict[str, Any]]:
+        res = self._control("/weights_checker", {"action": "checksum"})
+        return {u: json.loads(raw) for u, (_, raw) in res.items()}
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, Any]:
+        """SGLang's `/get_weights_by_name` on every engine (fp32 nested lists, truncated)."""
+        body = {"name": name, "truncate_size": truncate_size}
+        res = self._control("/get_weights_by_name", body)
+        return {u: json.loads(raw) for u, (_, raw) in res.items()}
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        self._control("/release_memory_occupation", {"tags": list(tags) if tags else None})
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self._control("/resume_memory_occupation", {"tags": list(tags) if tags else None})
+
+    def flush_cache(self) -> None:
+        self._control("/flush_cache", retries=2)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self._control("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._control("/continue_generation", {})
+
+    def abort(self, rid: str | None = None) -> None:
+        body = {"abort_all": True} if rid is None else {"rid": rid}
+        self._control("/abort_request", body)
+
+    def health(self) -> dict[str, bool]:
+        bodies = {u: None for u in self.config.engine_urls}
+        res = asyncio.run(self._acall("/health_generate", bodies, method="GET"))
+        return {u: s == 200 for u, (s, _) in res.items()}
+
+    def close(self) -> None:
+        """Release the client's worker threads."""
+        self._pool.shutdown(wait=False)
+
+
+def requests_per_engine(results: Sequence[RolloutResult]) -> Counter:
+    """Sum of `/generate` requests each engine answered over several calls."""
+    total: Counter = Counter()
+    for r in results:
+        total.update(r.stats.requests_per_engine)
+    return total

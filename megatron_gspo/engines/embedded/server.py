@@ -1,0 +1,586 @@
+"""The embedded CPU engine: SGLang's own HTTP server with a CPU model behind it.
+
+SGLang's FastAPI `app` (`sglang.srt.entrypoints.http_server`) is served unchanged, so routes,
+body parsing, the `/generate` contract gate, status codes and error envelopes are SGLang's.
+Only its `TokenizerManager` is replaced by `EmbeddedTokenizerManager`, which runs an
+`HFPolicy` (transformers, CPU) and keeps SGLang's control-plane semantics: weight-update
+sessions (400 outside one, with SGLang's messages), weight versions, pause/continue, abort,
+flush-cache refusal while requests run, memory release/resume as bookkeeping.
+
+Run as a server process:
+
+    python -m megatron_gspo.engines.embedded.server --model-path DIR --port 30000
+
+or in-process (tests): `EmbeddedServer(model_path, port).start()` ... `.stop()`. With
+`--api-key` (`api_key=`) every request needs `Authorization: Bearer <key>` and gets SGLang's
+401 without it, decided by SGLang's own `decide_request_auth` per route (health probes open).
+Several in-process servers may run at once: SGLang's app reads one global tokenizer manager, so that
+global is a proxy that dispatches to the manager of the server the request arrived on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextvars
+import dataclasses
+import logging
+import os
+import threading
+import time
+import types
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_gspo.dist import free_port
+from megatron_gspo.engines.embedded.model import HFPolicy
+from megatron_gspo.engines.wire import deserialize_named_tensors
+
+logger = logging.getLogger(__name__)
+
+_CURRENT_TM: contextvars.ContextVar[EmbeddedTokenizerManager] = contextvars.ContextVar(
+    "embedded_tokenizer_manager"
+)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _ReqState:
+    rid: str
+    aborted: bool = False
+
+
+class EmbeddedTokenizerManager:
+    """Implements the slice of SGLang's `TokenizerManager` that its HTTP routes call."""
+
+    def __init__(
+        self, policy: HFPolicy, server_args: Any, *, weight_version: str = "default"
+    ) -> None:
+        from sglang.srt.managers.tokenizer_manager import ServerStatus
+
+        self.policy = policy
+        self.server_args = server_args
+        self.model_path = policy.model_path
+        self.served_model_name = getattr(server_args, "served_model_name", None) or "embedded"
+        self.weight_version = weight_version
+        self.is_generation = True
+        self.gracefully_exit = False
+        self.server_status = ServerStatus.Up
+        self.last_receive_tstamp = 0.0
+        self.startup_time = time.time()
+        self.initial_weights_loaded = True
+        self.rid_to_state: dict[str, _ReqState] = {}
+        self.model_config = types.SimpleNamespace(
+            hf_config=policy.model.config,
+            context_len=policy.context_len,
+            is_image_understandable_model=False,
+            is_audio_understandable_model=False,
+        )
+        self.num_requests_served = 0
+        self._session_open = False
+        self._paused = False
+        self._pause_mode = "abort"
+        self._pause_event = threading.Event()
+        self._pause_event.set()
+        self._released: set[str] = set()
+        self._groups: dict[str, Any] = {}
+        self._inflight = 0
+        self._writer = False
+        self._cond: asyncio.Condition | None = None
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="embedded-gen")
+
+    # ---- small SGLang accessors ------------------------------------------------------
+    def config_value(self, name: str) -> Any:
+        if name == "weight_version":
+            return self.weight_version
+        return getattr(self.server_args, name, None)
+
+    def is_ready(self) -> bool:
+        return True
+
+    def is_healthy(self) -> bool:
+        return True
+
+    def create_abort_task(self, obj: Any) -> None:
+        return None
+
+    async def get_internal_state(self) -> list[dict[str, Any]]:
+        return [{"weight_version": self.weight_version}]
+
+    # ---- reader/writer lock: generation = readers, weight loads = writer -------------
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def _enter_reader(self) -> None:
+        cond = self._condition()
+        async with cond:
+            await cond.wait_for(lambda: not self._writer and not self._paused)
+            self._inflight += 1
+
+    async def _exit_reader(self) -> None:
+        cond = self._condition()
+        async with cond:
+            self._inflight -= 1
+            cond.notify_all()
+
+    async def _writer_call(self, fn, *args):
+        """Run a weight operation as SGLang does: immediately when paused in place / retracted,
+        else exclusively. Paused with `abort`, the aborted requests drain first (SGLang's
+        scheduler finishes them before it handles the update), so none of their tokens comes
+        from the new weights and their reported weight version is the one they ran under."""
+        if self._paused and self._pause_mode != "abort":
+            return await asyncio.to_thread(fn, *args)
+        cond = self._condition()
+        async with cond:
+            await cond.wait_for(lambda: not self._writer and self._inflight == 0)
+            self._writer = True
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            async with cond:
+                self._writer = False
+                cond.notify_all()
+
+    # ---- generation ----------------------------------------------------------------------
+    async def generate_request(self, obj: Any, request: Any = None):
+        """Async generator yielding one dict (single request) or one list (batch)."""
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        obj.normalize_batch_and_arguments()
+        if obj.input_ids is None:
+            raise ValueError("the embedded engine runs with --skip-tokenizer-init: send input_ids")
+        if obj.is_single:
+            items = [(obj.rid, obj.input_ids, obj.sampling_params)]
+        else:
+            items = []
+            for i in range(obj.batch_size):
+                sub = obj[i]
+                for _ in range(obj.parallel_sample_num):
+                    rid = sub.rid if obj.parallel_sample_num == 1 else uuid.uuid4().hex
+                    items.append((rid, sub.input_ids, sub.sampling_params))
+        specs = []
+        for rid, ids, sp_dict in items:
+            sp = SamplingParams(**(sp_dict or {}))
+            sp.normalize(None)
+            sp.verify(self.policy.vocab_size)
+            if not ids:
+                raise ValueError("input_ids cannot be empty")
+            if max(ids) >= self.policy.vocab_size or min(ids) < 0:
+                raise ValueError(f"input_ids out of vocabulary range [0, {self.policy.vocab_size})")
+            if len(ids) >= self.policy.context_len:
+                raise ValueError(
+                    f"The input ({len(ids)} tokens) is longer than the model's context length "
+                    f"({self.policy.context_len} tokens)."
+                )
+            specs.append((rid, list(ids), sp))
+        if self._released & {"weights", "kv_cache"}:
+            raise ValueError(f"memory released ({sorted(self._released)}); resume it first")
+        # As SGLang: a request that waits out a pause is not registered yet (so a weight update
+        # during the pause sees no pending request), and registration and the pause's abort-all
+        # are both atomic on this event loop, so a running request is always aborted by it.
+        await self._enter_reader()
+        for rid, _, _ in specs:
+            self.rid_to_state[rid] = _ReqState(rid=rid)
+        try:
+            loop = asyncio.get_running_loop()
+            outs = await asyncio.gather(
+                *(loop.run_in_executor(self._pool, self._run_one, *spec) for spec in specs)
+            )
+        finally:
+            await self._exit_reader()
+            for rid, _, _ in specs:
+                self.rid_to_state.pop(rid, None)
+        self.last_receive_tstamp = time.time()
+        self.num_requests_served += 1
+        yield outs[0] if obj.is_single else outs
+
+    def _run_one(self, rid: str, ids: list[int], sp: Any) -> dict[str, Any]:
+        tic = time.time()
+        state = self.rid_to_state[rid]
+        res = self.policy.generate(
+            ids, sp, should_abort=lambda: state.aborted, wait_if_paused=self._wait_if_paused
+        )
+        return {
+            "output_ids": res.output_ids,
+            "meta_info": {
+                "id": rid,
+                "finish_reason": res.finish_reason,
+                "prompt_tokens": len(ids),
+                "weight_version": self.weight_version,
+                "completion_tokens": len(res.output_ids),
+                "cached_tokens": 0,
+                "e2e_latency": time.time() - tic,
+                "output_token_logprobs": [
+                    [lp, tok, None] for lp, tok in zip(res.logprobs, res.output_ids)
+                ],
+                "input_token_logprobs": [],
+                "output_token_logprobs_length": len(res.output_ids),
+            },
+        }
+
+    def _wait_if_paused(self) -> bool:
+        """Block while paused; True if this request was retracted (its KV must be rebuilt).
+        Paused with `abort`, every running request is aborted: it returns at once instead."""
+        if self._pause_event.is_set() or self._pause_mode == "abort":
+            return False
+        retracted = self._pause_mode == "retract"
+        self._pause_event.wait()
+        return retracted
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        for state in list(self.rid_to_state.values()):
+            if abort_all or (rid and state.rid.startswith(rid)):
+                state.aborted = True
+
+    async def pause_generation(self, obj: Any) -> None:
+        if obj.mode == "abort":
+            self.abort_request(abort_all=True)
+        self._pause_mode = obj.mode
+        self._paused = True
+        self._pause_event.clear()
+
+    async def continue_generation(self, obj: Any) -> None:
+        self._paused = False
+        self._pause_event.set()
+        cond = self._condition()
+        async with cond:
+            cond.notify_all()
+
+    async def flush_cache(self, timeout_s: float = 0.0):
+        from sglang.srt.managers.io_struct import FlushCacheReqOutput
+
+        if self.rid_to_state:
+            return FlushCacheReqOutput(
+                success=False,
+                message="Cache not flushed because there are pending requests. "
+                f"#queue-req: 0, #running-req: {len(self.rid_to_state)}",
+            )
+        return FlushCacheReqOutput(success=True)
+
+    # ---- weights ---------------------------------------------------------------------------
+    def _after_update(self, obj: Any, message: str) -> tuple[bool, str]:
+        if obj.weight_version is not None:
+            self.weight_version = obj.weight_version
+            message += f" Weight version updated to {obj.weight_version}."
+        if getattr(obj, "flush_cache", False) and self.rid_to_state:
+            return False, (
+                "Weights were updated, but the cache was not flushed because "
+                "requests are still running or queued. Retract or finish them, "
+                "then call /flush_cache."
+            )
+        return True, message
+
+    async def begin_weight_update(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+        if self._session_open:
+            return False, (
+                "a weight-update session is already open; call end_weight_update() first"
+            )
+        self._session_open = True
+        return True, "Success"
+
+    async def end_weight_update(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+        if not self._session_open:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self._session_open = False
+        return True, "Success"
+
+    async def update_weights_from_tensor(self, obj: Any, request: Any = None):
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        if not self._session_open:
+            return False, (
+                "update_weights_from_tensor must run between "
+                "begin_weight_update() and end_weight_update()"
+            )
+        if obj.load_format not in (None, "direct", "flattened_bucket"):
+            return False, f"embedded engine does not support load_format={obj.load_format!r}"
+        # One engine = TP rank 0: deserialise our own rank's payload only, as SGLang does.
+        payload = obj.serialized_named_tensors[0]
+
+        def load() -> int:
+            return self.policy.load_weights(deserialize_named_tensors(payload, obj.load_format))
+
+        try:
+            await self._writer_call(load)
+        except Exception as e:  # a bad payload is the caller's error (400), as in SGLang
+            return False, f"Failed to update weights: {e}"
+        return self._after_update(obj, "Success")
+
+    async def init_weights_update_group(self, obj: Any, request: Any = None):
+        from sglang.srt.utils import init_custom_process_group
+
+        def join():
+            return init_custom_process_group(
+                backend=obj.backend,
+                init_method=f"tcp://{obj.master_address}:{obj.master_port}",
+                world_size=obj.world_size,
+                rank=obj.rank_offset,
+                group_name=obj.group_name,
+            )
+
+        try:
+            self._groups[obj.group_name] = await asyncio.to_thread(join)
+        except Exception as e:
+            return False, f"Failed to initialize custom process group: {e}."
+        return True, "Succeeded to initialize custom process group."
+
+    async def destroy_weights_update_group(self, obj: Any, request: Any = None):
+        pg = self._groups.pop(obj.group_name, None)
+        if pg is None:
+            return False, f"Group {obj.group_name} not in {list(self._groups)}."
+        torch.distributed.destroy_process_group(pg)
+        return True, "Succeeded to destroy custom process group."
+
+    async def update_weights_from_distributed(self, obj: Any, request: Any = None):
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        if not self._session_open:
+            return False, (
+                "update_weights_from_distributed must run between "
+                "begin_weight_update() and end_weight_update()"
+            )
+        if obj.group_name not in self._groups:
+            return False, (
+                f"Failed to receive weights: Group {obj.group_name} not in "
+                f"{list(self._groups)}. Please call `init_weights_update_group` first."
+            )
+        pg = self._groups[obj.group_name]
+        dtypes = [getattr(torch, d) for d in obj.dtypes]
+
+        def receive_and_load() -> int:
+            if obj.load_format == "flattened_bucket":
+                bucket = FlattenedTensorBucket.empty(obj.names, dtypes, obj.shapes, "cpu")
+                torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
+                named = bucket.reconstruct_tensors()
+            else:
+                named = []
+                for name, dtype, shape in zip(obj.names, dtypes, obj.shapes):
+                    t = torch.empty(shape, dtype=dtype)
+                    torch.distributed.broadcast(t, src=0, group=pg)
+                    named.append((name, t))
+            return self.policy.load_weights(named)
+
+        try:
+            await self._writer_call(receive_and_load)
+        except Exception as e:
+            return False, f"Failed to receive weights: {e}"
+        return self._after_update(obj, "Succeeded to update parameter online.")
+
+    async def update_weights_from_disk(self, obj: Any, request: Any = None):
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        try:
+            await self._writer_call(self.policy.load_from_disk, obj.model_path)
+        except Exception as e:
+            return False, f"Failed to update weights: {e}.\nRolling back to original weights.", 0
+        self.model_path = obj.model_path
+        ok, message = self._after_update(obj, "Succeeded to update model weights.")
+        return ok, message, 0
+
+    async def update_weight_version(self, obj: Any) -> None:
+        self.weight_version = obj.new_version
+
+    async def get_weights_by_name(self, obj: Any, request: Any = None):
+        return self.policy.get_weights_by_name(obj.name, obj.truncate_size)
+
+    async def check_weights(self, obj: Any, request: Any = None):
+        import hashlib
+
+        if obj.action != "checksum":
+            msg = f"embedded engine supports action='checksum' only, got {obj.action}"
+            return False, msg, None, None
+        info = self.policy.checksums(obj.skip_tensor_list)
+        info["parallelism_info"] = [
+            dict(role="target", tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0,
+                 pp_size=1, rank=0, size=1)
+        ]  # fmt: skip
+        engine_sum = hashlib.sha256(info["per_gpu_checksum"].encode()).hexdigest()
+        return True, "Success", [info], engine_sum
+
+    async def release_memory_occupation(self, obj: Any, request: Any = None) -> None:
+        if self.rid_to_state:
+            raise RuntimeError("release_memory_occupation requires an idle server")
+        self._released |= set(obj.tags or ["weights", "kv_cache", "cuda_graph"])
+
+    async def resume_memory_occupation(self, obj: Any, request: Any = None) -> None:
+        self._released -= set(obj.tags or ["weights", "kv_cache", "cuda_graph"])
+
+
+class _DispatchingTokenizerManager:
+    """SGLang's global tokenizer manager slot: forwards to the manager of the current server."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_CURRENT_TM.get(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(_CURRENT_TM.get(), name, value)
+
+
+_INSTALL_LOCK = threading.Lock()
+_INSTALLED: dict[str, Any] = {}
+
+
+def _install_sglang_app(model_path: str) -> Any:
+    """Publish SGLang's server config and global state once per process; return its app."""
+    with _INSTALL_LOCK:
+        if "app" in _INSTALLED:
+            return _INSTALLED["app"]
+        from sglang.srt.entrypoints import http_server
+        from sglang.srt.runtime_context import publish
+        from sglang.srt.server_args import ServerArgs
+
+        args = ServerArgs(model_path=model_path, device="cpu", skip_tokenizer_init=True)
+        args.resolve_once()
+        publish(args, role="tokenizer")
+        http_server.set_global_state(
+            http_server._GlobalState(
+                tokenizer_manager=_DispatchingTokenizerManager(),
+                template_manager=None,
+                scheduler_info={},
+            )
+        )
+        _INSTALLED.update(app=http_server.app, server_args=args)
+        return http_server.app
+
+
+def _authorized(app: Any, scope: dict[str, Any], api_key: str) -> bool:
+    """SGLang's decision for this request (its `add_api_key_middleware` logic), per server:
+    the app is shared by every in-process server, so the key cannot be app middleware."""
+    from sglang.srt.utils.auth import _get_auth_level_from_app_and_scope, decide_request_auth
+
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    decision = decide_request_auth(
+        method=scope["method"],
+        path=scope["path"],
+        authorization_header=headers.get("authorization"),
+        api_key=api_key,
+        admin_api_key=None,
+        auth_level=_get_auth_level_from_app_and_scope(app, scope),
+    )
+    return decision.allowed
+
+
+async def _unauthorized(scope: Any, receive: Any, send: Any) -> None:
+    """SGLang's 401 body (its middleware sends the same JSON)."""
+    from starlette.responses import JSONResponse
+
+    await JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+
+
+class EmbeddedServer:
+    """One embedded engine: SGLang's app + `EmbeddedTokenizerManager` on 127.0.0.1:port."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        port: int | None = None,
+        *,
+        weight_version: str = "default",
+        return_original_logprob: bool = False,
+        api_key: str | None = None,
+    ) -> None:
+        self.model_path = str(model_path)
+        self.api_key = api_key
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.policy = HFPolicy(self.model_path, return_original_logprob=return_original_logprob)
+        app = _install_sglang_app(self.model_path)
+        self.tm = EmbeddedTokenizerManager(
+            self.policy, _INSTALLED["server_args"], weight_version=weight_version
+        )
+        tm = self.tm
+
+        async def asgi(scope, receive, send):
+            if api_key and scope["type"] == "http" and not _authorized(app, scope, api_key):
+                await _unauthorized(scope, receive, send)
+                return
+            token = _CURRENT_TM.set(tm)
+            try:
+                await app(scope, receive, send)
+            finally:
+                _CURRENT_TM.reset(token)
+
+        self._asgi = asgi
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    def _config(self):
+        import uvicorn
+
+        return uvicorn.Config(
+            self._asgi, host="127.0.0.1", port=self.port, lifespan="off", log_level="warning"
+        )
+
+    def start(self, timeout_s: float = 30.0) -> EmbeddedServer:
+        """Serve in a daemon thread; returns once the port accepts connections."""
+        import uvicorn
+
+        self._server = uvicorn.Server(self._config())
+        self._thread = threading.Thread(target=self._server.run, daemon=True, name="embedded")
+        self._thread.start()
+        deadline = time.time() + timeout_s
+        while not self._server.started:
+            if time.time() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"embedded engine on port {self.port} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and join the thread."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.tm._pool.shutdown(wait=False, cancel_futures=True)
+
+    def serve_forever(self) -> None:
+        """Serve in the calling thread (the subprocess entry point)."""
+        import uvicorn
+
+        uvicorn.Server(self._config()).run()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m megatron_gspo.engines.embedded.server --model-path DIR --port P`."""
+    args = parser().parse_args(argv)
+    torch.set_num_threads(args.num_threads)
+    # CPU tensors sent by /update_weights_from_tensor come from an unrelated process.
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    logging.basicConfig(level=logging.INFO)
+    EmbeddedServer(
+        args.model_path,
+        args.port,
+        weight_version=args.weight_version,
+        return_original_logprob=args.return_original_logprob,
+        api_key=args.api_key,
+    ).serve_forever()
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of `main` (tests parse launch commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", choices=["127.0.0.1"])
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--api-key", default=None, help="bearer token every request must carry")
+    p.add_argument(
+        "--return-original-logprob",
+        action="store_true",
+        default=os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0") in ("1", "true"),
+        help="T=1 log-probs, like SGLANG_RETURN_ORIGINAL_LOGPROB=1",
+    )
+    return p
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""SGLang 0.5.23 wire protocol: request bodies, weight payloads, response parsing, validation.
+
+Everything that knows SGLang's JSON field names or its Python classes lives here (plus the
+embedded engine), so a version bump touches one place; `tests/engines/test_drift.py` pins the
+routes and fields listed in `ROUTES`. SGLang modules are imported lazily: importing
+`sglang.srt` costs ~15 s, and only the weight-payload and validation helpers need it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+#: route -> (HTTP methods the bridge uses, SGLang request class validating the body or None).
+ROUTES: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "/generate": (("POST",), "GenerateReqInput"),
+    "/health": (("GET",), None),
+    "/health_generate": (("GET",), None),
+    "/model_info": (("GET",), None),
+    "/flush_cache": (("POST",), None),
+    "/abort_request": (("POST",), "AbortReq"),
+    "/pause_generation": (("POST",), "PauseGenerationReqInput"),
+    "/continue_generation": (("POST",), "ContinueGenerationReqInput"),
+    "/begin_weight_update": (("POST",), "BeginWeightUpdateReqInput"),
+    "/end_weight_update": (("POST",), "EndWeightUpdateReqInput"),
+    "/update_weights_from_tensor": (("POST",), "UpdateWeightsFromTensorReqInput"),
+    "/init_weights_update_group": (("POST",), "InitWeightsUpdateGroupReqInput"),
+    "/update_weights_from_distributed": (("POST",), "UpdateWeightsFromDistributedReqInput"),
+    "/destroy_weights_update_group": (("POST",), "DestroyWeightsUpdateGroupReqInput"),
+    "/update_weights_from_disk": (("POST",), "UpdateWeightFromDiskReqInput"),
+    "/update_weight_version": (("POST",), "UpdateWeightVersionReqInput"),
+    "/release_memory_occupation": (("POST",), "ReleaseMemoryOccupationReqInput"),
+    "/resume_memory_occupation": (("POST",), "ResumeMemoryOccupationReqInput"),
+    "/weights_checker": (("POST",), "CheckWeightsReqInput"),
+    "/get_weights_by_name": (("POST",), "GetWeightsByNameReqInput"),
+}
+
+#: request fields the bridge sends, per SGLang request class (pinned by the drift test).
+FIELDS_SENT: dict[str, tuple[str, ...]] = {
+    "GenerateReqInput": (
+        "input_ids",
+        "sampling_params",
+        "rid",
+        "return_logprob",
+        "logprob_start_len",
+    ),
+    "UpdateWeightsFromTensorReqInput": (
+        "serialized_named_tensors",
+        "load_format",
+        "flush_cache",
+        "weight_version",
+    ),
+    "InitWeightsUpdateGroupReqInput": (
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "group_name",
+        "backend",
+    ),
+    "UpdateWeightsFromDistributedReqInput": (
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "load_format",
+        "flush_cache",
+        "weight_version",
+    ),
+    "DestroyWeightsUpdateGroupReqInput": ("group_name",),
+    "UpdateWeightFromDiskReqInput": ("model_path", "weight_version"),
+    "UpdateWeightVersionReqInput": ("new_version", "abort_all_requests"),
+    "ReleaseMemoryOccupationReqInput": ("tags",),
+    "ResumeMemoryOccupationReqInput": ("tags",),
+    "PauseGenerationReqInput": ("mode",),
+    "ContinueGenerationReqInput": (),
+    "BeginWeightUpdateReqInput": (),
+    "EndWeightUpdateReqInput": (),
+    "AbortReq": ("rid", "abort_all"),
+    "CheckWeightsReqInput": ("action",),
+    "GetWeightsByNameReqInput": ("name", "truncate_size"),
+}
+
+
+# ---- request bodies ---------------------------------------------------------------------
+def generate_body(
+    input_ids: Sequence[Sequence[int]],
+    sampling_params: Sequence[dict[str, Any]],
+    rids: Sequence[str],
+) -> dict[str, Any]:
+    """A batched `/generate` body: one entry per (prompt, sample), each with its own rid.
+
+    The bridge expands groups itself (n=1 per entry) instead of using SGLang's `n`: SGLang
+    regenerates the rid of every `n>1` sample, and with a `sampling_seed` all `n` samples
+    would share one seed. Own rids let a sample be aborted, retried and matched exactly.
+    """
+    if not (len(input_ids) == len(sampling_params) == len(rids)) or not rids:
+        raise ValueError("input_ids, sampling_params and rids must be non-empty, same length")
+    return {
+        "input_ids": [list(map(int, p)) for p in input_ids],
+        "sampling_params": list(sampling_params),
+        "rid": list(rids),
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+
+
+def generate_body_single(
+    input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str
+) -> dict[str, Any]:
+    """A one-prompt `/generate` body. `sglang-router` (0.3.x) only admits this form plus the
+    native-`n` one: its schema wants `sampling_params` as one object and `rid` as a string."""
+    return {
+        "input_ids": list(map(int, input_ids)),
+        "sampling_params": dict(sampling_params),
+        "rid": rid,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+
+
+def generate_body_native_n(
+    input_ids: Sequence[Sequence[int]], sampling_params: dict[str, Any], n: int
+) -> dict[str, Any]:
+    """A `/generate` body using SGLang's own `n` (response order is prompt-major)."""
+    return {
+        "input_ids": [list(map(int, p)) for p in input_ids],
+        "sampling_params": dict(sampling_params, n=n),
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """SGLang's dtype spelling (`getattr(torch, name)` on the server)."""
+    if isinstance(dtype, str):
+        return dtype.removeprefix("torch.")
+    return str(dtype).removeprefix("torch.")
+
+
+# ---- responses ----------------------------------------------------------------------------
+def as_response_list(payload: Any) -> list[dict[str, Any]]:
+    """SGLang answers a batch with a JSON list and a single prompt with an object."""
+    if isinstance(payload, list):
+        return payload
+    if isinstance(payload, dict):
+        return [payload]
+    raise ValueError(f"unexpected /generate response type {type(payload).__name__}")
+
+
+def error_message(body: bytes | str) -> str:
+    """SGLang's error text from any of its error envelopes (falls back to the raw body)."""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text.strip()
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if isinstance(err, str):
+            return err
+        if "message" in obj:
+            return str(obj["message"])
+    return text.strip()
+
+
+# ---- weight payloads --------------------------------------------------------------------
+def _sglang_weight_sync():
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    return MultiprocessingSerializer, FlattenedTensorBucket
+
+
+def flatten_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]):
+    """SGLang's `FlattenedTensorBucket` over the tensors (one uint8 buffer + metadata)."""
+    _, bucket_cls = _sglang_weight_sync()
+    return bucket_cls(named_tensors=list(named_tensors))
+
+
+def serialize_flattened_bucket(
+    named_tensors: Sequence[tuple[str, torch.Tensor]], *, tp_size: int = 1
+) -> tuple[list[str], Any]:
+    """`serialized_named_tensors` for `load_format="flattened_bucket"`, one entry per TP rank.
+
+    SGLang's TP rank r decodes entry r only (`TpModelWorker.deserialize_own_rank`), so an
+    engine of TP size t needs t entries. Each entry is its own `MultiprocessingSerializer`
+    call, as SGLang's `Engine._serialize_tensors_per_rank` does: a CUDA-IPC handle is
+    reference-counted per serialisation, and one copy opened by two ranks would release the
+    producer's memory twice. Returns (payloads, bucket): keep `bucket` alive until the HTTP
+    call returns, since a payload is a shared-memory / CUDA-IPC handle, not a copy. CPU tensors
+    cross unrelated processes only with the `file_system` sharing strategy, so it is switched
+    on here (the embedded engine does the same on its side).
+    """
+    bucket = flatten_bucket(named_tensors)
+    return bucket_payloads(bucket, tp_size), bucket
+
+
+def bucket_payloads(bucket: Any, tp_size: int) -> list[str]:
+    """`tp_size` separate serialisations of one `FlattenedTensorBucket` (see above): several
+    engines share one flattened copy of the weights, each rank gets its own handle."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size={tp_size} must be >= 1")
+    serializer, _ = _sglang_weight_sync()
+    flat = bucket.get_flattened_tensor()
+    if not flat.is_cuda:
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    obj = {"flattened_tensor": flat, "metadata": bucket.get_metadata()}
+    return [serializer.serialize(obj, output_str=True) for _ in range(tp_size)]
+
+
+def deserialize_named_tensors(
+    payload: str | bytes, load_format: str | None = "flattened_bucket"
+) -> list[tuple[str, torch.Tensor]]:
+    """Decode one rank's payload exactly as SGLang's server does (allow-list unpickler).
+
+    `flattened_bucket` payloads hold `{"flattened_tensor", "metadata"}`; the other formats a
+    plain `[(name, tensor), ...]` list.
+    """
+    serializer, bucket_cls = _sglang_weight_sync()
+    from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+
+    (payload,) = normalize_serialized_named_tensor_payloads([payload])
+    obj = serializer.deserialize(payload)
+    if load_format != "flattened_bucket":
+        return [(str(n), t) for n, t in obj]
+    bucket = bucket_cls(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"])
+    return bucket.reconstruct_tensors()
+
+
+# ---- checksums ----------------------------------------------------------------------------
+def tensor_checksum(t: torch.Tensor) -> str:
+    """SGLang's `/weights_checker` per-tensor checksum: sha256 of the raw bytes, first 8 bytes.
+
+    Equal to `sglang.srt.utils.weight_checker._hash_tensor` for CPU tensors, so a trainer
+    can compute the same value without SGLang.
+    """
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    digest = hashlib.sha256(memoryview(data)).digest()[:8]
+    return f"{int.from_bytes(digest, byteorder='big', signed=False):016x}"
+
+
+def overall_checksum(checksums: dict[str, str]) -> str:
+    """SGLang's `per_gpu_checksum` over per-tensor checksums (sorted by name)."""
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
+
+
+# ---- validation with SGLang's own code (tests, and `validate=True` clients) ----------------
+@functools.cache
+def _io_struct():
+    from sglang.srt.managers import io_struct
+
+    return io_struct
+
+
+def validate_generate_body(body: dict[str, Any], vocab_size: int | None = None) -> None:
+    """Run the checks SGLang's server runs on a `/generate` body; raise ValueError if refused.
+
+    The JSON contract gate (`generate_contract_error`, an HTTP 400 on the server), the FastAPI
+    body parse into `GenerateReqInput`, `normalize_batch_and_arguments()` and
+    `SamplingParams(...).verify()`.
+    """
+    from pydantic import TypeAdapter
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+    from sglang.srt.sampling.sampling_params import SamplingParams as SgSamplingParams
+
+    err = generate_contract_error(json.loads(json.dumps(body)))
+    if err is not None:
+        raise ValueError(f"SGLang contract rejects /generate body: {err}")
+    obj = TypeAdapter(_io_struct().GenerateReqInput).validate_python(json.loads(json.dumps(body)))
+    obj.normalize_batch_and_arguments()
+    sps = body["sampling_params"]
+    for sp in sps if isinstance(sps, list) else [sps]:
+        p = SgSamplingParams(**sp)
+        p.normalize(None)
+        p.verify(vocab_size if vocab_size is not None else 1 << 30)
+
+
+def validate_control_body(route: str, body: dict[str, Any]):
+    """Parse a control-plane body with the SGLang request class FastAPI would use."""
+    from pydantic import TypeAdapter
+
+    cls_name = ROUTES[route][1]
+    if cls_name is None:
+        raise ValueError(f"{route} takes no body")
+    cls = getattr(_io_struct(), cls_name)
+    return TypeAdapter(cls).validate_json(json.dumps(body))
+
+
+def validate_generate_response(item: dict[str, Any]) -> None:
+    """Parse one `/generate` response item with SGLang's `GenerateResponse` schema."""
+    from sglang.api.v1.api_types import GenerateResponse
+
+    GenerateResponse.from_json_value(item)

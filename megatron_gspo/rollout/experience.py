@@ -1,0 +1,289 @@
+"""The experience of one RL step: prompts -> engine samples -> rewards -> advantages -> sequences.
+
+Rank 0 of the job talks to the rollout engines and scores rewards; the resulting training
+sequences are broadcast (by `train.py`) so that every rank plans the same micro-batches.
+Knows the engines only through `engines.protocols`; imports no Megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_gspo.algo import group_advantages
+from megatron_gspo.algo.sequences import TrainSequence
+from megatron_gspo.config import Config
+from megatron_gspo.dist import free_port
+from megatron_gspo.engines.protocols import RolloutEngine
+from megatron_gspo.engines.types import Sample, SamplingParams
+from megatron_gspo.rollout.driver import RolloutDriver
+from megatron_gspo.rollout.scheduler import GroupFn, GroupScheduler, PromptQueue, SchedulerConfig
+
+
+@dataclass
+class Rollout:
+    """Rank 0's side: prompts -> engine samples -> rewards -> advantages -> sequences.
+
+    Groups come from a `GroupScheduler` (over-sampling, dynamic sampling, partial rollouts)
+    run by a `RolloutDriver` (synchronous, or one step ahead with `rollout.async_rollout`); the
+    loop sees the same three calls in every mode: `next_batch`, and `before_push` /
+    `after_push(version)` around each weight push."""
+
+    cfg: Config
+    engine: RolloutEngine
+    tokenizer: Any
+    loader: Any
+    rewards: Any
+    next_seq_id: int = 0
+    servers: Any = None
+    group_fn: GroupFn | None = None
+    """Generates one group (default: one `agenerate` call); `rollout.env`: the multi-turn
+    `MultiTurn.group_fn` (`make_multiturn`)."""
+    envs: Any = None
+    """rollout.env: the `EnvPool` of the env workers (closed with the rollout)."""
+    _reward_batches: list[Any] = field(default_factory=list)
+    driver: RolloutDriver = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.driver = self._driver()
+
+    def _driver(self) -> RolloutDriver:
+        r, g = self.cfg.rollout, self.cfg.rl
+        sched_cfg = SchedulerConfig(
+            prompts=g.prompts_per_rollout,
+            group_size=g.group_size,
+            max_new_tokens=r.max_new_tokens,
+            oversample=r.oversample,
+            drop_equal_reward_groups=r.drop_equal_reward_groups,
+            partial_tokens=r.partial_tokens,
+            max_staleness=r.max_staleness,
+            fill_attempts=r.fill_attempts,
+        )
+        queue = PromptQueue(self.loader, self.loader.dataset.encode)
+        scheduler = GroupScheduler(
+            self.engine, queue, self._score, sched_cfg, self.sampling(), group_fn=self.group_fn
+        )
+        return RolloutDriver(scheduler, lookahead=1 if r.async_rollout else 0)
+
+    def sampling(self) -> SamplingParams:
+        """Base sampling; the scheduler offsets the seed by the sequences handed out so far."""
+        r = self.cfg.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=tuple(t for t in [self.tokenizer.eos_token_id] if t is not None),
+            seed=self.cfg.train.seed * 7919,
+        )
+
+    def _score(self, record: Any, samples: list[Sample]) -> tuple[list[float], dict[str, float]]:
+        """One group's rewards: an episode's env reward wins; `reward.kind` scores the rest."""
+        texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        todo = [i for i, s in enumerate(samples) if s.meta.get("env_reward") is None]
+        k = len(todo)
+        scored = self.rewards.score(
+            [record.prompt] * k, [texts[i] for i in todo], [record.answer] * k
+        )
+        values: list[float] = [s.meta.get("env_reward") or 0.0 for s in samples]
+        for i, r in zip(todo, scored.rewards, strict=True):
+            values[i] = r
+        self._reward_batches.append(scored)
+        return values, scored.metrics()
+
+    def before_push(self) -> None:
+        """Before a weight push: in-flight generation (async mode) stops and keeps its tokens."""
+        self.driver.pause()
+
+    def after_push(self, version: int) -> None:
+        """The engines serve `version` now; generation goes on."""
+        self.driver.resume(version)
+
+    def next_batch(self) -> tuple[list[TrainSequence], dict[str, float]]:
+        batch, wait = self.driver.next_batch()
+        samples = [s for grp in batch.groups for s in grp.samples]
+        extra = self._step_reports(samples)
+        flat = [r for grp in batch.groups for r in grp.rewards]
+        rewards = torch.tensor(flat, dtype=torch.float64)
+        groups = torch.tensor([k for k, grp in enumerate(batch.groups) for _ in grp.samples])
+        adv = group_advantages(
+            rewards, groups, eps=self.cfg.rl.adv_eps, normalize_std=self.cfg.rl.normalize_std
+        )
+        seqs = [self._sequence(s, a) for s, a in zip(samples, adv.tolist(), strict=True)]
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+        zero_var = [float(rewards[groups == i].std(unbiased=False) == 0) for i in groups.unique()]
+        stats = batch.stats
+        stats.num_samples = len(samples)
+        stats.num_truncated = sum(s.finish_reason == "length" for s in samples)
+        stats.num_aborted = sum(s.finish_reason == "abort" for s in samples)
+        stats.num_masked_logprobs = sum(len(s.logprobs) - s.num_valid_logprobs for s in samples)
+        stats.wall_s = batch.wall_s
+        reward_time = batch.reward_metrics.get("reward/time_s", 0.0)
+        metrics = {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            "reward/zero_variance_groups": sum(zero_var) / len(zero_var),
+            "response/length_mean": lengths.mean().item(),
+            "response/length_max": lengths.max().item(),
+            "response/truncated_frac": sum(s.truncated for s in samples) / len(samples),
+            "time/rollout_s": batch.wall_s,
+            "time/reward_s": reward_time,
+            **batch.metrics(),
+            **stats.as_metrics(),
+            **wait,
+            **extra,
+        }
+        return seqs, metrics
+
+    def _step_reports(self, samples: list[Sample]) -> dict[str, float]:
+        """Print reward / env failures once per step (a broken user function is loud); the
+        multi-turn episode metrics."""
+        from megatron_gspo.rewards.pool import RewardBatch
+
+        parts, self._reward_batches = self._reward_batches, []
+        step = RewardBatch(
+            rewards=[r for b in parts for r in b.rewards],
+            timeouts=sum(b.timeouts for b in parts),
+            failures=sum(b.failures for b in parts),
+            errors=[e for b in parts for e in b.errors][:5],
+        )
+        if (report := step.report()) is not None:
+            print(f"[step rollout] {report}", file=sys.stderr, flush=True)
+        if self.envs is None:
+            return {}
+        from megatron_gspo.rollout.multiturn import episode_metrics
+
+        env_metrics, report = self.envs.take_report()
+        if report is not None:
+            print(f"[step rollout] {report}", file=sys.stderr, flush=True)
+        return {**env_metrics, **episode_metrics(samples)}
+
+    def _sequence(self, s: Sample, advantage: float) -> TrainSequence:
+        mask = [int(m) for m in s.logprob_mask]
+        old = [lp if m else 0.0 for lp, m in zip(s.logprobs, mask, strict=True)]
+        seq = TrainSequence(
+            seq_id=self.next_seq_id,
+            prompt_ids=s.prompt_ids,
+            response_ids=s.response_ids,
+            old_logp=old,
+            advantage=advantage,
+            loss_mask=mask,
+        )
+        self.next_seq_id += 1
+        return seq
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.driver.state_dict(), "next_seq_id": self.next_seq_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from megatron_gspo.data.prompts import PromptRecord
+
+        if "scheduler" not in state:  # a checkpoint from before the scheduler: loader only
+            front = {"loader": state["loader"], "front": []}
+            state = {**state, "scheduler": {"queue": front, "seq_cursor": state["next_seq_id"]}}
+        self.driver.load_state_dict(state["scheduler"], PromptRecord)
+        self.next_seq_id = state["next_seq_id"]
+
+    def close(self) -> None:
+        self.driver.close()
+        self.rewards.close()
+        if self.envs is not None:
+            self.envs.close()
+        if self.servers is not None:
+            self.servers.shutdown()
+
+
+def make_rollout(cfg: Config) -> Rollout:
+    """Rank 0: start (or connect to) the engines, load prompts, tokenizer and rewards."""
+    from transformers import AutoTokenizer
+
+    from megatron_gspo.data.prompts import PromptDataset, PromptLoader
+    from megatron_gspo.engines.client import SGLangClient
+    from megatron_gspo.engines.interpreter import sglang_python
+    from megatron_gspo.engines.launch import launch
+    from megatron_gspo.rewards.pool import build_reward_pool
+
+    r = cfg.rollout
+    servers = None
+    client = r.client
+    if r.launch is not None:
+        launch_cfg = r.launch
+        if launch_cfg.base_port == 0:
+            launch_cfg = dataclasses.replace(launch_cfg, base_port=free_port(launch_cfg.host))
+        if launch_cfg.log_dir is None:
+            launch_cfg = dataclasses.replace(
+                launch_cfg, log_dir=str(Path(cfg.logging.dir) / "engines")
+            )
+        # One key: the engines we start demand the one our client sends.
+        api_key = launch_cfg.api_key or client.api_key
+        launch_cfg = dataclasses.replace(launch_cfg, api_key=api_key)
+        if launch_cfg.backend == "sglang" and launch_cfg.python is None:
+            # preflight has checked on every rank that this resolves
+            launch_cfg = dataclasses.replace(launch_cfg, python=sglang_python())
+        # device=cpu: ServerGroup adds the CPU engine's env (launch.cpu_engine_env).
+        servers = launch(launch_cfg)
+        client = dataclasses.replace(
+            client,
+            engine_urls=launch_cfg.engine_urls,
+            router_url=client.router_url or launch_cfg.router_url,
+            engine_tp_sizes=[launch_cfg.tp_size] * launch_cfg.num_engines,
+            api_key=api_key,
+        )
+    engine = SGLangClient(client)
+    if servers is not None:  # engines we launched are restarted when dropped (max_restarts)
+        engine.pool.restart = servers.restart_engine
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+    dataset = PromptDataset.from_config(cfg.data, tokenizer)
+    loader = PromptLoader(
+        dataset, cfg.rl.prompts_per_rollout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
+    )
+    group_fn, envs = make_multiturn(cfg, engine, tokenizer) if r.env is not None else (None, None)
+    rewards = build_reward_pool(cfg.reward)
+    return Rollout(
+        cfg, engine, tokenizer, loader, rewards, servers=servers, group_fn=group_fn, envs=envs
+    )
+
+
+def make_multiturn(cfg: Config, engine: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """rollout.env: the env worker pool and the multi-turn `group_fn` over `engine`."""
+    from megatron_gspo.config_io import ConfigError
+    from megatron_gspo.envs.pool import EnvPool
+    from megatron_gspo.rewards.pool import worker_limits
+    from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec, rotated_clients
+
+    r = cfg.rollout
+    stop_ids = []
+    for text in r.turn_stop:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ConfigError(
+                f"rollout.turn_stop entry {text!r} is {len(ids)} tokens of the tokenizer, not "
+                "one; change rollout.turn_stop"
+            )
+        stop_ids.append(int(ids[0]))
+    try:
+        codec = ObservationCodec(tokenizer, chat_template=cfg.data.chat_template)
+        envs = EnvPool(
+            r.env or "",
+            num_workers=r.env_workers,
+            timeout_s=r.env_timeout_s,
+            limits=worker_limits(cfg.reward, r.env_timeout_s),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    multi = MultiTurn(
+        engine,
+        tokenizer,
+        envs,
+        codec,
+        max_turns=r.max_turns,
+        max_total_tokens=r.episode_tokens,
+        stop_ids=tuple(stop_ids),
+        engines=rotated_clients(engine),
+    )
+    return multi.group_fn, envs

@@ -1,0 +1,146 @@
+"""A user-code worker process: `python -m megatron_gspo.sandbox.worker KIND SPEC [limits]`.
+
+KIND is `reward` (SPEC a reward function, "math", "toy" or "module:function") or `env`
+(SPEC an environment class "module:Class", see `megatron_gspo.envs`). The worker first applies
+its resource limits (`--max-memory-mb`: RLIMIT_AS; `--max-cpu-s`: RLIMIT_CPU per call), then
+imports SPEC and writes `{"ready": true}` (or `{"ready": false, "error": ...}` when SPEC cannot be
+loaded) on the original stdout. Then one JSON request per line on stdin, one JSON reply per line:
+
+    reward: {"id", "prompt", "response", "answer"}    -> {"id", "reward", "error"}
+    env:    {"id", "op": "reset", "ep", "record"}      -> {"id", "obs", "error"}
+            {"id", "op": "step", "ep", "text"}         -> {"id", "obs", "reward", "done", "error"}
+            {"id", "op": "close", "ep"}                -> {"id", "error"}
+
+A reply may carry `"restart": true` (the call ran out of memory: the parent replaces the
+worker). The user code's own prints go to stderr so they cannot corrupt the protocol. Exits when
+stdin closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import signal
+import sys
+from typing import Any
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the trainer dies, even if a call is stuck in user code (a closed
+    stdin is only noticed between calls)."""
+    if sys.platform != "linux":
+        return
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        sys.exit(0)
+
+
+def _limit_memory(max_memory_mb: int | None) -> None:
+    if max_memory_mb is not None:
+        limit = int(max_memory_mb) * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _arm_cpu(max_cpu_s: float | None) -> None:
+    """Soft RLIMIT_CPU = CPU used so far + max_cpu_s (RLIMIT_CPU counts the whole process, so it
+    is re-armed before every call). The kernel sends SIGXCPU at the soft limit (kills)."""
+    if max_cpu_s is None:
+        return
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = int(math.ceil(usage.ru_utime + usage.ru_stime + max_cpu_s))
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+def _memory_message(error: str, max_memory_mb: int | None) -> tuple[str, bool]:
+    if error.startswith("MemoryError"):
+        return (
+            f"MemoryError: the call went over reward.max_memory_mb={max_memory_mb} MB "
+            "(the worker is replaced)",
+            True,
+        )
+    return error, False
+
+
+def _reward_loop(spec: str, out: Any, args: argparse.Namespace) -> None:
+    from megatron_gspo.rewards.pool import call_reward, load_reward_fn
+
+    try:
+        fn = load_reward_fn(spec)
+    except ValueError as e:
+        out.write(json.dumps({"ready": False, "error": str(e)}) + "\n")
+        return
+    if spec in ("math", "toy"):
+        # A throw-away call pays for lazy imports and parser construction (math-verify builds its
+        # LaTeX grammar on first use), which would otherwise eat the first call's timeout. User
+        # functions are never called on made-up input.
+        call_reward(fn, "", "\\boxed{1}", "1")
+    # Imports are done: the parent starts a call's timeout clock only after this line.
+    out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
+    for line in sys.stdin:
+        req = json.loads(line)
+        _arm_cpu(args.max_cpu_s)
+        reward, error = call_reward(fn, req["prompt"], req["response"], req["answer"])
+        restart = False
+        if error is not None:
+            error, restart = _memory_message(error, args.max_memory_mb)
+        reply = {"id": req["id"], "reward": reward, "error": error, "restart": restart}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+        if restart:
+            return
+
+
+def _env_loop(spec: str, out: Any, args: argparse.Namespace) -> None:
+    from megatron_gspo.envs import env_call, load_env_class
+
+    try:
+        cls = load_env_class(spec)
+    except ValueError as e:
+        out.write(json.dumps({"ready": False, "error": str(e)}) + "\n")
+        return
+    out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
+    episodes: dict[Any, Any] = {}
+    for line in sys.stdin:
+        req = json.loads(line)
+        _arm_cpu(args.max_cpu_s)
+        reply = env_call(cls, episodes, req)
+        restart = False
+        if reply.get("error"):
+            reply["error"], restart = _memory_message(reply["error"], args.max_memory_mb)
+        reply["restart"] = restart
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+        if restart:
+            return
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("kind", choices=("reward", "env"))
+    p.add_argument("spec")
+    p.add_argument("--max-memory-mb", type=int, default=None)
+    p.add_argument("--max-cpu-s", type=float, default=None)
+    args = p.parse_args(argv)
+    _die_with_parent()
+    # Keep the protocol on a private copy of fd 1 and point fd 1 / sys.stdout at stderr.
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _limit_memory(args.max_memory_mb)  # before the user module is imported
+    (_reward_loop if args.kind == "reward" else _env_loop)(args.spec, out, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""The GSPO trainer end to end on 2 CPU ranks (EP=2) with the embedded engine.
+
+Run A trains 4 steps straight. Run B is SIGKILLed (torchrun and its ranks) right after its
+step-2 checkpoint; run C resumes it to step 4. Run D trains 2 steps colocated (engine memory
+released during updates). Checks: every step trains on prompts x group_size
+sequences with finite metrics, the engines serve the pushed weights (per-tensor checksums of
+sent vs engine-held tensors) at the right version, a killed trainer leaves no engine behind,
+and the resumed run reproduces the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from megatron_gspo.dist import free_port
+from tools import make_tiny_toy
+
+pytestmark = pytest.mark.multirank
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+PROMPTS, GROUP = 4, 4
+
+
+def _command(
+    tmp: Path, name: str, ckpt: str, steps: int, *extra: str, module: str = "megatron_gspo.train"
+) -> list[str]:
+    sets = {
+        "model.hf_path": f"{tmp}/toy/model",
+        "data.train_path": f"{tmp}/toy/toy.jsonl",
+        "logging.dir": f"{tmp}/{name}",
+        "checkpoint.dir": f"{tmp}/{ckpt}",
+        "train.steps": steps,
+        "rl.prompts_per_rollout": PROMPTS,
+        "rl.group_size": GROUP,
+        "logging.tensorboard": "false",
+        "logging.progress": "false",
+        # the distributed optimizer (the GPU default) also for its checkpoint/resume path; the
+        # plain one is covered by tests/megatron/test_checkpoint.py
+        "optim.use_distributed_optimizer": "true",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),  # concurrent runs of this test must not collide
+        "-m",
+        module,
+        "--config",
+        str(ROOT / "examples/tiny_moe_cpu.yaml"),
+    ]
+    for key, value in sets.items():
+        cmd += ["--set", f"{key}={value}"]
+    return cmd + list(extra)
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(tmp: Path, name: str, ckpt: str, steps: int, *extra: str) -> list[dict]:
+    cmd = _command(tmp, name, ckpt, steps, "--set", "checkpoint.save_every=0", *extra)
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return _metrics(tmp / name)
+
+
+def _train_until_killed(tmp: Path, name: str, ckpt: str, kill_after: int) -> list[dict]:
+    """Train with a checkpoint every `kill_after` steps; SIGKILL the whole job as soon as that
+    checkpoint exists. Returns the metrics of the steps up to the checkpoint."""
+    cmd = _command(tmp, name, ckpt, 10 * kill_after, "--set", f"checkpoint.save_every={kill_after}")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    latest = tmp / ckpt / "latest"
+    deadline = time.monotonic() + 600
+    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # torchrun's workers may sit in sessions of their own: kill every descendant, then it.
+    job = psutil.Process(proc.pid)
+    tree = [*job.children(recursive=True), job]
+    # ...but not the engines: that they die with their launcher is what is tested below.
+    for p in [p for p in tree if "rollout.embedded" not in " ".join(_cmdline(p))]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    proc.wait()
+    psutil.wait_procs([p for p in tree if p.pid != proc.pid], timeout=1)
+    assert latest.read_text().strip() == f"step_{kill_after:06d}"
+    return [m for m in _metrics(tmp / name) if m["step"] <= kill_after]
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _engines_of(model_dir: Path) -> list[int]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if "megatron_gspo.engines.embedded.server" in cmdline and str(model_dir) in cmdline:
+            found.append(p.pid)
+    return found
+
+
+def _wait_for_no_engines(model_dir: Path, timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while _engines_of(model_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _engines_of(model_dir)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
+    out: dict[str, Any] = {
+        "a": _train(tmp, "a", "ckpt_a", 4, "--set", "checkpoint.export_hf_at_end=true")
+    }
+    out["b"] = _train_until_killed(tmp, "b", "ckpt_b", 2)
+    out["orphans"] = _wait_for_no_engines(tmp / "toy/model")
+    out["c"] = _train(tmp, "c", "ckpt_b", 4, "--resume")
+    out["d"] = _train(tmp, "d", "ckpt_d", 2, "--set", "rollout.launch.colocated=true")
+    extra = ("--set", "train.max_bad_steps=2", "--set", "checkpoint.save_every=0")
+    cmd = _command(tmp, "nan", "ckpt_nan", 5, *extra, module="tests.train.nan_train")
+    out["nan"] = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    # the checkpoint of a run that never stepped its optimizer resumes (a healthy loss now)
+    out["nan_resumed"] = _train(tmp, "nan", "ckpt_nan", 3, "--resume")
+    out["tmp"] = tmp
+    return out
+
+
+def test_every_step_trains_full_groups_with_finite_metrics(runs) -> None:
+    a = runs["a"]
+    assert [m["step"] for m in a] == [1, 2, 3, 4]
+    for m in a:
+        assert m["rollout/num_samples"] == PROMPTS * GROUP
+        assert m["rollout/num_rejected"] == 0
+        for k in (
+            "loss",
+            "grad_norm",
+            "reward/mean",
+            "policy/clip_frac",
+            "policy/entropy",
+            "mismatch/abs_logp_diff",
+            "time/rollout_s",
+            "time/train_s",
+            "time/sync_s",
+        ):
+            assert math.isfinite(m[k]), (m["step"], k)
+        # before its first update the trainer IS the engine's policy: only numerical mismatch
+        # (mismatch/* is measured on the first mini-batch only)
+        assert m["mismatch/abs_logp_diff"] < 1e-4
+        assert m["mismatch/seq_outside_clip"] == 0.0  # fp32 engine and trainer agree
+        assert m["drift/abs_logp_diff"] > m["mismatch/abs_logp_diff"]  # later: the policy moved
+        assert m["train/skipped_updates"] == 0 and m["optim/lr"] == 3e-3
+        # routing drift is measured every step on real tokens (EP=2: both ranks' tokens)
+        assert 0.0 <= m["moe/routing_flip_rate"] <= 1.0 and m["moe/routed_token_layers"] > 0
+
+
+def test_engines_serve_the_pushed_weights(runs) -> None:
+    for m in runs["a"]:
+        assert m["weights/verified"] == 1.0  # per-tensor checksums: sent == engine-held
+        assert m["weights/version"] == m["step"] + 1  # version 1 is the initial push
+
+
+def test_killed_trainer_leaves_no_engine_behind(runs) -> None:
+    assert runs["orphans"] == []
+
+
+def test_final_hf_export_equals_the_converted_last_checkpoint(runs) -> None:
+    """Two paths to a HF model of the trained policy agree bitwise: the trainer's export at the
+    end (EP=2 job) and tools/convert_megatron_to_hf.py on its last checkpoint (one rank)."""
+    from safetensors.torch import load_file
+
+    tmp = runs["tmp"]
+    out = tmp / "converted"
+    cmd = [sys.executable, "tools/convert_megatron_to_hf.py", "-i", str(tmp / "ckpt_a/step_000004")]
+    proc = subprocess.run(
+        [*cmd, "-o", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    def weights(d: Path) -> dict:
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    exported, converted = weights(tmp / "ckpt_a/hf_final"), weights(out)
+    initial = weights(tmp / "toy/model")
+    assert exported.keys() == converted.keys() == initial.keys()
+    for k in exported:
+        assert torch.equal(exported[k], converted[k]), k
+    assert any(not torch.equal(exported[k], initial[k]) for k in exported)  # it did train
+
+
+def test_colocated_release_and_resume_change_nothing(runs) -> None:
+    """rollout.colocated: the engines free their memory during each update (the embedded engine
+    then refuses to generate) and get it back before the weight push and the next rollout."""
+    for got, want in zip(runs["d"], runs["a"][:2], strict=True):
+        assert got["weights/verified"] == 1.0
+        for k in ("loss", "reward/mean", "grad_norm", "policy/clip_frac"):
+            assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
+
+
+def test_resume_after_kill_continues_exactly(runs) -> None:
+    a, b, c = runs["a"], runs["b"], runs["c"]
+    assert [m["step"] for m in b] == [1, 2] and [m["step"] for m in c] == [3, 4]
+    for got, want in zip(b + c, a, strict=True):
+        for k in ("loss", "reward/mean", "grad_norm", "policy/clip_frac", "moe/routing_flip_rate"):
+            assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
+
+
+def test_non_finite_steps_are_skipped_logged_and_stop_the_job(runs) -> None:
+    """Planted NaN loss (tests/train/nan_train.py): each optimizer step is skipped, the NaN is
+    in metrics.jsonl (not dropped), the engines keep finite weights, and after
+    train.max_bad_steps=2 bad steps the job checkpoints and exits non-zero saying why."""
+    from megatron_gspo.metrics_log import read_metrics
+
+    proc, tmp = runs["nan"], runs["tmp"]
+    assert proc.returncode != 0
+    assert "2 consecutive steps (up to step 2) had a non-finite loss" in proc.stderr
+    assert "checkpoint written at step 2" in proc.stderr
+    assert (tmp / "ckpt_nan/step_000002/trainer_rank0.pt").is_file()  # written at the stop
+    assert (tmp / "ckpt_nan/latest").read_text().strip() == "step_000003"  # and resumed
+    rows = read_metrics(tmp / "nan" / "metrics.jsonl")
+    assert sorted(rows) == [1, 2, 3]
+    assert math.isfinite(rows[3]["loss"]) and rows[3]["train/skipped_updates"] == 0
+    for m in (rows[1], rows[2]):
+        assert math.isnan(m["loss"]) and math.isnan(m["grad_norm"])
+        assert m["train/skipped_updates"] == 4  # every mini-batch
+        assert m["weights/verified"] == 1.0  # the engines hold the (unchanged, finite) weights
