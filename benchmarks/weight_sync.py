@@ -172,7 +172,7 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
+    from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="mgspo-bench-") as tmp:
         hf = save_tiny_hf_checkpoint(

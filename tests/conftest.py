@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.testing import sglang_server
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.data.toy import save_toy_tokenizer, write_toy_dataset
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 
 
 def main(argv: list[str] | None = None) -> Path:

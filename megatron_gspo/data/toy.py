@@ -11,7 +11,7 @@ The reward (`megatron_gspo.rewards.toy.toy_reward`) gives partial credit, so tha
 tiny model already scores a little, with variance inside a group, and a perfect answer scores 1.
 
 Tokenizer: one token per character. Ids 0-3 are `<pad>`, `<s>`, `</s>`, `<unk>` (pad/bos/eos as in
-`megatron_gspo.testing.tiny`), then the 95 printable ASCII characters, then filler characters up
+`megatron_gspo.data.tiny_model`), then the 95 printable ASCII characters, then filler characters up
 to exactly 128 ids, so every id a 128-vocab model can sample decodes to one character.
 
     python -m megatron_gspo.data.toy --out data/toy_train.jsonl --n 2000 --seed 0

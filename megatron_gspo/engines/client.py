@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import time
+import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ import torch
 from megatron_gspo.engines import wire as proto
 from megatron_gspo.engines.client_config import ClientConfig
 from megatron_gspo.engines.pool import EnginePool
-from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, RolloutEngine
+from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, weight_update_session
 from megatron_gspo.engines.types import (
     RolloutResult,
     RolloutStats,
@@ -68,7 +69,7 @@ class _Target:
         self.sem = asyncio.Semaphore(limit)
 
 
-class SGLangClient(RolloutEngine):
+class SGLangClient:
     """`RolloutEngine` over SGLang's HTTP API (real servers or the embedded engine)."""
 
     def __init__(self, config: ClientConfig, *, in_order: bool = False) -> None:
@@ -530,6 +531,15 @@ class SGLangClient(RolloutEngine):
             for url, off in zip(self.config.engine_urls, offsets)
         }
         return self._in_thread("/init_weights_update_group", bodies)
+
+    def engine_hosts(self) -> list[str]:
+        """Host names of the engines' servers (from `engine_urls`)."""
+        hosts = (urllib.parse.urlsplit(u).hostname for u in self.config.engine_urls)
+        return [h for h in hosts if h]
+
+    def weight_update_session(self, weight_version: str | None = None) -> Any:
+        """`protocols.weight_update_session` on this client (a context manager)."""
+        return weight_update_session(self, weight_version)
 
     @property
     def weight_update_world_size(self) -> int:

@@ -1,21 +1,26 @@
-"""The `RolloutEngine` interface: what the trainer may ask of a rollout engine.
+"""What the rest of the package may ask of rollout engines: three small protocols.
 
-Other packages talk to this interface only; SGLang specifics stay in `sglang_client.py`.
-Weight updates always happen inside a weight-update session (SGLang >= 0.5.23 rejects
-tensor/distributed updates outside one), so the interface exposes the session as a context
-manager:
+* `Generator` (the scheduler, multi-turn episodes): generate with request ids the caller can
+  abort; pause and continue generation around a weight push.
+* `WeightReceiver` (`weights/`): weight-update sessions, the three transports' calls, versions
+  and checksums for verification.
+* `MemoryControl` (the colocated loop in `train.py`): release and resume engine memory.
 
-    with engine.weight_update_session():
-        engine.update_weights_from_tensor(named_tensors, weight_version="step-3")
+`RolloutEngine` is all three plus the blocking `generate` and `health`; `engines.client.
+SGLangClient` implements it over SGLang's HTTP API. Other packages depend on the smallest
+protocol they use; SGLang specifics stay in this package. Weight updates always happen inside a
+weight-update session (SGLang >= 0.5.23 rejects tensor/distributed updates outside one):
+
+    with engine.weight_update_session(weight_version="3"):
+        engine.update_weights_from_tensor(named_tensors)
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -39,54 +44,66 @@ class NoEnginesLeft(RuntimeError):
     """
 
 
-class RolloutEngine(abc.ABC):
-    """A pool of one or more inference engines serving one policy."""
+@runtime_checkable
+class Generator(Protocol):
+    """Token-in/token-out generation over one or more engines (what the scheduler uses)."""
 
-    # ---- generation -------------------------------------------------------------------
-    @abc.abstractmethod
-    def generate(
+    async def agenerate(
         self,
         prompts: Sequence[Sequence[int]],
         sampling: SamplingParams,
         *,
         n: int = 1,
+        rid_prefix: str | None = None,
     ) -> RolloutResult:
         """Generate `n` responses per prompt (token ids in, token ids + log-probs out).
 
         Every returned sample keeps its `prompt_index` and `sample_index`; samples come back
         sorted by (prompt_index, sample_index), exactly `len(prompts) * n` of them minus the
         ones rejected for inconsistent ids/log-probs (counted in `stats.num_rejected`).
+        Request ids are `{rid_prefix}-p{i}-s{j}`, so a caller that names the prefix can
+        `abort` exactly its own requests.
         """
+        ...
 
-    # ---- weights ----------------------------------------------------------------------
-    @abc.abstractmethod
+    def abort(self, rid: str | None = None) -> None:
+        """Abort one request id, or every request when `rid` is None."""
+        ...
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Pause: `abort` running requests, `retract` them, or freeze them `in_place`."""
+        ...
+
+    def continue_generation(self) -> None:
+        """Resume after `pause_generation`."""
+        ...
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """Engines that receive the trainer's weights (what `weights/` uses)."""
+
+    @property
+    def weight_update_world_size(self) -> int:
+        """World size of the weight-update group: trainer rank 0 + every engine rank."""
+        ...
+
+    def engine_hosts(self) -> list[str]:
+        """Host names of the engines' servers (empty when unknown)."""
+        ...
+
     def begin_weight_update(self) -> None:
         """Open a weight-update session on every engine."""
+        ...
 
-    @abc.abstractmethod
     def end_weight_update(self) -> None:
         """Close the session on every engine (runs post-load processing, e.g. FP8 repack)."""
+        ...
 
-    @contextlib.contextmanager
-    def weight_update_session(self, weight_version: str | None = None) -> Iterator[None]:
-        """`begin_weight_update` ... `end_weight_update`, closing the session on errors too.
-
-        With `weight_version`, every engine reports that version once the session closed
-        cleanly (one version per sync, however many buckets it took).
-        """
-        self.begin_weight_update()
-        try:
-            yield
-        finally:
-            self.end_weight_update()
-        if weight_version is not None:
-            self.set_weight_version(weight_version)
-
-    @abc.abstractmethod
     def set_weight_version(self, weight_version: str) -> None:
         """Set the version every engine stamps on its responses (no request is aborted)."""
+        ...
 
-    @abc.abstractmethod
     def update_weights_from_tensor(
         self,
         named_tensors: Sequence[tuple[str, torch.Tensor]],
@@ -98,8 +115,8 @@ class RolloutEngine(abc.ABC):
 
         `weight_version=None` leaves the version alone (set it per session instead).
         """
+        ...
 
-    @abc.abstractmethod
     def init_weights_update_group(
         self,
         master_address: str,
@@ -110,11 +127,11 @@ class RolloutEngine(abc.ABC):
     ) -> Future[None]:
         """Ask every engine to join a process group where the trainer is rank 0.
 
-        Returns a future: the trainer must join the same group (world size
-        `1 + total_engine_ranks`) while the engines connect, then wait on it.
+        Returns a future: the trainer must join the same group (`weight_update_world_size`)
+        while the engines connect, then wait on it.
         """
+        ...
 
-    @abc.abstractmethod
     def update_weights_from_distributed(
         self,
         names: Sequence[str],
@@ -129,60 +146,87 @@ class RolloutEngine(abc.ABC):
         """Announce a broadcast; the caller broadcasts on the group, then waits on the future.
 
         With `flattened_bucket`, the caller broadcasts ONE uint8 buffer, the bytes of SGLang's
-        `FlattenedTensorBucket(named_tensors)` (`dist_group.flatten_for_broadcast` builds it
+        `FlattenedTensorBucket(named_tensors)` (`weights.group.flatten_for_broadcast` builds it
         without SGLang); otherwise one broadcast per tensor, in `names` order.
         """
+        ...
 
-    @abc.abstractmethod
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         """Leave the weight-update process group on every engine."""
+        ...
 
-    @abc.abstractmethod
     def update_weights_from_disk(self, path: str, *, weight_version: str | None = None) -> None:
         """Reload weights from a HF checkpoint directory on every engine."""
+        ...
 
-    @abc.abstractmethod
     def weight_version(self) -> dict[str, str]:
         """The current weight version of every engine, keyed by engine id."""
+        ...
 
-    @abc.abstractmethod
     def weights_checksum(self) -> dict[str, dict[str, Any]]:
         """Per-engine weight checksums (`per_engine_checksum` and per-tensor `checksums`)."""
+        ...
 
     def prepare_sync(self) -> None:
         """Before a weight sync (sender only): engines that were dropped and answer again join
         this sync; they receive the full weights and serve only after `commit_sync`."""
-        return None
+        ...
 
     def commit_sync(self, weight_version: str) -> None:
         """After a sync that was verified on every engine: engines that joined it serve again."""
-        return None
+        ...
 
-    # ---- memory, cache, scheduling ---------------------------------------------------
-    @abc.abstractmethod
+
+@runtime_checkable
+class MemoryControl(Protocol):
+    """Engines colocated with the trainer give their accelerator memory back between rollouts."""
+
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free GPU memory (`weights`, `kv_cache`, `cuda_graph`; None = all) when colocated."""
+        ...
 
-    @abc.abstractmethod
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate what `release_memory` freed."""
+        ...
 
-    @abc.abstractmethod
     def flush_cache(self) -> None:
         """Drop the prefix (radix) cache; fails while requests are running."""
+        ...
 
-    @abc.abstractmethod
-    def pause_generation(self, mode: str = "abort") -> None:
-        """Pause: `abort` running requests, `retract` them, or freeze them `in_place`."""
 
-    @abc.abstractmethod
-    def continue_generation(self) -> None:
-        """Resume after `pause_generation`."""
+@contextlib.contextmanager
+def weight_update_session(
+    engine: WeightReceiver, weight_version: str | None = None
+) -> Iterator[None]:
+    """`begin_weight_update` ... `end_weight_update`, closing the session on errors too.
 
-    @abc.abstractmethod
-    def abort(self, rid: str | None = None) -> None:
-        """Abort one request id, or every request when `rid` is None."""
+    With `weight_version`, every engine reports that version once the session closed
+    cleanly (one version per sync, however many buckets it took).
+    """
+    engine.begin_weight_update()
+    try:
+        yield
+    finally:
+        engine.end_weight_update()
+    if weight_version is not None:
+        engine.set_weight_version(weight_version)
 
-    @abc.abstractmethod
+
+@runtime_checkable
+class RolloutEngine(Generator, WeightReceiver, MemoryControl, Protocol):
+    """A pool of one or more inference engines serving one policy: every protocol above, plus
+    blocking generation and health probes (the HTTP client implements it)."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        n: int = 1,
+    ) -> RolloutResult:
+        """`agenerate`, blocking."""
+        ...
+
     def health(self) -> dict[str, bool]:
         """Whether each engine answers `/health_generate`, keyed by engine id."""
+        ...

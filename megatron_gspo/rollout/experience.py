@@ -7,7 +7,6 @@ Knows the engines only through `engines.protocols`; imports no Megatron.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,6 @@ import torch
 from megatron_gspo.algo import group_advantages
 from megatron_gspo.algo.sequences import TrainSequence
 from megatron_gspo.config import Config
-from megatron_gspo.dist import free_port
 from megatron_gspo.engines.protocols import RolloutEngine
 from megatron_gspo.engines.types import Sample, SamplingParams
 from megatron_gspo.rollout.driver import RolloutDriver
@@ -203,40 +201,11 @@ def make_rollout(cfg: Config) -> Rollout:
     from transformers import AutoTokenizer
 
     from megatron_gspo.data.prompts import PromptDataset, PromptLoader
-    from megatron_gspo.engines.client import SGLangClient
-    from megatron_gspo.engines.interpreter import sglang_python
-    from megatron_gspo.engines.launch import launch
+    from megatron_gspo.engines.connect import connect
     from megatron_gspo.rewards.pool import build_reward_pool
 
     r = cfg.rollout
-    servers = None
-    client = r.client
-    if r.launch is not None:
-        launch_cfg = r.launch
-        if launch_cfg.base_port == 0:
-            launch_cfg = dataclasses.replace(launch_cfg, base_port=free_port(launch_cfg.host))
-        if launch_cfg.log_dir is None:
-            launch_cfg = dataclasses.replace(
-                launch_cfg, log_dir=str(Path(cfg.logging.dir) / "engines")
-            )
-        # One key: the engines we start demand the one our client sends.
-        api_key = launch_cfg.api_key or client.api_key
-        launch_cfg = dataclasses.replace(launch_cfg, api_key=api_key)
-        if launch_cfg.backend == "sglang" and launch_cfg.python is None:
-            # preflight has checked on every rank that this resolves
-            launch_cfg = dataclasses.replace(launch_cfg, python=sglang_python())
-        # device=cpu: ServerGroup adds the CPU engine's env (launch.cpu_engine_env).
-        servers = launch(launch_cfg)
-        client = dataclasses.replace(
-            client,
-            engine_urls=launch_cfg.engine_urls,
-            router_url=client.router_url or launch_cfg.router_url,
-            engine_tp_sizes=[launch_cfg.tp_size] * launch_cfg.num_engines,
-            api_key=api_key,
-        )
-    engine = SGLangClient(client)
-    if servers is not None:  # engines we launched are restarted when dropped (max_restarts)
-        engine.pool.restart = servers.restart_engine
+    engine, servers = connect(r.launch, r.client, log_dir=Path(cfg.logging.dir) / "engines")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
     dataset = PromptDataset.from_config(cfg.data, tokenizer)
     loader = PromptLoader(
@@ -252,9 +221,10 @@ def make_rollout(cfg: Config) -> Rollout:
 def make_multiturn(cfg: Config, engine: Any, tokenizer: Any) -> tuple[Any, Any]:
     """rollout.env: the env worker pool and the multi-turn `group_fn` over `engine`."""
     from megatron_gspo.config_io import ConfigError
+    from megatron_gspo.engines.connect import per_engine_clients
     from megatron_gspo.envs.pool import EnvPool
     from megatron_gspo.rewards.pool import worker_limits
-    from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec, rotated_clients
+    from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec
 
     r = cfg.rollout
     stop_ids = []
@@ -284,6 +254,6 @@ def make_multiturn(cfg: Config, engine: Any, tokenizer: Any) -> tuple[Any, Any]:
         max_turns=r.max_turns,
         max_total_tokens=r.episode_tokens,
         stop_ids=tuple(stop_ids),
-        engines=rotated_clients(engine),
+        engines=per_engine_clients(engine),
     )
     return multi.group_fn, envs

@@ -34,7 +34,7 @@ from typing import Any
 from megatron_gspo.engines.types import Sample, SamplingParams
 from megatron_gspo.envs.pool import EnvError, EnvPool
 
-__all__ = ["MultiTurn", "ObservationCodec", "episode_metrics", "record_dict", "rotated_clients"]
+__all__ = ["MultiTurn", "ObservationCodec", "episode_metrics", "record_dict"]
 
 _SENTINEL = "MGSPO7731"  # a content string no template rewrites
 
@@ -114,7 +114,8 @@ class MultiTurn:
     """Token ids that end a model turn besides EOS (`rollout.turn_stop`)."""
     engines: tuple[Any, ...] = ()
     """Generation-only clients, one per engine, each listing every engine with a different one
-    first (`rotated_clients`): episode k sends all its turns to client k mod len, so the
+    first (`engines.connect.per_engine_clients`): episode k sends all its turns to client
+    k mod len, so the
     episodes spread over the engines, an episode's turns reuse one engine's prefix cache, and a
     failed request still fails over. Empty: every turn goes through `engine`."""
 
@@ -232,33 +233,6 @@ class MultiTurn:
             sample_index=sample_index,
             meta=meta,
         )
-
-
-def rotated_clients(client: Any) -> tuple[Any, ...]:
-    """For an `SGLangClient` over several engines without a router: one generation-only client
-    per engine, engine i listed first in client i and picked first (`in_order`), so an episode's
-    turns stay on one engine (its prefix cache) and fail over to the next only when it is down;
-    the clients share the parent's engine pool (dead / rejoining engines). Otherwise ()."""
-    from megatron_gspo.engines.client import SGLangClient
-
-    cfg = getattr(client, "config", None)
-    if not isinstance(client, SGLangClient) or cfg is None or cfg.router_url:
-        return ()
-    urls, tps = list(cfg.engine_urls), list(cfg.engine_tp_sizes or [1] * len(cfg.engine_urls))
-    if len(urls) < 2:
-        return ()
-    clients = tuple(
-        SGLangClient(
-            dataclasses.replace(
-                cfg, engine_urls=urls[i:] + urls[:i], engine_tp_sizes=tps[i:] + tps[:i]
-            ),
-            in_order=True,
-        )
-        for i in range(len(urls))
-    )
-    for c in clients:  # one view of dead / rejoining engines: no turn goes to an engine the
-        c.pool = client.pool  # weight sync has dropped or not yet re-admitted
-    return clients
 
 
 def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:

@@ -5,13 +5,13 @@ Every trainer rank calls `sync.push(model)` (the bridge's gathers are collective
 them with the configured transport, then checks, when due:
 
 * integrity: the per-tensor checksum of every tensor as sent equals what each engine reports
-  through `RolloutEngine.weights_checksum()` (a mismatch raises `WeightIntegrityError` naming
+  through `WeightReceiver.weights_checksum()` (a mismatch raises `WeightIntegrityError` naming
   the tensor). Engines that report HF names (the embedded engine) are compared name by name;
   a real SGLang server reports its own fused parameters (qkv_proj, gate_up_proj, stacked
   experts w13_weight/w2_weight), which the sender reproduces from what it sent
   (`sglang_names.SGLangChecksums`), so real servers are verified by default too (one TP rank
   per engine; FP8 weights are left out: SGLang hashes them dequantised).
-* version: each engine reports the new version (`RolloutEngine.weight_version()`), which
+* version: each engine reports the new version (`WeightReceiver.weight_version()`), which
   rollouts then carry.
 
 The outcome is broadcast from the sender so that every rank returns or raises together.
@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_gspo.engines.protocols import NoEnginesLeft, RolloutEngine
+from megatron_gspo.engines.protocols import NoEnginesLeft, WeightReceiver
 from megatron_gspo.weights import fp8 as fp8_lib
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
@@ -88,7 +88,7 @@ def engine_tensor_checksums(info: dict[str, Any], engine_id: str = "") -> dict[s
 
 
 def verify_engines(
-    engines: Sequence[RolloutEngine],
+    engines: Sequence[WeightReceiver],
     sent: SGLangChecksums,
     *,
     verify_names: Literal["all", "common"] = "all",
@@ -128,13 +128,13 @@ class WeightSync:
     def __init__(
         self,
         bridge: Any,
-        engines: RolloutEngine | Sequence[RolloutEngine],
+        engines: WeightReceiver | Sequence[WeightReceiver],
         config: WeightSyncConfig | None = None,
         *,
         initial_version: int = 0,
     ) -> None:
         self.bridge = bridge
-        self.engines = [engines] if isinstance(engines, RolloutEngine) else list(engines)
+        self.engines = [engines] if isinstance(engines, WeightReceiver) else list(engines)
         self.config = config or WeightSyncConfig()
         self.version = initial_version
         self.sender = is_sender(self.config.sender_rank)

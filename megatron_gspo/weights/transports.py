@@ -1,7 +1,7 @@
 """How buckets reach the engines: tensor (colocated), distributed (a process group), disk.
 
 Each transport runs on the sender rank only and talks to engines only through the
-`RolloutEngine` interface; `WeightSync` drives `begin -> send* -> finish` once per sync.
+`WeightReceiver` interface; `WeightSync` drives `begin -> send* -> finish` once per sync.
 
 * `tensor`: `engine.update_weights_from_tensor(bucket)` inside a weight-update session; the
   engine wraps each bucket in SGLang's `FlattenedTensorBucket` and `MultiprocessingSerializer`
@@ -25,7 +25,6 @@ import abc
 import ipaddress
 import shutil
 import socket
-import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from megatron_gspo.dist import free_port
-from megatron_gspo.engines.protocols import RolloutEngine
+from megatron_gspo.engines.protocols import WeightReceiver
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.stream import Bucket
 
@@ -43,7 +42,7 @@ class Transport(abc.ABC):
 
     name: str = ""
 
-    def __init__(self, engines: Sequence[RolloutEngine]) -> None:
+    def __init__(self, engines: Sequence[WeightReceiver]) -> None:
         self.engines = list(engines)
 
     def setup(self) -> None:
@@ -75,17 +74,12 @@ class Transport(abc.ABC):
         return None
 
 
-def _bucket_version(engine: RolloutEngine, version: str) -> str | None:
-    """The version to attach to each bucket: none when the engine can stamp one per sync."""
-    # Labelling the first bucket would advertise the new version on half-updated weights.
-    return None if hasattr(engine, "set_weight_version") else version
-
-
-def _end_session(engines: Sequence[RolloutEngine], version: str) -> None:
+def _end_session(engines: Sequence[WeightReceiver], version: str) -> None:
+    # The version is stamped once per sync, after the last bucket: labelling a bucket would
+    # advertise the new version on half-updated weights.
     for engine in engines:
         engine.end_weight_update()
-        if hasattr(engine, "set_weight_version"):
-            engine.set_weight_version(version)
+        engine.set_weight_version(version)
 
 
 class TensorTransport(Transport):
@@ -100,30 +94,20 @@ class TensorTransport(Transport):
     def send(self, bucket: Bucket, *, version: str, last: bool) -> None:
         for engine in self.engines:
             # The prefix cache is flushed once, with the last bucket.
-            engine.update_weights_from_tensor(
-                bucket.tensors, weight_version=_bucket_version(engine, version), flush_cache=last
-            )
+            engine.update_weights_from_tensor(bucket.tensors, weight_version=None, flush_cache=last)
 
     def finish(self, version: str) -> None:
         _end_session(self.engines, version)
 
 
-def group_world_size(engine: RolloutEngine) -> int:
+def group_world_size(engine: WeightReceiver) -> int:
     """World size of an engine pool's weight-update group (trainer rank 0 + engine ranks)."""
-    n = getattr(engine, "weight_update_world_size", None)
-    if n is None:
-        raise TypeError(
-            f"{type(engine).__name__} has no `weight_update_world_size` (1 + the number of "
-            "engine-side ranks joining the weight-update group), which the distributed "
-            "transport needs to size the group"
-        )
-    return int(n)
+    return int(engine.weight_update_world_size)
 
 
-def engine_hosts(engine: RolloutEngine) -> list[str]:
-    """Host names of an engine pool's servers, when it knows them (the HTTP client does)."""
-    urls = getattr(getattr(engine, "config", None), "engine_urls", None) or []
-    return [h for h in (urllib.parse.urlsplit(u).hostname for u in urls) if h]
+def engine_hosts(engine: WeightReceiver) -> list[str]:
+    """Host names of an engine pool's servers (empty when it does not know them)."""
+    return engine.engine_hosts()
 
 
 def routable_address(peers: Sequence[str]) -> str:
@@ -159,7 +143,7 @@ class DistributedTransport(Transport):
 
     def __init__(
         self,
-        engines: Sequence[RolloutEngine],
+        engines: Sequence[WeightReceiver],
         *,
         master_address: str | None = None,
         master_port: int = 0,
@@ -267,7 +251,7 @@ class DiskTransport(Transport):
 
     def __init__(
         self,
-        engines: Sequence[RolloutEngine],
+        engines: Sequence[WeightReceiver],
         *,
         root: str | Path,
         hf_config: Any,

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_gspo.data.tiny_model import TINY_QWEN3_MOE
 from megatron_gspo.data.toy import (
     TOY_VOCAB_SIZE,
     main,
@@ -18,7 +19,6 @@ from megatron_gspo.data.toy import (
     write_toy_dataset,
 )
 from megatron_gspo.rewards.toy import toy_reward
-from megatron_gspo.testing.tiny import TINY_QWEN3_MOE
 
 
 def test_tokenizer_matches_the_tiny_model(toy_tokenizer):
@@ -43,7 +43,7 @@ def test_tokenizer_is_character_level(toy_tokenizer):
 def test_saved_tokenizer_loads_with_autotokenizer(tmp_path, toy_tokenizer):
     from transformers import AutoTokenizer
 
-    from megatron_gspo.testing.tiny import tiny_qwen3_moe_config
+    from megatron_gspo.data.tiny_model import tiny_qwen3_moe_config
 
     # Next to the tiny model's config.json (model_type qwen3_moe), as the demo lays it out.
     tiny_qwen3_moe_config().save_pretrained(tmp_path / "tiny")

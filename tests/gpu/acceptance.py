@@ -84,8 +84,8 @@ def prepare(out: Path) -> dict[str, Path]:
     """The tiny GPU-sized model (+ toy tokenizer), its block-FP8 copy and the toy prompts."""
     from transformers.utils import logging as hf_logging
 
+    from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
     from megatron_gspo.data.toy import save_toy_tokenizer, write_toy_dataset
-    from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
     from megatron_gspo.weights.hf_io import write_fp8_checkpoint
 
     hf_logging.disable_progress_bar()

@@ -40,7 +40,7 @@ T = 0.8
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
+    from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 
     a = save_tiny_hf_checkpoint(tmp_path_factory.mktemp("gpu_a"), seed=0, **GPU_TINY)
     b = save_tiny_hf_checkpoint(tmp_path_factory.mktemp("gpu_b"), seed=1, **GPU_TINY)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.testing.harness import launch
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parents[2]

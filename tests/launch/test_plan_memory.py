@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.testing.harness import launch
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 from tests.launch.test_plan import _python
 
 pytestmark = pytest.mark.multirank

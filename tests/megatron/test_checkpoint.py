@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.testing.harness import launch
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 from tests.megatron import checkpoint_ranks
 
 pytestmark = pytest.mark.multirank

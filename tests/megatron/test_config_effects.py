@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_gspo import dist
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.testing.harness import launch
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 from tests.megatron import config_effects_ranks
 
 pytestmark = pytest.mark.multirank

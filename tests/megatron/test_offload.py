@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.megatron.offload import TrainerOffload
 from megatron_gspo.testing.harness import launch
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 from tests.megatron import offload_ranks
 
 

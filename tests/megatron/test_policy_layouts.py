@@ -14,8 +14,8 @@ import math
 
 import pytest
 
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.testing.harness import launch
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 from tests.megatron import policy_ranks
 
 pytestmark = pytest.mark.multirank

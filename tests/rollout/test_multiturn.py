@@ -351,8 +351,9 @@ def test_episodes_spread_over_engines_and_stick_to_one(engine_a, engine_b):
     engine (its prefix cache). One shared client would send every turn to the first engine: a
     fresh single-prompt `agenerate` call sees every engine idle."""
     from megatron_gspo.engines.client import ClientConfig, SGLangClient
+    from megatron_gspo.engines.connect import per_engine_clients
     from megatron_gspo.envs.pool import EnvPool
-    from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec, rotated_clients
+    from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec
 
     client = SGLangClient(ClientConfig(engine_urls=[engine_a.url, engine_b.url]))
     record = PromptRecord(index=0, prompt="add 1+5=", answer="6")
@@ -369,7 +370,7 @@ def test_episodes_spread_over_engines_and_stick_to_one(engine_a, engine_b):
                 codec,
                 max_turns=3,
                 max_total_tokens=40,
-                engines=rotated_clients(client) if rotate else (),
+                engines=per_engine_clients(client) if rotate else (),
             )
             samples = asyncio.run(multi.group_fn(record, prompt, sampling, 4, 0))
         return [{t["engine"] for t in s.meta["turns"] if t["kind"] == "model"} for s in samples]
@@ -378,5 +379,5 @@ def test_episodes_spread_over_engines_and_stick_to_one(engine_a, engine_b):
     assert all(len(e) == 1 for e in rotated)
     assert set().union(*rotated) == {engine_a.url, engine_b.url}
     # one view of dead / rejoining engines (the weight sync's): no turn to an engine it dropped
-    assert all(c.pool is client.pool for c in rotated_clients(client))
+    assert all(c.pool is client.pool for c in per_engine_clients(client))
     client.close()

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.engines.protocols import RolloutEngine
+from megatron_gspo.engines.protocols import weight_update_session
 from megatron_gspo.engines.wire import (
     deserialize_named_tensors,
     overall_checksum,
@@ -60,8 +60,9 @@ def _receiver_main(conn: Any, addr: str, port: int, world: int, rank: int, group
     torch.distributed.destroy_process_group(pg)
 
 
-class FakeEngine(RolloutEngine):
-    """Receives weights by every transport; see the module docstring."""
+class FakeEngine:
+    """A `WeightReceiver` in full: receives weights by every transport; see the module
+    docstring."""
 
     def __init__(self, engine_id: str = "fake0", *, tp_size: int = 2) -> None:
         self.engine_id = engine_id
@@ -185,27 +186,14 @@ class FakeEngine(RolloutEngine):
         sums = {n: tensor_checksum(t) for n, t in self.state.items()}
         return {self.engine_id: {"checksums": sums, "per_engine_checksum": overall_checksum(sums)}}
 
-    # ---- not needed to receive weights ----------------------------------------------------
-    def generate(self, prompts, sampling, *, n=1):
-        raise NotImplementedError
+    def engine_hosts(self) -> list[str]:
+        return ["127.0.0.1"]
 
-    def release_memory(self, tags=None) -> None:
-        raise NotImplementedError
-
-    def resume_memory(self, tags=None) -> None:
-        raise NotImplementedError
-
-    def flush_cache(self) -> None:
+    def prepare_sync(self) -> None:
         return None
 
-    def pause_generation(self, mode: str = "abort") -> None:
+    def commit_sync(self, weight_version: str) -> None:
         return None
 
-    def continue_generation(self) -> None:
-        return None
-
-    def abort(self, rid=None) -> None:
-        return None
-
-    def health(self) -> dict[str, bool]:
-        return {self.engine_id: True}
+    def weight_update_session(self, weight_version: str | None = None) -> Any:
+        return weight_update_session(self, weight_version)

@@ -130,7 +130,7 @@ def _embedded(rank: int, bridge: Any, hf_dir: str, tmp: str) -> dict[str, Any]:
     receiver: in one process, the engine and the trainer cannot both join a group of the same
     name.)
     """
-    from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
+    from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 
     layout = Layout(tp=2)
     init_megatron(layout)
@@ -193,7 +193,7 @@ def _vpp_distopt(rank: int, tmp: str) -> dict[str, Any]:
 
     hf4 = Path(tmp) / "hf4"
     if rank == 0:
-        from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
+        from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 
         save_tiny_hf_checkpoint(hf4, seed=5, num_hidden_layers=4)
     torch.distributed.barrier()

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.layout import Layout
 from megatron_gspo.testing.harness import launch
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 from tests.weights import convert_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.weights import fp8, hf_io
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.testing.harness import launch
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 from megatron_gspo.weights import fp8
 from tests.weights import sync_ranks
 

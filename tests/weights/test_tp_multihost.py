@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.dist import free_port
 from megatron_gspo.engines.client import ClientConfig, SGLangClient
 from megatron_gspo.engines.protocols import EngineError
 from megatron_gspo.engines.wire import tensor_checksum
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 from megatron_gspo.weights import fp8
 from megatron_gspo.weights.stream import Bucket
 from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig

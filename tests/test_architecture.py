@@ -1,0 +1,217 @@
+"""The package's layering (docs/architecture.md), checked on the source: who may import whom.
+
+Every import statement counts, including those inside functions (a lazy import is still a
+dependency). Each rule is also run once on a planted violation, so a checker that sees nothing
+fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megatron_gspo"
+
+THIRD_PARTY_MEGATRON = ("megatron.core", "megatron.bridge", "megatron")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in `path`; relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    pkg_parts = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg_parts[: len(pkg_parts) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.append((node.lineno, mod))
+            # `from megatron_gspo import testing` imports the subpackage
+            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+    return out
+
+
+def _under(mod: str, prefixes: tuple[str, ...]) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in prefixes)
+
+
+def _stdlib(mod: str) -> bool:
+    return mod.split(".")[0] in sys.stdlib_module_names or mod == "__future__"
+
+
+# (source package prefix, predicate(imported module) -> violation message or None)
+def _rule_algo(mod: str) -> str | None:
+    # config_io: the config-error leaf (ConfigError, require; yaml only), so that a bad `loss:`
+    # key ends in the same one-line error as every other section
+    if _stdlib(mod) or _under(mod, ("torch", "megatron_gspo.algo", "megatron_gspo.config_io")):
+        return None
+    return "algo/ imports only torch, the standard library, config_io and algo/ itself"
+
+
+def _rule_no_megatron(mod: str) -> str | None:
+    if _under(mod, ("megatron_gspo",)):
+        if _under(mod, ("megatron_gspo.megatron", "megatron_gspo.train", "megatron_gspo.plan")):
+            return "imports the Megatron side of the package"
+        return None
+    if _under(mod, THIRD_PARTY_MEGATRON):
+        return "imports megatron-core / megatron-bridge"
+    return None
+
+
+def _rule_rollout(mod: str) -> str | None:
+    if (msg := _rule_no_megatron(mod)) is not None:
+        return msg
+    if _under(mod, ("megatron_gspo.weights", "megatron_gspo.checkpoint")):
+        return "rollout/ does not know weight sync or checkpoints"
+    engines_ok = (
+        "megatron_gspo.engines.protocols",
+        "megatron_gspo.engines.types",
+        "megatron_gspo.engines.connect",
+        "megatron_gspo.engines.client_config",
+        "megatron_gspo.engines.launch",
+    )
+    if _under(mod, ("megatron_gspo.engines",)) and not _under(mod, engines_ok):
+        return "rollout/ reaches engines/ only through protocols, types, connect and config"
+    return None
+
+
+def _rule_engines(mod: str) -> str | None:
+    if (msg := _rule_no_megatron(mod)) is not None:
+        return msg
+    if _under(mod, ("megatron_gspo.rollout", "megatron_gspo.weights", "megatron_gspo.rewards")):
+        return "engines/ knows SGLang, not the RL side or weight sync"
+    return None
+
+
+def _rule_megatron(mod: str) -> str | None:
+    if _under(mod, ("megatron_gspo.engines", "megatron_gspo.rollout")):
+        return "megatron/ knows Megatron, not SGLang or the rollout"
+    return None
+
+
+def _rule_package(mod: str) -> str | None:
+    if _under(mod, ("megatron_gspo.testing", "tests")):
+        return "production code never imports the test kit or the tests"
+    return None
+
+
+RULES = {
+    "algo": _rule_algo,
+    "rollout": _rule_rollout,
+    "engines": _rule_engines,
+    "megatron": _rule_megatron,
+}
+
+
+def violations(root: Path = PACKAGE) -> list[str]:
+    """Every import in the package under `root` that breaks a rule, as `file:line: module: why`."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "testing":
+            continue  # the test kit may import anything of the package
+        rules = [_rule_package]
+        if rel.parts[0] in RULES and len(rel.parts) > 1:
+            rules.append(RULES[rel.parts[0]])
+        for line, mod in _imports(path):
+            for rule in rules:
+                if (why := rule(mod)) is not None:
+                    found.append(f"{rel}:{line}: {mod}: {why}")
+    return found
+
+
+def test_the_package_keeps_its_layers():
+    assert violations() == []
+
+
+@pytest.mark.parametrize(
+    "where, source",
+    [
+        ("algo/x.py", "import yaml\n"),
+        ("algo/x.py", "def f():\n    from megatron_gspo.megatron import step\n"),
+        ("rollout/x.py", "from megatron.core import parallel_state\n"),
+        ("rollout/x.py", "from megatron_gspo.engines.client import SGLangClient\n"),
+        ("rollout/x.py", "from megatron_gspo.weights import sync\n"),
+        ("engines/x.py", "from megatron_gspo.rollout.scheduler import GroupScheduler\n"),
+        ("engines/sub/x.py", "from ...megatron import model\n"),
+        ("megatron/x.py", "from megatron_gspo.engines import client\n"),
+        ("train.py", "from megatron_gspo.testing import faults\n"),
+        ("data/x.py", "from megatron_gspo import testing\n"),
+    ],
+)
+def test_a_planted_violation_is_found(tmp_path, monkeypatch, where, source):
+    root = tmp_path / "megatron_gspo"
+    path = root / where
+    path.parent.mkdir(parents=True)
+    path.write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", root)
+    found = violations(root)
+    assert len(found) >= 1 and found[0].startswith(where), found
+
+
+# ---- each engine side implements one small protocol in full -----------------------------------
+def _members(protocol: type) -> set[str]:
+    return set(protocol.__protocol_attrs__)  # type: ignore[attr-defined]
+
+
+def _implements_in_full(cls: type, protocol: type) -> list[str]:
+    """Members of `protocol` that `cls` lacks, or whose body only raises NotImplementedError."""
+    bad = []
+    for name in sorted(_members(protocol)):
+        attr = inspect.getattr_static(cls, name, None)
+        if attr is None:
+            bad.append(f"{name}: missing")
+            continue
+        fn = getattr(attr, "fget", attr)
+        if callable(fn):
+            try:
+                src = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            if "raise NotImplementedError" in src:
+                bad.append(f"{name}: raises NotImplementedError")
+    return bad
+
+
+def test_the_http_client_is_a_full_rollout_engine():
+    from megatron_gspo.engines.client import SGLangClient
+    from megatron_gspo.engines.protocols import RolloutEngine
+
+    assert _implements_in_full(SGLangClient, RolloutEngine) == []
+
+
+def test_the_scheduler_fake_is_a_full_generator():
+    from megatron_gspo.engines.protocols import Generator
+    from tests.engines.fake_engine import FakeEngine
+
+    assert _implements_in_full(FakeEngine, Generator) == []
+    assert isinstance(FakeEngine(), Generator)
+
+
+def test_the_weight_fake_is_a_full_weight_receiver():
+    from megatron_gspo.engines.protocols import WeightReceiver
+    from tests.weights.fake_engine import FakeEngine
+
+    assert _implements_in_full(FakeEngine, WeightReceiver) == []
+    assert isinstance(FakeEngine(), WeightReceiver)
+
+
+def test_the_protocol_check_can_fail():
+    from megatron_gspo.engines.protocols import WeightReceiver
+
+    class Half:
+        def begin_weight_update(self) -> None:
+            raise NotImplementedError
+
+    bad = _implements_in_full(Half, WeightReceiver)
+    assert "begin_weight_update: raises NotImplementedError" in bad
+    assert "end_weight_update: missing" in bad
