@@ -257,11 +257,6 @@ class MetricsLogger:
             start_step=start_step,
         )
 
-    @property
-    def jsonl_path(self) -> Path:
-        """Where the JSONL metrics go."""
-        return self.log_dir / "metrics.jsonl"
-
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record one step's metrics (every `log_every` steps; the console line always moves)."""
         if not self.enabled:

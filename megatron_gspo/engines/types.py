@@ -31,6 +31,10 @@ SGLANG_SAMPLING_KEYS = (
 )
 
 
+SEED_PROMPT_STRIDE = 1_000_003
+"""Seed distance between prompts: sample `j` of prompt `i` is seeded `seed + i * stride + j`."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class SamplingParams:
     """Sampling settings for one rollout call, translated to SGLang's `sampling_params`."""
@@ -67,7 +71,7 @@ class SamplingParams:
         """The per-sample seed (distinct per prompt and sample), or None when unseeded."""
         if self.seed is None:
             return None
-        return (self.seed + prompt_index * 1_000_003 + sample_index) % (2**63 - 1)
+        return (self.seed + prompt_index * SEED_PROMPT_STRIDE + sample_index) % (2**63 - 1)
 
     def to_sglang(self, *, n: int = 1, seed: int | None = None) -> dict[str, Any]:
         """The SGLang `sampling_params` dict (only keys SGLang's contract accepts)."""
@@ -117,11 +121,6 @@ class Sample:
     token_versions: list[int] = dataclasses.field(default_factory=list)
     """Weight version that sampled each response token (filled by the rollout scheduler; a
     response continued after a weight update mixes versions). Empty: not tracked."""
-
-    @property
-    def group_index(self) -> int:
-        """Alias of `prompt_index`: one group per prompt."""
-        return self.prompt_index
 
     @property
     def key(self) -> tuple[int, int]:
@@ -187,13 +186,6 @@ class RolloutResult:
 
     samples: list[Sample]
     stats: RolloutStats
-
-    def groups(self) -> list[list[Sample]]:
-        """Samples grouped by prompt, in prompt order."""
-        out: dict[int, list[Sample]] = {}
-        for s in self.samples:
-            out.setdefault(s.prompt_index, []).append(s)
-        return [out[k] for k in sorted(out)]
 
 
 class SampleValidationError(ValueError):

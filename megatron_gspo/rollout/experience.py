@@ -181,9 +181,6 @@ class Rollout:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from megatron_gspo.data.prompts import PromptRecord
 
-        if "scheduler" not in state:  # a checkpoint from before the scheduler: loader only
-            front = {"loader": state["loader"], "front": []}
-            state = {**state, "scheduler": {"queue": front, "seq_cursor": state["next_seq_id"]}}
         self.driver.load_state_dict(state["scheduler"], PromptRecord)
         self.next_seq_id = state["next_seq_id"]
 

@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_gspo.engines.types import Sample, SamplingParams
+from megatron_gspo.engines.types import SEED_PROMPT_STRIDE, Sample, SamplingParams
 from megatron_gspo.envs.pool import EnvError, EnvPool
 
 __all__ = ["MultiTurn", "ObservationCodec", "episode_metrics", "record_dict"]
@@ -164,7 +164,7 @@ class MultiTurn:
                 mask.extend([False] * len(ids))
             return len(resp) < self.max_total_tokens
 
-        k = prompt_index * 1_000_003 + sample_index
+        k = prompt_index * SEED_PROMPT_STRIDE + sample_index
         client = self.engines[k % len(self.engines)] if self.engines else self.engine
         ep = None
         try:

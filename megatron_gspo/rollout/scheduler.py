@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from megatron_gspo.config_io import ConfigError
-from megatron_gspo.engines.types import RolloutStats, Sample, SamplingParams
+from megatron_gspo.engines.types import SEED_PROMPT_STRIDE, RolloutStats, Sample, SamplingParams
 
 GroupFn = Callable[[Any, list[int], SamplingParams, int, int], Awaitable[list[Sample]]]
 """`async group_fn(record, prompt_ids, sampling, n, prompt_index) -> list[Sample]`: one group's
@@ -49,7 +49,6 @@ responses (default: one `engine.agenerate([prompt_ids], sampling, n=n)`)."""
 ScoreFn = Callable[[Any, list[Sample]], tuple[list[float], dict[str, float]]]
 """`score_fn(record, samples) -> (rewards, metrics)`; blocking, run in one worker thread."""
 
-_SEED_STRIDE = 1_000_003  # SamplingParams.sample_seed's prompt stride
 _CHUNK_SEED_STRIDE = 104_729
 
 
@@ -308,7 +307,7 @@ class GroupScheduler:
                         counts["launched"] += 1
                     g.slot = next(slots)
                     if not g.samples:  # a (re)started group takes this fill's seed slot
-                        g.seed = None if seed is None else seed + g.slot * _SEED_STRIDE
+                        g.seed = None if seed is None else seed + g.slot * SEED_PROMPT_STRIDE
                     active[asyncio.create_task(self._advance(g))] = g
                 if not active:
                     raise RolloutStarved(

@@ -136,11 +136,6 @@ class SGLangChecksums:
                 out[group_name] = _digest_hex(g.hasher.copy())
         return out
 
-    @property
-    def fused_names(self) -> set[str]:
-        """SGLang names that exist only after fusion (their presence marks SGLang naming)."""
-        return set(self._groups)
-
 
 def sglang_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """`{sglang_name: checksum}` of HF-named tensors, as SGLang's `/weights_checker` reports

@@ -34,6 +34,7 @@ import torch
 from megatron_gspo.dist import free_port
 from megatron_gspo.engines.protocols import WeightReceiver
 from megatron_gspo.weights import hf_io
+from megatron_gspo.weights.group import flatten_for_broadcast
 from megatron_gspo.weights.stream import Bucket
 
 
@@ -131,11 +132,6 @@ def routable_address(peers: Sequence[str]) -> str:
     return (remote or found or [socket.getfqdn()])[0]
 
 
-def flatten(tensors: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """The bytes of `FlattenedTensorBucket(tensors).get_flattened_tensor()`, without SGLang."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors])
-
-
 class DistributedTransport(Transport):
     """Trainer rank 0 broadcasts flattened buckets on one process group per engine pool."""
 
@@ -216,7 +212,7 @@ class DistributedTransport(Transport):
         dtypes = [t.dtype for _, t in bucket.tensors]
         shapes = [list(t.shape) for _, t in bucket.tensors]
         device = "cuda" if self.backend == "nccl" else "cpu"
-        flat = flatten(bucket.tensors).to(device)
+        flat = flatten_for_broadcast(list(bucket.tensors)).to(device)
         for engine, pg, group_name in zip(self.engines, self.groups, self.group_names, strict=True):
             done = engine.update_weights_from_distributed(
                 names,

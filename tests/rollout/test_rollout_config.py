@@ -67,17 +67,3 @@ def test_every_key_reaches_the_scheduler():
     finally:
         default.driver.close()
         on.driver.close()
-
-
-def test_checkpoint_from_before_the_scheduler_loads():
-    """rollout.pt of older runs held only the loader position and next_seq_id."""
-    r = _rollout([])
-    loaded = {}
-    r.loader.load_state_dict = loaded.update
-    try:
-        r.load_state_dict({"loader": {"epoch": 1, "offset": 3}, "next_seq_id": 96})
-        assert loaded == {"epoch": 1, "offset": 3}
-        assert r.next_seq_id == 96 and r.driver.scheduler.seq_cursor == 96
-        assert not r.driver.scheduler.queue.front
-    finally:
-        r.driver.close()
