@@ -95,3 +95,18 @@ def toy_tokenizer():
     from megatron_gspo.data.toy import build_toy_tokenizer
 
     return build_toy_tokenizer()
+
+
+# The quick tier (`scripts/test.sh --quick`) leaves out tests marked slow. Whole kinds are slow
+# by construction and marked here, so a new test of that kind cannot slip into the quick tier:
+# end-to-end runs of the trainer (tests/train/), and anything that starts the real SGLang server
+# (the `engine_python` fixture). Others carry `@pytest.mark.slow` themselves.
+_SLOW_DIRS = ("train",)
+
+
+def pytest_collection_modifyitems(config, items):
+    root = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        rel = os.path.relpath(str(item.path), root).split(os.sep)
+        if rel[0] in _SLOW_DIRS or "engine_python" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
