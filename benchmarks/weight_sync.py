@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_gspo.testing.harness import launch  # noqa: E402
+from megatron_gspo.testing.harness import spawn_ranks  # noqa: E402
 from megatron_gspo.weights import fp8  # noqa: E402
 
 LAYOUTS = {"ep2": dict(ep=2), "tp2": dict(tp=2), "pp2": dict(pp=2)}
@@ -189,7 +189,7 @@ def main() -> None:
             vocab_size=8192,
         )
         t = time.perf_counter()
-        res = launch(rank_main, 2, str(hf), tmp, LAYOUTS[args.layout], args.bucket_mb)[0]
+        res = spawn_ranks(rank_main, 2, str(hf), tmp, LAYOUTS[args.layout], args.bucket_mb)[0]
         wall = time.perf_counter() - t
     memcpy = res["memcpy"]
     print(

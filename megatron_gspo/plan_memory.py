@@ -215,7 +215,7 @@ memory per GPU (most loaded pipeline stage; P = its parameters, Pd dense + Pe ex
   activations = inflight * L_stage * per_layer + logits (last stage); T = micro_batch_tokens
      per_layer (recompute none or selective*) = attention + moe, b = 2 bytes (bf16):
        attention  b*(3h + 6*(nq + nkv)*d) * T/(cp*tp)   norm in/normalised/out, qkv, q/k norms,
-                  RoPE outputs, q k v o kept by attention (measured: tests/launch/test_plan_memory)
+                  RoPE outputs, q k v o kept by attention (measured: tests/plan/test_plan_memory)
        moe        (b*3h + 8E + 8k) * T/(cp*tp) + imb * k*T*etp/(cp*tp) * b*(h + 6*f/etp)
                   (dense MLP: b*(3h + 3f) * T/(cp*tp))
      per_layer (recompute full) = b*h*T/(cp*tp), plus one layer's full working set
@@ -244,7 +244,7 @@ def _activations(
     experts, k = _num_experts(hf) or 0, getattr(hf, "num_experts_per_tok", 1)
     f = getattr(hf, "moe_intermediate_size", 0) if experts else hf.intermediate_size
     tok = T / (layout.cp * layout.tp)  # tokens per rank of a sequence-parallel tensor
-    # What megatron-core's modules keep for backward, per token (tests/launch/test_plan_memory
+    # What megatron-core's modules keep for backward, per token (tests/plan/test_plan_memory
     # measures it): each norm keeps its input, its normalised copy and its output (3h); the
     # attention keeps the fused qkv, the q/k-norm inputs and outputs, the RoPE outputs and
     # q, k, v, o (6 copies of q+k+v-sized tensors).

@@ -8,7 +8,7 @@
 #     bash examples/torchrun/two_node.sh --config examples/recipes/qwen3_30b_a3b_bf16.yaml
 #
 # NET_IF selects the network interface (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME). The CPU test
-# of this (tests/launch/test_multinode.py) runs two such torchruns on 127.0.0.1 with 1 rank each.
+# of this (tests/plan/test_multinode.py) runs two such torchruns on 127.0.0.1 with 1 rank each.
 set -euo pipefail
 : "${HEAD:?set HEAD to the address of the first node}"
 : "${ENGINES:?set ENGINES to the comma-separated engine URLs}"

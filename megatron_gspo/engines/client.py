@@ -13,7 +13,7 @@ duplicates none. A 4xx is never retried: it raises `EngineError` carrying SGLang
 
 Control calls (weights, memory, pause, abort, cache) go to every engine directly: the router
 does not proxy them. Engines that keep failing, or fail a control call, are dropped from both
-until they answer again and have received the full weights (`engine_pool.EnginePool`).
+until they answer again and have received the full weights (`engines.pool.EnginePool`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class SGLangClient:
         )
         """Live, dead and joining engines; `make_rollout` sets `pool.restart` for launched
         engines."""
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-client")
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sglang-client")
         # Requests in flight and picks per URL over ALL concurrent `agenerate` calls, so that
         # many small calls (one per group: `rollout/scheduler.py`) still spread over engines.
         self._load: Counter = Counter()
@@ -456,7 +456,7 @@ class SGLangClient:
         def run() -> None:
             self._check(route, self._drop_failed(route, asyncio.run(self._acall(route, bodies))))
 
-        return self._pool.submit(run)
+        return self._executor.submit(run)
 
     def prepare_sync(self) -> None:
         """Dropped engines that pass their health probe join this sync (full weights)."""
@@ -617,7 +617,7 @@ class SGLangClient:
 
     def close(self) -> None:
         """Release the client's worker threads."""
-        self._pool.shutdown(wait=False)
+        self._executor.shutdown(wait=False)
 
 
 def requests_per_engine(results: Sequence[RolloutResult]) -> Counter:

@@ -47,7 +47,7 @@ def _worker(
             torch.distributed.destroy_process_group()
 
 
-def launch(
+def spawn_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 900.0
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return per-rank results.

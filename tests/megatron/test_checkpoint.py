@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
-from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.harness import spawn_ranks
 from tests.megatron import checkpoint_ranks
 
 pytestmark = pytest.mark.multirank
@@ -34,8 +34,8 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def results(hf_dir: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = str(tmp_path_factory.mktemp("ckpt"))
-    out = launch(checkpoint_ranks.main, 2, hf_dir, root, CASES)
-    vpp = launch(checkpoint_ranks.main, 2, hf_dir, root, VPP_CASES)
+    out = spawn_ranks(checkpoint_ranks.main, 2, hf_dir, root, CASES)
+    vpp = spawn_ranks(checkpoint_ranks.main, 2, hf_dir, root, VPP_CASES)
     return [{**a, **b} for a, b in zip(out, vpp, strict=True)]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from megatron_gspo import dist
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
-from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.harness import spawn_ranks
 from tests.megatron import config_effects_ranks
 
 pytestmark = pytest.mark.multirank
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multirank
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     hf = save_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf", seed=0)
-    out = launch(config_effects_ranks.main, 2, str(hf))
+    out = spawn_ranks(config_effects_ranks.main, 2, str(hf))
     return out[0] | {"rank1": out[1]}
 
 

@@ -15,7 +15,7 @@ import math
 import pytest
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
-from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.harness import spawn_ranks
 from tests.megatron import devices_ranks
 
 pytestmark = pytest.mark.multirank
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.multirank
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     hf = save_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf", seed=0)
-    return launch(devices_ranks.main, 2, str(hf))
+    return spawn_ranks(devices_ranks.main, 2, str(hf))
 
 
 @pytest.mark.parametrize("layout", sorted(devices_ranks.LAYOUTS))

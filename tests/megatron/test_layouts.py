@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
-from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.harness import spawn_ranks
 from tests.megatron import foundation_ranks
 
 pytestmark = pytest.mark.multirank
@@ -37,7 +37,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def reference(hf_dir: str) -> dict:
     cases = [dict(name="single", layout={}, with_hf=True)]
-    return launch(foundation_ranks.main, 1, hf_dir, cases)[0]
+    return spawn_ranks(foundation_ranks.main, 1, hf_dir, cases)[0]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def parallel(hf_dir: str) -> dict:
     cases.append(
         dict(name=PLANTED, layout=LAYOUTS["tp2"], plant="experts.local_experts.0.linear_fc1")
     )
-    return launch(foundation_ranks.main, 2, hf_dir, cases)
+    return spawn_ranks(foundation_ranks.main, 2, hf_dir, cases)
 
 
 def _initial(hf_dir: str) -> dict[str, torch.Tensor]:

@@ -16,14 +16,14 @@ import torch
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.megatron.offload import TrainerOffload
-from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.harness import spawn_ranks
 from tests.megatron import offload_ranks
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     hf = save_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "hf", seed=0)
-    return launch(offload_ranks.main, 2, str(hf))
+    return spawn_ranks(offload_ranks.main, 2, str(hf))
 
 
 @pytest.mark.multirank

@@ -15,7 +15,7 @@ import math
 import pytest
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
-from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.harness import spawn_ranks
 from tests.megatron import policy_ranks
 
 pytestmark = pytest.mark.multirank
@@ -48,7 +48,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def reference(hf_dir: str) -> dict:
     cases = [dict(name=k, layout={}, kind=k) for k in ("gspo", "gspo_token", "grpo")]
     cases.append(dict(name="micro_batch_mean", layout={}, plant="micro_batch_mean"))
-    return launch(policy_ranks.main, 1, hf_dir, cases)[0]
+    return spawn_ranks(policy_ranks.main, 1, hf_dir, cases)[0]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def parallel(hf_dir: str) -> list[dict]:
         dict(name="dp2-micro_batch_mean", layout={}, plant="micro_batch_mean"),
         dict(name="dp2-length_weighted", layout={}, plant="length_weighted"),
     ]
-    return launch(policy_ranks.main, 2, hf_dir, cases)
+    return spawn_ranks(policy_ranks.main, 2, hf_dir, cases)
 
 
 def _grad_err(weights: dict, ref_weights: dict, init: dict) -> float:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
-from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.harness import spawn_ranks
 from tests.megatron import routing_ranks
 
 pytestmark = pytest.mark.multirank
@@ -69,7 +69,7 @@ def reference(setup: dict) -> float:
 
 @pytest.fixture(scope="module")
 def results(setup: dict) -> list[dict]:
-    return launch(routing_ranks.main, 2, setup["a"], setup["b"], setup["raw"], LAYOUTS)
+    return spawn_ranks(routing_ranks.main, 2, setup["a"], setup["b"], setup["raw"], LAYOUTS)
 
 
 def test_reference_is_informative(reference: float) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.harness import spawn_ranks
 
 ACT, GRAD = (5, 1, 4), (3, 1, 4)
 
@@ -73,7 +73,7 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_two_rank_pipeline_p2p_order() -> None:
-    results = launch(_ranks, 2, timeout=300)
+    results = spawn_ranks(_ranks, 2, timeout=300)
     for rank, res in enumerate(results):
         peer = 1 - rank
         # without the patch: the activation shape arrives as the gradient's and vice versa

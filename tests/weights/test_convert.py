@@ -17,7 +17,7 @@ import pytest
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.layout import Layout
-from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.harness import spawn_ranks
 from tests.weights import convert_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = tmp_path_factory.mktemp("convert")
     save_tiny_hf_checkpoint(root / "hf", seed=3)
-    return launch(convert_ranks.main, 2, str(root))
+    return spawn_ranks(convert_ranks.main, 2, str(root))
 
 
 @pytest.mark.parametrize("src,dst", convert_ranks.EXPORTS)

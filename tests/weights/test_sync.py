@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
-from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.harness import spawn_ranks
 from megatron_gspo.weights import fp8
 from tests.weights import sync_ranks
 
@@ -30,7 +30,7 @@ BITWISE = ["tensor", "tensor_bf16", "distributed", "disk_bf16"]
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = tmp_path_factory.mktemp("sync")
     hf_dir = str(save_tiny_hf_checkpoint(root / "hf", seed=0))
-    return launch(sync_ranks.main, 2, hf_dir, str(root), LAYOUTS)
+    return spawn_ranks(sync_ranks.main, 2, hf_dir, str(root), LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

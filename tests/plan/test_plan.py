@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
-from megatron_gspo.testing.harness import launch
+from megatron_gspo.testing.harness import spawn_ranks
 
 pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_param_counts_equal_the_built_model_per_rank(tiny: Path) -> None:
-    real = launch(_real_counts, 2, str(tiny), LAYOUTS)
+    real = spawn_ranks(_real_counts, 2, str(tiny), LAYOUTS)
     # The planner counts in its own process (it builds on `meta` in a fake process group).
     code = (
         "import json; from megatron_gspo.plan import count_params; "
@@ -70,7 +70,7 @@ def test_param_counts_equal_the_built_model_per_rank(tiny: Path) -> None:
 
 
 def _real_counts(rank: int, world: int, hf_dir: str, layouts: list[dict]) -> list[dict]:
-    from tests.launch.plan_ranks import real_param_counts
+    from tests.plan.plan_ranks import real_param_counts
 
     return real_param_counts(rank, world, hf_dir, layouts)
 

@@ -1,5 +1,5 @@
 """The Slurm scripts (examples/slurm/) run with stand-ins for srun / scontrol / sbatch / curl on
-PATH (tests/launch/standins/): the real planner runs first, then the scripts' srun steps are
+PATH (tests/plan/standins/): the real planner runs first, then the scripts' srun steps are
 recorded and played (engines serve until SIGTERM, the trainer runs a moment). Checked: the
 torchrun and engine command lines for 1, 2 and 4 nodes (colocated and disaggregated), that
 nothing starts when the planner refuses, and that a failing engine, a failing trainer or a

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
-from megatron_gspo.testing.harness import launch
-from tests.launch.test_plan import _python
+from megatron_gspo.testing.harness import spawn_ranks
+from tests.plan.test_plan import _python
 
 pytestmark = pytest.mark.multirank
 TOKENS, SEQ_LEN, NUM_SEQS = 512, 128, 4  # one packed micro-batch of 4 sequences per step
@@ -46,7 +46,7 @@ TOLERANCE = 0.25
 
 
 def _measure(rank: int, world: int, hf_dir: str) -> dict[str, float]:
-    from tests.launch.plan_memory_ranks import measure_step_peak
+    from tests.plan.plan_memory_ranks import measure_step_peak
 
     return measure_step_peak(rank, world, hf_dir, OVERRIDES, SEQ_LEN, NUM_SEQS)
 
@@ -75,7 +75,7 @@ def _within(estimate: float, measured: float) -> bool:
 
 def test_memory_estimate_within_25_percent_of_measured_cpu_peak(tmp_path: Path) -> None:
     hf_dir = save_tiny_hf_checkpoint(tmp_path / "model")
-    measured = launch(_measure, 1, str(hf_dir))[0]
+    measured = spawn_ranks(_measure, 1, str(hf_dir))[0]
     est = _estimate(hf_dir)
     assert measured["micro_batches"] == est["micro_batches"] == 1
     static = est["weights"] + est["grads"] + est["optimizer"]
