@@ -40,6 +40,7 @@ from megatron_gspo.engines.client_config import ClientConfig
 from megatron_gspo.engines.launch import LaunchConfig
 from megatron_gspo.layout import Layout
 from megatron_gspo.rollout.config import RolloutConfig
+from megatron_gspo.sandbox.config import SandboxConfig
 from megatron_gspo.weights.config import WeightSyncConfig
 
 __all__ = [
@@ -228,18 +229,6 @@ class RewardConfig:
     """Worker processes for reward calls; 0 runs in-process (no timeout enforcement)."""
     timeout_s: float = 10.0
     """Per-call timeout; a call past it scores 0 and counts in reward/timeouts."""
-    max_memory_mb: int | None = 8192
-    """Address-space limit (RLIMIT_AS) of each reward and environment worker process; an
-    allocation past it fails the call (scored 0, message printed) and the worker is replaced.
-    It counts virtual memory: importing torch alone maps ~3 GB. null: no limit."""
-    max_cpu_s: float | None = None
-    """CPU seconds one reward / environment call may use (RLIMIT_CPU, re-armed per call; the
-    kernel kills the worker past it, e.g. many threads spinning inside the wall timeout);
-    null: twice the call's wall timeout (reward.timeout_s, rollout.env_timeout_s)."""
-    pass_env: list[str] = field(default_factory=list)
-    """Names of environment variables reward and environment workers may see (e.g. an API key
-    a judge needs). Workers otherwise get only PATH, HOME, USER, LANG, LC_*, TMPDIR, TZ, TERM
-    and the import path: secrets in the trainer's environment stay out of user code."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("math", "toy"):
@@ -259,12 +248,7 @@ class RewardConfig:
             f"may do; user code (reward.kind={self.kind!r}) runs in worker processes: set "
             "reward.num_workers >= 1",
         )
-        _positive(
-            "reward",
-            timeout_s=self.timeout_s,
-            max_memory_mb=self.max_memory_mb,
-            max_cpu_s=self.max_cpu_s,
-        )
+        _positive("reward", timeout_s=self.timeout_s)
 
 
 @dataclass(**_CFG)
@@ -387,7 +371,9 @@ class Config:
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Weight sync from the trainer to the engines after every step."""
     reward: RewardConfig = field(default_factory=RewardConfig)
-    """Reward function."""
+    """Reward kind, workers and timeout."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits of the worker processes that run user reward and environment code."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -476,6 +462,14 @@ class Config:
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a `Config` from a nested dict (e.g. parsed YAML)."""
     _require(isinstance(data, dict), f"the config must be a mapping, got {type(data).__name__}")
+    reward = data.get("reward") or {}
+    moved = [k for k in ("max_memory_mb", "max_cpu_s", "pass_env") if k in reward]
+    key = moved[0] if moved else ""
+    _require(
+        not moved,
+        f"reward.{key} is now sandbox.{key} (the limits hold for reward and environment "
+        "workers alike); move it under `sandbox:`",
+    )
     _require(
         "gspo" not in data,
         "the config section `gspo:` is now `rl:` (it drives GRPO too); rename it (and any "

@@ -2,7 +2,7 @@
 
 An environment is a class named in the config as `rollout.env: "package.module:Class"`. It is
 imported and instantiated ONLY in environment worker processes (the reward pool's sandbox:
-scrubbed environment, `reward.max_memory_mb` / `reward.max_cpu_s` limits, `rollout.env_timeout_s`
+scrubbed environment, `sandbox.max_memory_mb` / `sandbox.max_cpu_s` limits, `rollout.env_timeout_s`
 per call; see `megatron_gspo.sandbox.process`), never in the trainer. One instance serves one
 episode (one sample of a group):
 

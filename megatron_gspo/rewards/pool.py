@@ -9,8 +9,8 @@ and is named by `reward.kind`: "math" (`math_answer.math_reward`), "toy" (`toy.t
 alive between steps, hands each one call at a time, and kills a worker whose call runs past
 `timeout_s` (that call scores 0 and counts in `reward/timeouts`; a fresh worker replaces it), so
 neither an endless loop nor a C extension stuck without checking signals can hang the trainer.
-A call that raises, crashes its worker, runs out of memory or CPU time (`reward.max_memory_mb`,
-`reward.max_cpu_s`) or returns a non-finite / non-numeric value scores 0 and counts in
+A call that raises, crashes its worker, runs out of memory or CPU time (`sandbox.max_memory_mb`,
+`sandbox.max_cpu_s`) or returns a non-finite / non-numeric value scores 0 and counts in
 `reward/failures`; the first messages are kept in `RewardBatch.errors` and the trainer prints
 them once per step (`RewardBatch.report`).
 
@@ -287,22 +287,22 @@ class RewardPool:
             pass
 
 
-def worker_limits(reward_cfg: Any, timeout_s: float) -> WorkerLimits:
+def worker_limits(sandbox_cfg: Any, timeout_s: float) -> WorkerLimits:
     """The limits of reward and environment workers from a `RewardConfig`; `timeout_s` is the
     calls' wall timeout (the CPU limit defaults to twice it)."""
-    cpu = reward_cfg.max_cpu_s if reward_cfg.max_cpu_s is not None else 2.0 * timeout_s
+    cpu = sandbox_cfg.max_cpu_s if sandbox_cfg.max_cpu_s is not None else 2.0 * timeout_s
     return WorkerLimits(
-        max_memory_mb=reward_cfg.max_memory_mb,
+        max_memory_mb=sandbox_cfg.max_memory_mb,
         max_cpu_s=cpu,
-        pass_env=tuple(reward_cfg.pass_env),
+        pass_env=tuple(sandbox_cfg.pass_env),
     )
 
 
-def build_reward_pool(reward_cfg: Any) -> RewardPool:
+def build_reward_pool(reward_cfg: Any, sandbox_cfg: Any) -> RewardPool:
     """A pool from a `megatron_gspo.config.RewardConfig`."""
     return RewardPool(
         reward_cfg.kind,
         num_workers=reward_cfg.num_workers,
         timeout_s=reward_cfg.timeout_s,
-        limits=worker_limits(reward_cfg, reward_cfg.timeout_s),
+        limits=worker_limits(sandbox_cfg, reward_cfg.timeout_s),
     )

@@ -209,7 +209,7 @@ def make_rollout(cfg: Config) -> Rollout:
         dataset, cfg.rl.prompts_per_rollout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
     )
     group_fn, envs = make_multiturn(cfg, engine, tokenizer) if r.env is not None else (None, None)
-    rewards = build_reward_pool(cfg.reward)
+    rewards = build_reward_pool(cfg.reward, cfg.sandbox)
     return Rollout(
         cfg, engine, tokenizer, loader, rewards, servers=servers, group_fn=group_fn, envs=envs
     )
@@ -239,7 +239,7 @@ def make_multiturn(cfg: Config, engine: Any, tokenizer: Any) -> tuple[Any, Any]:
             r.env or "",
             num_workers=r.env_workers,
             timeout_s=r.env_timeout_s,
-            limits=worker_limits(cfg.reward, r.env_timeout_s),
+            limits=worker_limits(cfg.sandbox, r.env_timeout_s),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

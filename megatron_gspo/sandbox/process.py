@@ -4,12 +4,12 @@ User code never runs in the trainer: `python -m megatron_gspo.sandbox.worker KIN
 it in a child process that speaks JSON lines (see `worker.py`). A child:
 
 * starts from a **scrubbed environment**: only `SAFE_ENV` (PATH, HOME, LANG, ...), the
-  trainer's import path as PYTHONPATH, and the variables named in `reward.pass_env`; API keys,
+  trainer's import path as PYTHONPATH, and the variables named in `sandbox.pass_env`; API keys,
   tokens and cluster credentials of the trainer's environment are not inherited;
 * runs under **resource limits** set with `resource.setrlimit` in the child before the user
-  module is imported: address space `RLIMIT_AS` (`reward.max_memory_mb`; an allocation past it
+  module is imported: address space `RLIMIT_AS` (`sandbox.max_memory_mb`; an allocation past it
   raises MemoryError, the call fails loudly and the worker is replaced) and CPU seconds
-  `RLIMIT_CPU` per call (`reward.max_cpu_s`; the soft limit is re-armed to "used + max_cpu_s"
+  `RLIMIT_CPU` per call (`sandbox.max_cpu_s`; the soft limit is re-armed to "used + max_cpu_s"
   before each call, the kernel's SIGXCPU kills a call that burns more, e.g. with many threads
   inside the wall timeout);
 * is killed by the parent when one call runs past its wall timeout (`reward.timeout_s`);
@@ -40,15 +40,15 @@ __all__ = [
     "worker_env",
 ]
 
-#: Variables a worker inherits from the trainer (besides PYTHONPATH and `reward.pass_env`).
+#: Variables a worker inherits from the trainer (besides PYTHONPATH and `sandbox.pass_env`).
 SAFE_ENV = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ", "TERM")
 STARTUP_TIMEOUT_S = 120.0  # a worker importing a heavy user module on a loaded machine
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerLimits:
-    """Limits of one worker process (`reward.max_memory_mb`, `reward.max_cpu_s`,
-    `reward.pass_env`)."""
+    """Limits of one worker process (`sandbox.max_memory_mb`, `sandbox.max_cpu_s`,
+    `sandbox.pass_env`)."""
 
     max_memory_mb: int | None = 8192
     """Address-space limit (RLIMIT_AS) of the whole worker; None = unlimited."""
@@ -161,7 +161,7 @@ class WorkerProcess:
         if code == -signal.SIGXCPU:
             return (
                 f"{self.kind} worker killed by SIGXCPU: the call used more than "
-                f"reward.max_cpu_s={self.limits.max_cpu_s:g} s of CPU time"
+                f"sandbox.max_cpu_s={self.limits.max_cpu_s:g} s of CPU time"
             )
         if code == -signal.SIGKILL:
             return f"{self.kind} worker killed by SIGKILL (out of memory, or killed from outside)"

@@ -66,7 +66,7 @@ def _arm_cpu(max_cpu_s: float | None) -> None:
 def _memory_message(error: str, max_memory_mb: int | None) -> tuple[str, bool]:
     if error.startswith("MemoryError"):
         return (
-            f"MemoryError: the call went over reward.max_memory_mb={max_memory_mb} MB "
+            f"MemoryError: the call went over sandbox.max_memory_mb={max_memory_mb} MB "
             "(the worker is replaced)",
             True,
         )

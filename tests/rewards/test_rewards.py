@@ -131,6 +131,6 @@ def test_math_in_workers_and_from_config():
         None,
         ["model.hf_path=/m", "data.train_path=/d", "reward.kind=math", "reward.num_workers=1"],
     )
-    with build_reward_pool(cfg.reward) as pool:
+    with build_reward_pool(cfg.reward, cfg.sandbox) as pool:
         batch = pool.score(["q"] * 3, [r"\boxed{1/2}", "\\boxed{", r"\boxed{0.7}"], ["0.5"] * 3)
     assert batch.rewards == [1.0, 0.0, 0.0] and batch.timeouts == 0 and batch.failures == 0

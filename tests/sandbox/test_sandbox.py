@@ -39,10 +39,10 @@ def test_memory_limit_stops_the_call_and_the_worker_is_replaced():
         batch = pool.score(["p"] * 3, ["10", "1000", "10"], ["a"] * 3)
         after = pool.worker_pids
     assert batch.rewards == [1.0, 0.0, 1.0] and batch.failures == 1 and batch.timeouts == 0
-    assert "reward.max_memory_mb=400" in batch.errors[0] and "MemoryError" in batch.errors[0]
+    assert "sandbox.max_memory_mb=400" in batch.errors[0] and "MemoryError" in batch.errors[0]
     assert before != after  # replaced, and the call after it ran
     report = batch.report()
-    assert report is not None and "reward.max_memory_mb=400" in report and "1 of 3" in report
+    assert report is not None and "sandbox.max_memory_mb=400" in report and "1 of 3" in report
     # Without the limit the same allocation goes through: the limit is what stopped it.
     with RewardPool(
         f"{FIX}:hog", num_workers=1, timeout_s=60, limits=WorkerLimits(max_memory_mb=None)
@@ -58,7 +58,7 @@ def test_cpu_limit_kills_a_busy_loop_inside_the_wall_timeout():
         pool.score(["p"], ["ok"], ["a"])
         batch = pool.score(["p"] * 2, ["2", "ok"], ["a"] * 2)
     assert batch.rewards == [0.0, 1.0] and batch.failures == 1 and batch.timeouts == 0
-    assert "SIGXCPU" in batch.errors[0] and "reward.max_cpu_s=1" in batch.errors[0]
+    assert "SIGXCPU" in batch.errors[0] and "sandbox.max_cpu_s=1" in batch.errors[0]
 
 
 def test_workers_do_not_see_the_trainers_secrets(monkeypatch):
@@ -68,41 +68,41 @@ def test_workers_do_not_see_the_trainers_secrets(monkeypatch):
     assert "MGSPO_TEST_SECRET" not in env and "OPENAI_API_KEY" not in env and "PATH" in env
     with RewardPool(f"{FIX}:secret", num_workers=1, timeout_s=30) as pool:
         assert pool.score(["p"], ["r"], ["a"]).rewards == [0.5]
-    # reward.pass_env lets a named variable through (and only that one is the way in)
+    # sandbox.pass_env lets a named variable through (and only that one is the way in)
     cfg = load_config(
         None,
         [
             *BASE,
             f"reward.kind={FIX}:secret",
             "reward.num_workers=1",
-            "reward.pass_env=[MGSPO_TEST_SECRET]",
+            "sandbox.pass_env=[MGSPO_TEST_SECRET]",
         ],
     )
-    with build_reward_pool(cfg.reward) as pool:
+    with build_reward_pool(cfg.reward, cfg.sandbox) as pool:
         assert pool.score(["p"], ["r"], ["a"]).rewards == [1.0]
 
 
 def test_limit_keys_reach_the_workers():
-    """reward.max_memory_mb / max_cpu_s / pass_env from the config become the pool's limits;
+    """sandbox.max_memory_mb / max_cpu_s / pass_env from the config become the pool's limits;
     max_cpu_s defaults to twice the wall timeout."""
     cfg = load_config(
         None,
         [
             *BASE,
             "reward.kind=toy",
-            "reward.max_memory_mb=300",
-            "reward.max_cpu_s=7",
+            "sandbox.max_memory_mb=300",
+            "sandbox.max_cpu_s=7",
             "reward.timeout_s=4",
         ],
     )
-    with build_reward_pool(cfg.reward) as pool:
+    with build_reward_pool(cfg.reward, cfg.sandbox) as pool:
         assert pool.limits == WorkerLimits(max_memory_mb=300, max_cpu_s=7.0, pass_env=())
     cfg = load_config(
         None, [*BASE, "reward.kind=toy", "reward.timeout_s=4", "reward.num_workers=0"]
     )
-    with build_reward_pool(cfg.reward) as pool:
+    with build_reward_pool(cfg.reward, cfg.sandbox) as pool:
         assert pool.limits.max_cpu_s == 8.0 and pool.limits.max_memory_mb == 8192
     with pytest.raises(ConfigError, match="set reward.num_workers >= 1"):
         load_config(None, [*BASE, f"reward.kind={FIX}:pid", "reward.num_workers=0"])
-    with pytest.raises(ConfigError, match="change reward.max_memory_mb"):
-        load_config(None, [*BASE, "reward.max_memory_mb=0"])
+    with pytest.raises(ConfigError, match="change sandbox.max_memory_mb"):
+        load_config(None, [*BASE, "sandbox.max_memory_mb=0"])
