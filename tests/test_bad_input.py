@@ -22,7 +22,7 @@ from megatron_gspo.data.prompts import PromptDataset, load_prompt_jsonl
 from megatron_gspo.metrics_log import MetricsLogger, read_metrics
 from megatron_gspo.preflight import preflight
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 HF_CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "num_experts": 4,

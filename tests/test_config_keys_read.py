@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_gspo.config import Config, load_config
 
-PKG = Path(__file__).resolve().parents[2] / "megatron_gspo"
+PKG = Path(__file__).resolve().parents[1] / "megatron_gspo"
 
 
 def leaves(obj: object, prefix: str = "") -> dict[str, type]:

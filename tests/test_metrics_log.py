@@ -20,7 +20,7 @@ from megatron_gspo import console
 from megatron_gspo.config import load_config
 from megatron_gspo.metrics_log import MetricsLogger, read_metrics, to_scalars
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_tool(name: str = "plot_metrics"):
