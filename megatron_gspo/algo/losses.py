@@ -139,7 +139,8 @@ class PolicyLossConfig:
     d = log pi_ref - log pi_theta: k1 = -d, k2 = d^2/2, k3 = exp(d) - 1 - d."""
     kl_in_reward: bool = False
     """false: the KL is a loss term, + kl_coef * (aggregated) KL. true: a reward penalty,
-    r_i - kl_coef * sum_t KL_t of pi_old vs pi_ref, before the group advantages."""
+    r_i - kl_coef * sum_t KL_t of pi_old vs pi_ref, then the group advantages again (over the
+    kept responses when loss.mask_truncated is on)."""
     ref_offload: bool = False
     """Keep the reference model's weights in host memory between uses (moved to the device for
     its one forward per rollout step); false keeps it on the device. Needs loss.kl_coef > 0."""

@@ -176,9 +176,11 @@ def apply_kl_reward(
             estimator,
         )
         pens.append(kl_coef * float(kl[0]))
-    rewards = torch.tensor([float(s.reward or 0.0) - p for s, p in zip(seqs, pens, strict=True)])
+    rewards = torch.tensor(
+        [float(s.reward or 0.0) - p for s, p in zip(seqs, pens, strict=True)], dtype=torch.float64
+    )
     groups = torch.tensor([int(s.group or 0) for s in seqs])
-    adv = group_advantages(rewards.double(), groups, eps=eps, normalize_std=normalize_std)
+    adv = group_advantages(rewards, groups, eps=eps, normalize_std=normalize_std)
     for s, a in zip(seqs, adv.tolist(), strict=True):
         s.advantage = a
     return {"kl/reward_penalty": sum(pens) / len(pens)}
