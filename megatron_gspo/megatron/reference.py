@@ -47,17 +47,17 @@ class ReferenceModel:
     ) -> ReferenceModel:
         """Build the chunks for `cfg.parallel` / `cfg.model` and copy `policy_model` into them."""
         model = build_model(make_provider(bridge, cfg.parallel, cfg.model), ddp_config=None)
-        for ref, pol in zip(model, policy_model, strict=True):
-            ref_inner = _inner(ref)
+        for chunk, pol in zip(model, policy_model, strict=True):
+            ref_inner = _inner(chunk)
             # strict: the same adapter and layout give the same parameter set on this rank.
             ref_inner.load_state_dict(_inner(pol).state_dict(), strict=True)
             ref_inner.requires_grad_(False)
-        ref = cls(model, offload=offload)
+        out = cls(model, offload=offload)
         if offload:
             # Parameters only: there are no gradients or optimizer state.
-            ref._mem = TrainerOffload(model, None, grads=False, optimizer_state=False)
-            ref._mem.offload()
-        return ref
+            out._mem = TrainerOffload(model, None, grads=False, optimizer_state=False)
+            out._mem.offload()
+        return out
 
     def logprobs(
         self, micro_batches: Sequence[PackedMicroBatch], *, temperature: float
