@@ -28,8 +28,8 @@ __all__ = ["ReferenceModel"]
 
 def _inner(chunk: torch.nn.Module) -> torch.nn.Module:
     """The model under megatron-core's DDP / Float16Module wrappers (same keys either way)."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
+    while isinstance(getattr(chunk, "module", None), torch.nn.Module):
+        chunk = chunk.module  # type: ignore[assignment]
     return chunk
 
 
