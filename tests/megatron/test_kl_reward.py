@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from megatron_gspo.megatron.packing import TrainSequence
+from megatron_gspo.algo.sequences import TrainSequence
 from megatron_gspo.megatron.policy import apply_kl_reward
 
 

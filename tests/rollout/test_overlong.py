@@ -13,9 +13,9 @@ import torch
 
 from megatron_gspo.algo import group_advantages
 from megatron_gspo.config import ConfigError, load_config
-from megatron_gspo.rollout.scheduler import Batch, Group
 from megatron_gspo.engines.types import RolloutStats, Sample
 from megatron_gspo.rollout.experience import Rollout
+from megatron_gspo.rollout.scheduler import Batch, Group
 from tests.engines.fake_engine import FakeEngine
 
 BASE = ["model.hf_path=/m", "data.train_path=/d.jsonl", "rollout.max_new_tokens=8"]
