@@ -10,6 +10,7 @@ Metric names say what they measure:
     drift/abs_logp_diff later mini-batches: policy movement since the rollout plus mismatch
     policy/*, loss, grad_norm   means over the mini-batches (NaN when one was not finite)
     train/skipped_updates       optimizer steps skipped for a non-finite loss or gradient
+    train/empty_updates 1 when loss.mask_truncated left no sequence to train on (no step)
     optim/lr            learning rate of the last optimizer step of the rollout step
     kl/mean             per-token KL estimate vs the reference model (loss.kl_coef > 0);
                         first_mb/kl/mean is 0 up to rounding at step 1 (policy == reference)

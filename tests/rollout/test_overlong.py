@@ -107,3 +107,12 @@ def test_overlong_buffer_is_checked_against_the_length_cap() -> None:
         load_config(None, [*BASE, "reward.overlong_buffer=9"])
     with pytest.raises(ConfigError, match=r"reward\.overlong_buffer"):
         load_config(None, [*BASE, "reward.overlong_buffer=-1"])
+
+
+def test_all_truncated_leaves_an_empty_batch_that_is_not_a_skipped_update() -> None:
+    from megatron_gspo.megatron.policy import summarise
+
+    seqs, metrics = _batch(_rollout(["loss.mask_truncated=true"], TASK), LENGTHS, [True] * 6)
+    assert seqs == [] and metrics["loss/truncated_masked"] == 6.0
+    # the policy's update over no mini-batch: no step, and not counted as a non-finite one
+    assert summarise([]) == {"train/skipped_updates": 0.0, "train/empty_updates": 1.0}
