@@ -229,6 +229,13 @@ class RewardConfig:
     """Worker processes for reward calls; 0 runs in-process (no timeout enforcement)."""
     timeout_s: float = 10.0
     """Per-call timeout; a call past it scores 0 and counts in reward/timeouts."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment (https://arxiv.org/abs/2503.14476, eq. 13): responses
+    longer than L - overlong_buffer tokens (L = rollout.max_new_tokens; the episode cap with
+    rollout.env) get reward.overlong_penalty * (L - overlong_buffer - |y|) / overlong_buffer
+    added to their reward (-overlong_penalty at L). 0: off."""
+    overlong_penalty: float = 1.0
+    """Scale of the overlong punishment (its value at the length cap is -overlong_penalty)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("math", "toy"):
@@ -247,6 +254,11 @@ class RewardConfig:
             f"reward.num_workers=0 runs the reward in the trainer, which only the built-in kinds "
             f"may do; user code (reward.kind={self.kind!r}) runs in worker processes: set "
             "reward.num_workers >= 1",
+        )
+        _require(
+            self.overlong_buffer >= 0 and self.overlong_penalty >= 0,
+            f"reward.overlong_buffer={self.overlong_buffer} and reward.overlong_penalty="
+            f"{self.overlong_penalty} must be >= 0; change them",
         )
         _positive("reward", timeout_s=self.timeout_s)
 
@@ -394,6 +406,12 @@ class Config:
             f"of {self.rollout.episode_tokens} response tokens (rollout.max_total_tokens, or "
             "rollout.max_turns * rollout.max_new_tokens) plus its prompt; raise "
             "train.micro_batch_tokens or lower rollout.max_total_tokens",
+        )
+        _require(
+            self.reward.overlong_buffer <= self.rollout.episode_tokens,
+            f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds the response cap of "
+            f"{self.rollout.episode_tokens} tokens (rollout.max_new_tokens); lower "
+            "reward.overlong_buffer",
         )
         _require(
             self.loss.tis_mode == "none" or self.rl.pi_old == "recompute",

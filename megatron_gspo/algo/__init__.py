@@ -19,19 +19,31 @@ from megatron_gspo.algo.losses import (
     identity_seq_sum,
     policy_loss,
 )
+from megatron_gspo.algo.regularizers import (
+    aggregation_weights,
+    kl_estimate,
+    overlong_penalty,
+    regularized_loss,
+    sequence_kl,
+)
 
 __all__ = [
     "POLICY_LOSSES",
     "PolicyLossConfig",
     "PolicyLossFn",
     "PolicyLossInputs",
+    "aggregation_weights",
     "cp_seq_sum",
     "group_advantages",
     "grpo_loss",
     "gspo_loss",
     "gspo_token_loss",
     "identity_seq_sum",
+    "kl_estimate",
+    "overlong_penalty",
     "policy_loss",
+    "regularized_loss",
+    "sequence_kl",
     "tis_sequence_weights",
     "tis_token_weights",
     "token_advantages",

@@ -25,6 +25,12 @@ over sequences in which every sequence weighs the same whatever its length. |y_i
 tokens with mask 1; a sequence with no such token contributes 0 (but still counts in the
 caller's denominator).
 
+`loss.aggregation=token_mean` (DAPO's token-level loss) instead weighs every loss token the same:
+
+    loss = ( sum_i |y_i| l_i ) / denominator,   denominator = loss tokens of the GLOBAL batch
+
+i.e. GSPO's l_i counts |y_i| times, and the token-level kinds drop their 1/|y_i|.
+
 Context parallelism: every per-sequence sum over tokens that the loss needs whole (log-ratio sums,
 token counts, TIS log-ratio sums) is stacked into ONE [S, k] tensor and passed through
 `seq_sum`: identity on one rank; under CP an autograd-aware all-reduce over the CP group whose
@@ -76,6 +82,7 @@ __all__ = [
     "PolicyLossConfig",
     "PolicyLossFn",
     "PolicyLossInputs",
+    "SeqSum",
     "cp_seq_sum",
     "grpo_loss",
     "gspo_loss",
@@ -86,6 +93,7 @@ __all__ = [
 
 PolicyLossKind = Literal["gspo", "gspo_token", "grpo"]
 TisMode = Literal["none", "token", "sequence"]
+Aggregation = Literal["seq_mean", "token_mean"]
 SeqSum = Callable[[Tensor], Tensor]
 
 # (eps_low, eps_high): GSPO's from the paper's experiments; GRPO's are the paper's baseline
@@ -119,6 +127,28 @@ class PolicyLossConfig:
     geometric-mean sequence ratio. Useful when pi_old is recomputed by the trainer."""
     tis_cap: float = 2.0
     """Upper truncation of the importance weight (> 0)."""
+    aggregation: Aggregation = "seq_mean"
+    """How token terms become the loss: "seq_mean" (every sequence weighs the same: the GSPO
+    paper's mean over sequences) or "token_mean" (every loss token weighs the same, DAPO,
+    https://arxiv.org/abs/2503.14476). Applies to the KL and entropy terms as well."""
+    kl_coef: float = 0.0
+    """beta of the reference-model KL KL(pi_theta || pi_ref) (0: no reference model is built).
+    pi_ref is a frozen copy of the initial policy; see loss.kl_estimator, loss.kl_in_reward."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman, http://joschu.net/blog/kl-approx.html), with
+    d = log pi_ref - log pi_theta: k1 = -d, k2 = d^2/2, k3 = exp(d) - 1 - d."""
+    kl_in_reward: bool = False
+    """false: the KL is a loss term, + kl_coef * (aggregated) KL. true: a reward penalty,
+    r_i - kl_coef * sum_t KL_t of pi_old vs pi_ref, then the group advantages again (over the
+    kept responses when loss.mask_truncated is on)."""
+    ref_offload: bool = False
+    """Keep the reference model's weights in host memory between uses (moved to the device for
+    its one forward per rollout step); false keeps it on the device. Needs loss.kl_coef > 0."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: - entropy_coef * (aggregated) per-token entropy of pi_theta (0: off)."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: truncated responses (no stop token) are left out of the loss
+    (their group's advantages are computed with them); counted in loss/truncated_masked."""
 
     def __post_init__(self) -> None:
         # Messages name the `loss.*` config keys: this class is that config section.
@@ -150,6 +180,22 @@ class PolicyLossConfig:
             "have; use loss.tis_mode=sequence or loss.kind=gspo_token",
         )
         require(self.tis_cap > 0.0, f"loss.tis_cap={self.tis_cap} must be > 0")
+        require(
+            self.aggregation in ("seq_mean", "token_mean"),
+            f"loss.aggregation={self.aggregation!r} is not seq_mean or token_mean",
+        )
+        require(
+            self.kl_estimator in ("k1", "k2", "k3"),
+            f"loss.kl_estimator={self.kl_estimator!r} is not k1, k2 or k3",
+        )
+        for name in ("kl_coef", "entropy_coef"):
+            v = getattr(self, name)
+            require(v >= 0.0, f"loss.{name}={v} must be >= 0; change loss.{name}")
+        require(
+            self.kl_coef > 0 or not (self.kl_in_reward or self.ref_offload),
+            "loss.kl_in_reward / loss.ref_offload act on the reference model, which only "
+            "loss.kl_coef > 0 builds; set loss.kl_coef or leave them false",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -176,7 +222,10 @@ class PolicyLossInputs:
     """[T] the engine's log-probs when `old_logp` was recomputed by the trainer (TIS, and the
     mismatch metrics); None means `old_logp` IS the engine's."""
     entropy: Tensor | None = None
-    """[T] per-token entropy of pi_theta, for metrics only."""
+    """[T] per-token entropy of pi_theta: metrics, and the entropy bonus (with grad) when
+    loss.entropy_coef > 0."""
+    ref_logp: Tensor | None = None
+    """[T] log pi_ref of the reference model (the KL term and kl/mean; constant)."""
     advantages_per_token: bool | None = None
     """Whether `advantages` is [T]; None infers it from the shape (an error when S == T)."""
 
@@ -184,7 +233,7 @@ class PolicyLossInputs:
         t = self.logp.shape
         if self.logp.dim() != 1:
             raise ValueError(f"logp must be 1-D [T], got {tuple(t)}")
-        for name in ("old_logp", "seq_index", "mask", "rollout_logp", "entropy"):
+        for name in ("old_logp", "seq_index", "mask", "rollout_logp", "entropy", "ref_logp"):
             value = getattr(self, name)
             if value is not None and value.shape != t:
                 raise ValueError(f"{name} must have shape [T]={tuple(t)}, got {value.shape}")
@@ -364,7 +413,7 @@ def _common_metrics(
 
 def _check_denominator(denominator: float | Tensor) -> None:
     if isinstance(denominator, int | float) and not denominator > 0:
-        raise ValueError(f"denominator={denominator}: must be the (> 0) global sequence count")
+        raise ValueError(f"denominator={denominator}: must be the > 0 global normaliser")
 
 
 def gspo_loss(
@@ -392,7 +441,10 @@ def gspo_loss(
     if st.tis_seq is not None:
         seq_loss = seq_loss * st.tis_seq[0]  # w_i multiplies the whole per-sequence loss
     # This shard's share of l_i (1 without CP); 0 for sequences with no response token.
-    share = st.local_count / st.count.clamp_min(1)
+    # token_mean: l_i counts once per loss token, i.e. |y_i| * share = this shard's tokens.
+    share = st.local_count
+    if cfg.aggregation == "seq_mean":
+        share = share / st.count.clamp_min(1)
     loss = (seq_loss * share).sum() / denominator
     metrics = _common_metrics(batch, st, cfg)
     metrics.update(_clip_metrics(ratio, adv, st.valid, cfg))
@@ -428,9 +480,11 @@ def _token_level(
         metrics["tis/clip_frac"] = _metric((cut & st.mask).float(), mf)
     elif st.tis_seq is not None:
         term = term * st.tis_seq[0][batch.seq_index]  # w_i multiplies l_i, i.e. all its terms
-    # 1/|y_i| with |y_i| the FULL sequence count, so shards' partial sums add up to the mean.
-    inv_len = 1.0 / st.count.clamp_min(1)
-    loss = torch.where(st.mask, term * inv_len[batch.seq_index], 0).sum() / denominator
+    # 1/|y_i| with |y_i| the FULL sequence count, so shards' partial sums add up to the mean;
+    # token_mean: every token term weighs 1.
+    if cfg.aggregation == "seq_mean":
+        term = term * (1.0 / st.count.clamp_min(1))[batch.seq_index]
+    loss = torch.where(st.mask, term, 0).sum() / denominator
     metrics.update(_clip_metrics(ratio, adv, st.mask, cfg))
     return loss, metrics
 

@@ -26,12 +26,18 @@ class TrainSequence:
     """1 = the token counts in the loss; None = all response tokens count."""
     rollout_logp: Sequence[float] | None = None
     """Engine log-probs when `old_logp` was recomputed (truncated importance correction)."""
+    ref_logp: Sequence[float] | None = None
+    """Reference-model log-probs (loss.kl_coef > 0), filled by the policy before the update."""
+    reward: float | None = None
+    """The sequence's reward and its group (an id shared by the group's members): what
+    loss.kl_in_reward needs to recompute the advantage after the KL penalty."""
+    group: int | None = None
 
     def __post_init__(self) -> None:
         r = len(self.response_ids)
         if not self.prompt_ids:
             raise ValueError(f"sequence {self.seq_id}: empty prompt")
-        for name in ("old_logp", "loss_mask", "rollout_logp"):
+        for name in ("old_logp", "loss_mask", "rollout_logp", "ref_logp"):
             v = getattr(self, name)
             if v is not None and len(v) != r:
                 raise ValueError(

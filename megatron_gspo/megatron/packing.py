@@ -36,6 +36,7 @@ class PackedMicroBatch:
     labels: Tensor  # [T] next-token ids (PAD_ID where masked)
     old_logp: Tensor  # [T]
     rollout_logp: Tensor | None  # [T]
+    ref_logp: Tensor | None  # [T] reference-model log-probs (KL), or None
     mask: Tensor  # [T] float 0/1
     valid: Tensor  # [T] bool, a real token (prompt or response), not padding
     seq_index: Tensor  # [T] long, 0..S-1
@@ -92,8 +93,7 @@ def pack(
         ]
     per_token_adv = not isinstance(seqs[0].advantage, float | int)
     cols: dict[str, list[Tensor]] = {
-        k: []
-        for k in ("ids", "pos", "labels", "old", "roll", "mask", "valid", "sidx", "tpos", "adv")
+        k: [] for k in "ids pos labels old roll ref mask valid sidx tpos adv".split()
     }
     lengths = []
     for i, s in enumerate(seqs):
@@ -105,11 +105,13 @@ def pack(
         labels = torch.full((n,), PAD_ID, dtype=torch.long)
         labels[: s.length - 1] = ids[1 : s.length]
         span = slice(p - 1, p - 1 + r)  # positions that predict the response tokens
-        old, roll, mask, adv = (torch.zeros(n) for _ in range(4))
+        old, roll, ref, mask, adv = (torch.zeros(n) for _ in range(5))
         tpos = torch.full((n,), -1, dtype=torch.long)
         old[span] = torch.tensor(list(s.old_logp), dtype=torch.float32)
         if s.rollout_logp is not None:
             roll[span] = torch.tensor(list(s.rollout_logp), dtype=torch.float32)
+        if s.ref_logp is not None:
+            ref[span] = torch.tensor(list(s.ref_logp), dtype=torch.float32)
         mask[span] = (
             torch.tensor(list(s.loss_mask), dtype=torch.float32) if s.loss_mask is not None else 1.0
         )
@@ -122,6 +124,7 @@ def pack(
         cols["labels"].append(labels[keep])
         cols["old"].append(old[keep])
         cols["roll"].append(roll[keep])
+        cols["ref"].append(ref[keep])
         cols["mask"].append(mask[keep])
         real = s.length if s.seq_id >= 0 else 0  # a padding micro-batch's token is not real
         cols["valid"].append((torch.arange(n) < real)[keep])
@@ -141,6 +144,7 @@ def pack(
         labels=torch.cat(cols["labels"]),
         old_logp=torch.cat(cols["old"]),
         rollout_logp=torch.cat(cols["roll"]) if seqs[0].rollout_logp is not None else None,
+        ref_logp=torch.cat(cols["ref"]) if seqs[0].ref_logp is not None else None,
         mask=torch.cat(cols["mask"]),
         valid=torch.cat(cols["valid"]),
         seq_index=torch.cat(cols["sidx"]),

@@ -10,7 +10,12 @@ Metric names say what they measure:
     drift/abs_logp_diff later mini-batches: policy movement since the rollout plus mismatch
     policy/*, loss, grad_norm   means over the mini-batches (NaN when one was not finite)
     train/skipped_updates       optimizer steps skipped for a non-finite loss or gradient
+    train/empty_updates 1 when loss.mask_truncated left no sequence to train on (no step)
     optim/lr            learning rate of the last optimizer step of the rollout step
+    kl/mean             per-token KL estimate vs the reference model (loss.kl_coef > 0);
+                        first_mb/kl/mean is 0 up to rounding at step 1 (policy == reference)
+    kl/reward_penalty   loss.kl_in_reward: mean kl_coef * sum_t KL_t(pi_old || pi_ref) taken off
+                        the rewards before the advantages were recomputed
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import torch
 
 from megatron_gspo import dist
+from megatron_gspo.algo import group_advantages, sequence_kl
 from megatron_gspo.config import Config
 from megatron_gspo.layout import Layout
 from megatron_gspo.megatron import step as mstep
@@ -36,12 +42,13 @@ from megatron_gspo.megatron.model import (
     quiet_megatron,
 )
 from megatron_gspo.megatron.packing import PackedMicroBatch, TrainSequence
+from megatron_gspo.megatron.reference import ReferenceModel
 from megatron_gspo.megatron.routing import RoutingRecorder, routing_flip_rate, routing_snapshot
 
 __all__ = ["Policy"]
 
 # Copied from the first mini-batch, where the ratio is pure mismatch.
-_FIRST_MB = ("policy/clip_frac", "policy/seq_log_ratio_abs")
+_FIRST_MB = ("policy/clip_frac", "policy/seq_log_ratio_abs", "kl/mean")
 
 
 @dataclass
@@ -53,6 +60,8 @@ class Policy:
     model: list[torch.nn.Module]
     optimizer: Any
     scheduler: Any
+    ref: ReferenceModel | None = None
+    """pi_ref for loss.kl_coef > 0 (a frozen copy of the initial policy), else None."""
 
     @property
     def layout(self) -> Layout:
@@ -72,7 +81,11 @@ class Policy:
         )
         optimizer = build_optimizer(model, cfg.optim)
         total = cfg.train.steps * cfg.rl.mini_batches_per_rollout
-        return cls(cfg, bridge, model, optimizer, build_scheduler(optimizer, cfg.optim, total))
+        ref = None
+        if cfg.loss.kl_coef > 0:  # copied now: before any checkpoint load, the initial policy
+            ref = ReferenceModel.from_policy(bridge, cfg, model, offload=cfg.loss.ref_offload)
+        scheduler = build_scheduler(optimizer, cfg.optim, total)
+        return cls(cfg, bridge, model, optimizer, scheduler, ref=ref)
 
     def plan(self, seqs: Sequence[TrainSequence]) -> list[PackedMicroBatch]:
         return mstep.plan_for_this_rank(seqs, self.layout, self.cfg.train.micro_batch_tokens)
@@ -87,11 +100,12 @@ class Policy:
             fresh = mstep.compute_logprobs(self.model, self.plan(seqs), temperature=temperature)
             for s in seqs:
                 s.rollout_logp, s.old_logp = list(s.old_logp), fresh[s.seq_id].tolist()
+        reward_kl = self._reference_logprobs(seqs) if seqs else {}
         step_cfg = mstep.StepConfig(loss=cfg.loss, temperature=temperature)
         n = cfg.rl.mini_batches_per_rollout
         every = cfg.train.routing_flip_every
         before = probe = None
-        if every and step % every == 0 and RoutingRecorder(self.model).routers:
+        if seqs and every and step % every == 0 and RoutingRecorder(self.model).routers:
             probe = self.plan(seqs[::n])[: self.layout.pp if self.layout.vpp else 1]
             before = routing_snapshot(self.model, probe)
         per_mb: list[dict[str, float]] = []
@@ -105,12 +119,32 @@ class Policy:
             if m["update_successful"]:
                 self.scheduler.step(1)
             per_mb.append(m)
-        out = summarise(per_mb)
+        out = summarise(per_mb) | reward_kl
         out["optim/lr"] = lr
         if before is not None and probe is not None:
             after = routing_snapshot(self.model, probe)
             out |= routing_flip_rate(before, after, probe, sequence_parallel=self.layout.sp)
         return out
+
+    def _reference_logprobs(self, seqs: list[TrainSequence]) -> dict[str, float]:
+        """loss.kl_coef > 0: log pi_ref of every training token onto the sequences (one
+        forward of the reference model per rollout step); with loss.kl_in_reward the KL
+        penalty applied to the rewards and the group advantages recomputed from them."""
+        if self.ref is None:
+            return {}
+        loss = self.cfg.loss
+        ref = self.ref.logprobs(self.plan(seqs), temperature=self.cfg.rollout.temperature)
+        for s in seqs:
+            s.ref_logp = ref[s.seq_id].tolist()
+        if not loss.kl_in_reward:
+            return {}
+        return apply_kl_reward(
+            seqs,
+            kl_coef=loss.kl_coef,
+            estimator=loss.kl_estimator,
+            eps=self.cfg.rl.adv_eps,
+            normalize_std=self.cfg.rl.normalize_std,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs besides model and optimizer (the schedule's position)."""
@@ -120,8 +154,44 @@ class Policy:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+def apply_kl_reward(
+    seqs: list[TrainSequence], *, kl_coef: float, estimator: str, eps: float, normalize_std: bool
+) -> dict[str, float]:
+    """loss.kl_in_reward: r_i <- r_i - kl_coef * sum_t k_t(pi_old || pi_ref) over the loss
+    tokens, then the group advantages again from the penalised rewards (in place). Needs each
+    sequence's `reward`, `group` and `ref_logp`."""
+    if any(s.reward is None or s.group is None or s.ref_logp is None for s in seqs):
+        raise ValueError(
+            "loss.kl_in_reward needs every sequence's reward, group and reference log-probs"
+        )
+    pens = []
+    for s in seqs:
+        r = len(s.response_ids)
+        mask = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r)
+        kl = sequence_kl(
+            torch.tensor(list(s.old_logp), dtype=torch.float64),
+            torch.tensor(list(s.ref_logp or []), dtype=torch.float64),
+            mask,
+            torch.zeros(r, dtype=torch.long),
+            1,
+            estimator,
+        )
+        pens.append(kl_coef * float(kl[0]))
+    rewards = torch.tensor(
+        [float(s.reward or 0.0) - p for s, p in zip(seqs, pens, strict=True)], dtype=torch.float64
+    )
+    groups = torch.tensor([int(s.group or 0) for s in seqs])
+    adv = group_advantages(rewards, groups, eps=eps, normalize_std=normalize_std)
+    for s, a in zip(seqs, adv.tolist(), strict=True):
+        s.advantage = a
+    return {"kl/reward_penalty": sum(pens) / len(pens)}
+
+
 def summarise(per_mb: list[dict[str, float]]) -> dict[str, float]:
-    """One rollout step's metrics from its mini-batches' (see the module docstring)."""
+    """One rollout step's metrics from its mini-batches' (see the module docstring); no
+    mini-batch (loss.mask_truncated left nothing to train on): no update, nothing skipped."""
+    if not per_mb:
+        return {"train/skipped_updates": 0.0, "train/empty_updates": 1.0}
     out: dict[str, float] = {}
     names = {k for m in per_mb for k in m}
     for k in sorted(names):

@@ -12,7 +12,9 @@ micro-batches, pipeline stages and the DP x CP group, and divides the gradients 
 only) and return the SUM of per-sequence losses (each CP shard its share, see
 `megatron_gspo.algo.losses`), so the gradient is that of the mean over the sequences of the
 global mini-batch: every sequence weighs the same whatever its length, micro-batch, DP rank,
-CP split or pipeline schedule.
+CP split or pipeline schedule. With `loss.aggregation=token_mean` `num_tokens` is what its name
+says, this shard's loss tokens (every CP rank counts its own), and the loss the sum of token
+terms: the gradient is that of the mean over the loss tokens of the global mini-batch.
 
 Shape legend: `T` packed tokens of a micro-batch on this CP shard, `Vp` vocab shard.
 """
@@ -34,7 +36,7 @@ from megatron_gspo.algo import (
     PolicyLossInputs,
     cp_seq_sum,
     identity_seq_sum,
-    policy_loss,
+    regularized_loss,
     vocab_parallel_logprobs,
 )
 from megatron_gspo.layout import Layout
@@ -90,6 +92,9 @@ def _logprobs(logits: Tensor, mb: PackedMicroBatch, cfg: StepConfig) -> tuple[Te
 def _policy_loss(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> tuple[Any, ...]:
     logp, entropy = _logprobs(logits, mb, cfg)
     g = _groups()
+    # The entropy bonus differentiates the per-token entropy; otherwise it is a metric only.
+    if cfg.loss.entropy_coef == 0:
+        entropy = entropy.detach()
     batch = PolicyLossInputs(
         logp=logp,
         old_logp=mb.old_logp,
@@ -99,14 +104,22 @@ def _policy_loss(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> tuple
         mask=mb.mask,
         num_seqs=mb.num_seqs,
         rollout_logp=mb.rollout_logp,
-        entropy=entropy.detach(),
+        entropy=entropy,
+        # A padding micro-batch (no sequence, nothing masked in) has no reference log-probs.
+        ref_logp=mb.ref_logp
+        if mb.ref_logp is not None or mb.seq_ids != [-1] or cfg.loss.kl_coef == 0
+        else torch.zeros_like(logp.detach()),
     )
     seq_sum = cp_seq_sum(g["cp_group"]) if g["cp"] > 1 else identity_seq_sum
-    # Sum of per-sequence losses; Megatron divides by the global sequence count (num_tokens).
-    loss, metrics = policy_loss(batch, cfg.loss, denominator=1.0, seq_sum=seq_sum)
-    real = sum(1 for i in mb.seq_ids if i >= 0)
+    # Sum of per-sequence (per-token) losses; Megatron divides by the global sequence (loss
+    # token) count, our `num_tokens`.
+    loss, metrics = regularized_loss(batch, cfg.loss, denominator=1.0, seq_sum=seq_sum)
     # On the loss's device: megatron-core sums it into its own device counter and all-reduces.
-    num_seqs = torch.tensor(real if g["cp_rank"] == 0 else 0, dtype=torch.int, device=loss.device)
+    if cfg.loss.aggregation == "token_mean":  # this CP shard's loss tokens: the shards add up
+        num_seqs = mb.mask.bool().sum().to(device=loss.device, dtype=torch.int)
+    else:
+        real = sum(1 for i in mb.seq_ids if i >= 0) if g["cp_rank"] == 0 else 0
+        num_seqs = torch.tensor(real, dtype=torch.int, device=loss.device)
     return (
         loss,
         num_seqs,
@@ -162,7 +175,8 @@ def _iterators(model: list[torch.nn.Module], mbs: Sequence[PackedMicroBatch]) ->
 def reduce_metrics(outputs: list[dict[str, Any]]) -> dict[str, float]:
     """Sum the per-micro-batch [sum, count] metrics over micro-batches, then over every rank
     that computed some (last pipeline stage, all DP and CP ranks; TP ranks are duplicates and
-    are counted once); return sum / count per name, and `loss` as the mean over sequences.
+    are counted once); return sum / count per name, and `loss` as the mean over sequences (over
+    loss tokens with loss.aggregation=token_mean).
     Identical on every rank."""
     from megatron.core import parallel_state as ps
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.algo import group_advantages
+from megatron_gspo.algo import group_advantages, overlong_penalty
 from megatron_gspo.algo.sequences import TrainSequence
 from megatron_gspo.config import Config
 from megatron_gspo.engines.protocols import RolloutEngine
@@ -92,7 +92,17 @@ class Rollout:
         for i, r in zip(todo, scored.rewards, strict=True):
             values[i] = r
         self._reward_batches.append(scored)
+        if self.cfg.reward.overlong_buffer:  # DAPO: part of the reward dynamic sampling sees
+            pen = self._overlong(samples)
+            values = [v + p for v, p in zip(values, pen.tolist(), strict=True)]
         return values, scored.metrics()
+
+    def _overlong(self, samples: list[Sample]) -> torch.Tensor:
+        """[B] DAPO soft overlong penalty of each sample (reward.overlong_buffer)."""
+        r = self.cfg.reward
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        cap = self.cfg.rollout.episode_tokens  # max_new_tokens for single-turn rollouts
+        return overlong_penalty(lengths, cap, r.overlong_buffer, r.overlong_penalty)
 
     def before_push(self) -> None:
         """Before a weight push: in-flight generation (async mode) stops and keeps its tokens."""
@@ -112,7 +122,15 @@ class Rollout:
         adv = group_advantages(
             rewards, groups, eps=self.cfg.rl.adv_eps, normalize_std=self.cfg.rl.normalize_std
         )
-        seqs = [self._sequence(s, a) for s, a in zip(samples, adv.tolist(), strict=True)]
+        seqs = [
+            self._sequence(s, a, r, g)
+            for s, a, r, g in zip(samples, adv.tolist(), flat, groups.tolist(), strict=True)
+        ]
+        # loss.mask_truncated (DAPO overlong filtering): out of the loss (and its normaliser)
+        # after their group's advantages were computed with them.
+        masked = [s.truncated for s in samples] if self.cfg.loss.mask_truncated else []
+        if any(masked):
+            seqs = [q for q, m in zip(seqs, masked, strict=True) if not m]
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
         zero_var = [float(rewards[groups == i].std(unbiased=False) == 0) for i in groups.unique()]
         stats = batch.stats
@@ -136,6 +154,12 @@ class Rollout:
             **wait,
             **extra,
         }
+        if self.cfg.loss.mask_truncated:
+            metrics["loss/truncated_masked"] = float(sum(masked))
+        if self.cfg.reward.overlong_buffer:
+            pen = self._overlong(samples)
+            metrics["reward/overlong_penalty"] = pen.mean().item()
+            metrics["reward/overlong_frac"] = (pen < 0).double().mean().item()
         return seqs, metrics
 
     def _step_reports(self, samples: list[Sample]) -> dict[str, float]:
@@ -161,7 +185,7 @@ class Rollout:
             print(f"[step rollout] {report}", file=sys.stderr, flush=True)
         return {**env_metrics, **episode_metrics(samples)}
 
-    def _sequence(self, s: Sample, advantage: float) -> TrainSequence:
+    def _sequence(self, s: Sample, advantage: float, reward: float, group: int) -> TrainSequence:
         mask = [int(m) for m in s.logprob_mask]
         old = [lp if m else 0.0 for lp, m in zip(s.logprobs, mask, strict=True)]
         seq = TrainSequence(
@@ -171,6 +195,8 @@ class Rollout:
             old_logp=old,
             advantage=advantage,
             loss_mask=mask,
+            reward=reward,
+            group=group,
         )
         self.next_seq_id += 1
         return seq

@@ -55,7 +55,11 @@ def make_sequences(vocab: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def _train_sequences(
-    raw: list[dict], current: dict[int, torch.Tensor], kind: str, length_weighted: bool
+    raw: list[dict],
+    current: dict[int, torch.Tensor],
+    kind: str,
+    length_weighted: bool,
+    with_ref: bool = False,
 ) -> list[TrainSequence]:
     mean_len = sum(len(s["response_ids"]) for s in raw) / len(raw)
     seqs = []
@@ -75,6 +79,8 @@ def _train_sequences(
                 response_ids=s["response_ids"],
                 old_logp=old,
                 advantage=adv,
+                # pi_ref: the current policy moved by a deterministic per-token offset
+                ref_logp=(cur + 50 * noise.flip(0)).tolist() if with_ref else None,
             )
         )
     return seqs
@@ -137,9 +143,12 @@ def run_case(bridge: Any, case: dict[str, Any]) -> dict[str, Any]:
         raw, {s["seq_id"]: torch.zeros(len(s["response_ids"])) for s in raw}, "gspo", False
     )
     current = mstep.compute_logprobs(model, plan(placeholder))
-    seqs = _train_sequences(raw, current, kind, case.get("plant") == "length_weighted")
+    loss_kw = case.get("loss", {})
+    seqs = _train_sequences(
+        raw, current, kind, case.get("plant") == "length_weighted", "kl_coef" in loss_kw
+    )
     mbs = plan(seqs)
-    cfg = mstep.StepConfig(loss=PolicyLossConfig(kind=kind))
+    cfg = mstep.StepConfig(loss=PolicyLossConfig(kind=kind, **loss_kw))
     if case.get("plant") == "micro_batch_mean":
         _micro_batch_mean_step(model, opt, mbs, cfg, dp, len(seqs))
         metrics: dict[str, float] = {}

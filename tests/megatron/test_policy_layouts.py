@@ -6,6 +6,8 @@ sequences of unequal lengths split into micro-batches of unequal sizes (and a di
 micro-batch split per layout). Gradients are compared as the weight delta of an Adam step with
 lr = eps >> |g|, gathered to full HF tensors.
 Planted reductions (per-micro-batch mean; length-weighted) must fail the same comparison.
+The token-mean aggregation with the KL and entropy terms on (loss.aggregation=token_mean,
+loss.kl_coef, loss.entropy_coef) is compared the same way at DP=2, CP=2 and PP=2.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ EXTRA = {  # name: (layout, kind, distopt)
     "dp2-gspo_token": ("dp2", "gspo_token", False),
     "ep2-distopt": ("ep2", "gspo", True),
 }
+# loss.aggregation=token_mean with the KL (k3) and entropy terms on
+REG = dict(aggregation="token_mean", kl_coef=0.5, kl_estimator="k3", entropy_coef=0.05)
+REG_LAYOUTS = ("dp2", "cp2", "pp2")
 GRAD_TOL, METRIC_TOL = 2e-4, 1e-5
 
 
@@ -48,6 +53,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def reference(hf_dir: str) -> dict:
     cases = [dict(name=k, layout={}, kind=k) for k in ("gspo", "gspo_token", "grpo")]
     cases.append(dict(name="micro_batch_mean", layout={}, plant="micro_batch_mean"))
+    cases.append(dict(name="token_mean", layout={}, loss=REG))
     return spawn_ranks(policy_ranks.main, 1, hf_dir, cases)[0]
 
 
@@ -61,6 +67,7 @@ def parallel(hf_dir: str) -> list[dict]:
         dict(name="dp2-micro_batch_mean", layout={}, plant="micro_batch_mean"),
         dict(name="dp2-length_weighted", layout={}, plant="length_weighted"),
     ]
+    cases += [dict(name=f"{n}-token_mean", layout=LAYOUTS[n], loss=REG) for n in REG_LAYOUTS]
     return spawn_ranks(policy_ranks.main, 2, hf_dir, cases)
 
 
@@ -148,3 +155,18 @@ def test_planted_length_weighting_is_caught(parallel, reference, init) -> None:
         parallel[0]["dp2-length_weighted"]["weights"], reference["gspo"]["weights"], init
     )
     assert err > 100 * GRAD_TOL, f"a length-weighted reduction went unnoticed ({err})"
+
+
+@pytest.mark.parametrize("name", REG_LAYOUTS)
+def test_token_mean_with_kl_and_entropy_matches_single_rank(name, parallel, reference, init):
+    """The global token normaliser (num_tokens = loss tokens, every CP shard its own) and the
+    added terms are layout-invariant; the case differs from the sequence mean (it can fail)."""
+    ref, got = reference["token_mean"], parallel[0][f"{name}-token_mean"]
+    err = _grad_err(got["weights"], ref["weights"], init)
+    assert err < GRAD_TOL, f"{name}: gradient relative error {err}"
+    m, m_ref = got["metrics"], ref["metrics"]
+    assert set(m) == set(m_ref) and {"kl/mean", "kl/loss", "entropy/loss"} <= set(m)
+    for k, v in m_ref.items():
+        assert m[k] == pytest.approx(v, rel=METRIC_TOL, abs=1e-6), f"{name}: metric {k}"
+    assert m_ref["kl/mean"] > 1e-4  # pi_ref differs: the KL term is live
+    assert _grad_err(ref["weights"], reference["gspo"]["weights"], init) > 100 * GRAD_TOL
