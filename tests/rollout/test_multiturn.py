@@ -267,7 +267,6 @@ def test_a_real_engine_scores_exactly_the_trainers_ids(client_a, ckpt_a):
     log-prob 0 and mask False."""
     from megatron_gspo.envs.pool import EnvPool
     from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec
-
     from tests.engines.helpers import hf_model, rescore
 
     record = PromptRecord(index=0, prompt="add 1+5=", answer="6")
