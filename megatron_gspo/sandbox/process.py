@@ -13,7 +13,11 @@ it in a child process that speaks JSON lines (see `worker.py`). A child:
   before each call, the kernel's SIGXCPU kills a call that burns more, e.g. with many threads
   inside the wall timeout);
 * is killed by the parent when one call runs past its wall timeout (`reward.timeout_s`);
-* gets SIGKILL when the trainer dies (Linux `PR_SET_PDEATHSIG`).
+* gets SIGKILL when the trainer dies (Linux `PR_SET_PDEATHSIG`);
+* runs in a session (and process group) of its own: killing it kills its whole group, so
+  processes the user code forks (a compiler, a shell, `multiprocessing` children) end with it
+  instead of outliving the run and holding its stdout / stderr (a `... | tail` that never
+  ends). Descendants that left the group (`setsid`) are found through /proc and killed too.
 
 A dead or killed worker is replaced by the caller; `death_reason` turns its exit status into one
 line that names the limit it hit.
@@ -98,6 +102,7 @@ class WorkerProcess:
             env=worker_env(limits.pass_env),
             text=True,
             bufsize=1,
+            start_new_session=True,  # its own process group: `kill` reaches what it forks
         )
         self.task: int | None = None
         self.started = 0.0
@@ -180,8 +185,8 @@ class WorkerProcess:
         return self.proc.stdout.readline() if self._readable(timeout_s) else ""
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """SIGKILL the worker, its process group and every descendant still attached to it."""
+        kill_tree(self.proc)
         self.proc.wait()
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
@@ -189,3 +194,26 @@ class WorkerProcess:
                     stream.close()
                 except OSError:
                     pass
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`'s descendants, its process group (it leads one: `start_new_session`) and
+    `proc` itself. Descendants are listed first, while `proc` still links them (a child
+    re-parented to init once its parent is gone cannot be found any more)."""
+    try:
+        import psutil
+
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:  # psutil missing, or proc already gone: the group kill still runs
+        family = []
+    for p in family:
+        try:
+            p.kill()
+        except Exception:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.kill()

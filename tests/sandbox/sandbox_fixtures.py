@@ -45,3 +45,13 @@ class PidEnv:
 
     def step(self, text):
         return None, float(os.getpid()), True
+
+
+def forks(prompt, response, answer):
+    """Start a `sleep` that outlives the call (as a compiler or a shell the reward runs would),
+    in this process group, and one more in a session of its own; returns nothing useful."""
+    import subprocess
+
+    subprocess.Popen(["sleep", "300"])  # inherits the worker's stderr, as forked code does
+    subprocess.Popen(["sleep", "301"], start_new_session=True)
+    return 1.0
