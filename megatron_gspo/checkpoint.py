@@ -7,7 +7,11 @@ and `hf_config/`; `<checkpoint.dir>/latest` names the newest complete one.
 
 Every checkpoint directory carries `checksums.json` (sha256 and size of every other file in it,
 sub-directories included), written by `write_manifest` while the directory still has its
-temporary name: a directory named `step_N` is complete. `--resume` checks the checkpoint that
+temporary name: a directory named `step_N` is complete. Complete means every file a checkpoint
+must have (`required_files`: each rank's `__<rank>_0.distcp` shard, `trainer_rank<r>.pt` and
+`adam_steps_rank<r>.pt`, `.metadata`, ...), not just the files that happen to be there:
+`write_manifest` refuses to seal a directory that lacks one and `verify` refuses a manifest
+that does not list one (e.g. a step directory two runs wrote into at once). `--resume` checks the checkpoint that
 `latest` names before anything is loaded and refuses a damaged one, naming the first bad file
 and the earlier checkpoints to fall back to (by hand: a silent fall-back would replay steps the
 user believes done). Both are collective: each rank hashes its share of the files.
@@ -45,6 +49,7 @@ __all__ = [
     "has_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
+    "required_files",
     "save_checkpoint",
     "step_dir_name",
     "verify",
@@ -136,8 +141,31 @@ def _share(items: list[str]) -> list[str]:
     return items[rank::world]
 
 
+def required_files(world_size: int) -> list[str]:
+    """The files every checkpoint of a `world_size`-rank job has (megatron-core's torch_dist
+    writer gives each rank at least the shard file `__<rank>_0.distcp`)."""
+    from megatron_gspo.weights.convert import HF_CONFIG_DIR, META_FILE
+
+    shared = [".metadata", "metadata.json", META_FILE, f"{HF_CONFIG_DIR}/config.json", "rollout.pt"]
+    per_rank = [
+        name
+        for r in range(world_size)
+        for name in (f"__{r}_0.distcp", f"trainer_rank{r}.pt", f"adam_steps_rank{r}.pt")
+    ]
+    return sorted(shared + per_rank)
+
+
+def _world_size() -> int:
+    import torch
+
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
 def write_manifest(directory: str | Path) -> None:
-    """Collective, once every rank's files are in `directory`: rank 0 writes `checksums.json`."""
+    """Collective, once every rank's files are in `directory`: rank 0 writes `checksums.json`.
+    Raises RuntimeError on every rank (and writes nothing) when a required file is missing."""
     directory = Path(directory)
     mine = {
         name: {"sha256": _digest(directory / name), "bytes": (directory / name).stat().st_size}
@@ -146,9 +174,21 @@ def write_manifest(directory: str | Path) -> None:
     entries: dict[str, Any] = {}
     for part in _gather(mine):
         entries.update(part)
+    world = _world_size()
+    missing = [name for name in required_files(world) if name not in entries]
+    if missing:  # the same verdict on every rank: each has every rank's entries
+        raise RuntimeError(
+            f"{directory}: the checkpoint lacks {', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''} after every rank wrote it (did another run "
+            "write into the same checkpoint.dir?); it is not sealed and `latest` is unchanged"
+        )
     if int(os.environ.get("RANK", "0")) == 0:
-        text = json.dumps({"algorithm": "sha256", "files": dict(sorted(entries.items()))}, indent=1)
-        (directory / MANIFEST).write_text(text + "\n")
+        manifest = {
+            "algorithm": "sha256",
+            "world_size": world,
+            "files": dict(sorted(entries.items())),
+        }
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def _problem(directory: Path, name: str, want: dict[str, Any]) -> str | None:
@@ -180,6 +220,7 @@ def verify(directory: str | Path) -> None:
             for name in _share(sorted(files))
             if (why := _problem(directory, name, files[name])) is not None
         ]
+        local += [(name, why) for name, why in _unlisted(directory, files)]
     found = sorted(p for part in _gather(local) for p in part)
     if found:
         name, why = found[0]
@@ -188,6 +229,23 @@ def verify(directory: str | Path) -> None:
             f"{directory / name}: {why}{more}; the checkpoint cannot be resumed. "
             f"{_fallback_hint(directory)}"
         )
+
+
+def _unlisted(directory: Path, files: dict[str, Any]) -> list[tuple[str, str]]:
+    """Required files the manifest does not list (checked on rank 0 only: one report each)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return []
+    from megatron_gspo.weights.convert import META_FILE
+
+    try:
+        world = int(json.loads((directory / META_FILE).read_text())["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        world = 1  # META_FILE itself is then reported as not listed or damaged
+    return [
+        (name, "not in the checkpoint's manifest: the checkpoint is incomplete")
+        for name in required_files(world)
+        if name not in files
+    ]
 
 
 def _fallback_hint(directory: Path) -> str:

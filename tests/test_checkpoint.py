@@ -5,6 +5,7 @@ flipped byte in a real one is refused by the entry point)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from megatron_gspo.checkpoint import (
     MANIFEST,
     check_resume_layout,
     latest_checkpoint,
+    required_files,
     verify,
     write_manifest,
 )
@@ -25,6 +27,8 @@ from megatron_gspo.weights.convert import META_FILE
 def _checkpoint(root: Path, step: int, layout: Layout | None = None, world: int = 2) -> Path:
     d = root / f"step_{step:06d}"
     (d / "hf_config").mkdir(parents=True)
+    for name in required_files(world):  # what a `world`-rank job writes
+        (d / name).write_bytes(name.encode())
     (d / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
     (d / ".metadata").write_bytes(b"torch dist metadata")
     (d / "trainer_rank0.pt").write_bytes(b"x" * 1000)
@@ -47,10 +51,33 @@ def _refusal(path: Path) -> str:
 def test_manifest_lists_every_file_and_an_intact_checkpoint_passes(tmp_path: Path) -> None:
     d = _checkpoint(tmp_path, 2)
     files = json.loads((d / MANIFEST).read_text())["files"]
-    assert sorted(files) == sorted(
-        [".metadata", "__0_0.distcp", "hf_config/config.json", META_FILE, "trainer_rank0.pt"]
-    )
+    assert sorted(files) == required_files(2)
+    assert "__1_0.distcp" in files and "trainer_rank1.pt" in files
     verify(d)  # no error
+
+
+def test_a_checkpoint_without_a_required_file_is_never_valid(tmp_path: Path) -> None:
+    """Issue 26 (1): the manifest must cover the files a checkpoint must have, not the files
+    that happen to be there (two runs writing one step directory left one without its shards
+    that passed). The reference: the same directory with the file passes."""
+    d = _checkpoint(tmp_path, 2)
+    (d / "__1_0.distcp").unlink()
+    # a manifest of the files present (what the writer sealed before)
+    present = {
+        p.relative_to(d).as_posix(): {
+            "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+            "bytes": p.stat().st_size,
+        }
+        for p in d.rglob("*")
+        if p.is_file() and p.name != MANIFEST
+    }
+    (d / MANIFEST).write_text(json.dumps({"algorithm": "sha256", "files": present}))
+    msg = _refusal(d)
+    assert msg.startswith(f"{d / '__1_0.distcp'}: not in the checkpoint's manifest"), msg
+    # the writer refuses to seal such a directory at all (world size 1 here: rank 0's shard)
+    (d / "__0_0.distcp").unlink()
+    with pytest.raises(RuntimeError, match=r"lacks __0_0\.distcp"):
+        write_manifest(d)
 
 
 def test_a_flipped_byte_is_refused_naming_the_file(tmp_path: Path) -> None:
