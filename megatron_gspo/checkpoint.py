@@ -11,10 +11,12 @@ temporary name: a directory named `step_N` is complete. Complete means every fil
 must have (`required_files`: each rank's `__<rank>_0.distcp` shard, `trainer_rank<r>.pt` and
 `adam_steps_rank<r>.pt`, `.metadata`, ...), not just the files that happen to be there:
 `write_manifest` refuses to seal a directory that lacks one and `verify` refuses a manifest
-that does not list one (e.g. a step directory two runs wrote into at once). `--resume` checks the checkpoint that
-`latest` names before anything is loaded and refuses a damaged one, naming the first bad file
-and the earlier checkpoints to fall back to (by hand: a silent fall-back would replay steps the
-user believes done). Both are collective: each rank hashes its share of the files.
+that does not list one (e.g. a step directory two runs wrote into at once).
+
+`--resume` checks the checkpoint that `latest` names before anything is loaded and refuses a
+damaged one, naming the first bad file and the earlier checkpoints to fall back to (by hand: a
+silent fall-back would replay steps the user believes done). Both are collective: each rank
+hashes its share of the files.
 
 `check_resume_layout` (preflight, no megatron-core) refuses a resume at a parallel layout or
 world size other than the checkpoint's: the optimizer state (`dp_reshardable`) is only tested

@@ -13,29 +13,27 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from megatron_gspo.checkpoint import check_resume_layout, has_checkpoint, remove_checkpoints
+from megatron_gspo.checkpoint import check_resume_layout
 from megatron_gspo.config import Config
 from megatron_gspo.config_io import ConfigError, require
 from megatron_gspo.data.prompts import load_prompt_jsonl
 from megatron_gspo.engines.interpreter import sglang_python
+from megatron_gspo.run_dir import check_run_paths, previous_run_files
 
 __all__ = ["check_run_dir", "preflight", "read_hf_config"]
-
-# What a previous run leaves: refused unless --resume or --overwrite.
-_RUN_FILES = ("metrics.jsonl",)
 
 
 def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) -> None:
     """Every input check that needs no megatron-core: run directory, model directory, dtype for
     the device, the layout against `world_size`, the prompt file and the reward module. Raises
-    `ConfigError` (one line naming the file, line or key). With `overwrite`, rank 0 then deletes
-    the previous run's metrics and checkpoints."""
+    `ConfigError` (one line naming the file, line or key). Nothing is written or deleted here:
+    `--overwrite` clears the previous run only once the new one has started
+    (`run_dir.clear_previous_run`, called by `train.main`)."""
+    check_run_paths(cfg)
     check_run_dir(cfg, resume=resume, overwrite=overwrite)
     hf_config = read_hf_config(cfg.model.hf_path, "model.hf_path")
     if cfg.model.tokenizer_path is not None:
@@ -56,8 +54,6 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
     if cfg.rollout.env is not None:
         _check_module(cfg.rollout.env, "rollout.env")
     _check_engine_python(cfg)
-    if overwrite and int(os.environ.get("RANK", "0")) == 0:
-        _clear_previous_run(cfg)
 
 
 def check_run_dir(cfg: Config, *, resume: bool, overwrite: bool) -> None:
@@ -65,25 +61,12 @@ def check_run_dir(cfg: Config, *, resume: bool, overwrite: bool) -> None:
     second run to metrics.jsonl and replacing its checkpoints silently loses the first."""
     if resume or overwrite:
         return
-    found = [Path(cfg.logging.dir) / name for name in _RUN_FILES]
-    found = [p for p in found if p.exists()]
-    if cfg.checkpoint.dir is not None and (marker := has_checkpoint(cfg.checkpoint.dir)):
-        found.append(marker)
+    found = previous_run_files(cfg)
     require(
         not found,
         f"{found[0] if found else ''}: a previous run is there; pass --resume to continue it, "
         "--overwrite to replace it, or set logging.dir / checkpoint.dir to a new directory",
     )
-
-
-def _clear_previous_run(cfg: Config) -> None:
-    """--overwrite: remove what the new run would otherwise append to or mix with."""
-    log_dir = Path(cfg.logging.dir)
-    for name in (*_RUN_FILES, "train.log", "config.json"):
-        (log_dir / name).unlink(missing_ok=True)
-    shutil.rmtree(log_dir / "tb", ignore_errors=True)  # TensorBoard would show both runs
-    if cfg.checkpoint.dir is not None:
-        remove_checkpoints(cfg.checkpoint.dir)
 
 
 def _check_dir(path: str, key: str) -> Path:

@@ -20,6 +20,7 @@ from megatron_gspo.console import route_third_party_output, third_party_stdio
 from megatron_gspo.engines.protocols import NoEnginesLeft
 from megatron_gspo.metrics_log import MetricsLogger
 from megatron_gspo.preflight import preflight
+from megatron_gspo.run_dir import RunLock, clear_previous_run
 from megatron_gspo.stop import StopSignals
 from megatron_gspo.weights.sync import WeightSync
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     # within train.stop_grace_s (megatron_gspo/stop.py).
     stop = StopSignals(cfg.train.stop_grace_s).install()
     dist.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
+    lock = lock_run_dirs(cfg)  # one run at a time in logging.dir / checkpoint.dir
     if cfg.checkpoint.resume and cfg.checkpoint.dir:  # a damaged checkpoint: before any start
         from megatron_gspo.checkpoint import latest_checkpoint, verify
 
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
             rollout = make_rollout(cfg) if dist.rank() == 0 else None
         sync = WeightSync(policy.bridge, rollout.engine if rollout else [], cfg.weights)
         start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
+        if args.overwrite and dist.rank() == 0:  # only now that the new run has started
+            clear_previous_run(cfg)
         log = MetricsLogger.from_config(
             cfg.logging,
             total_steps=cfg.train.steps,
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         for part in (log, rollout, sync):
             if part is not None:
                 part.close()
+        if lock is not None:
+            lock.release()
     torch.distributed.destroy_process_group()
 
 
@@ -148,6 +154,21 @@ def _loop(
 
         out = f"{cfg.checkpoint.dir}/hf_final"
         export_hf(policy.bridge, policy.model, out, hf_dir=cfg.model.hf_path)
+
+
+def lock_run_dirs(cfg: Config) -> RunLock | None:
+    """Collective: rank 0 locks the run directories; a refusal reaches every rank alike (a
+    ConfigError, exit code 2), so no rank waits for a peer that has left."""
+    lock, error = None, None
+    if dist.rank() == 0:
+        try:
+            lock = RunLock.acquire(cfg)
+        except ConfigError as e:
+            error = str(e)
+    error = dist.broadcast(error)
+    if error is not None:
+        raise ConfigError(error)
+    return lock
 
 
 def _collect(rollout: Rollout | None) -> tuple[Any, Any, str | None]:

@@ -326,19 +326,7 @@ def test_previous_run_is_refused_without_resume_or_overwrite(tmp_path: Path) -> 
     assert (ckpt / "latest").exists()
 
 
-def test_overwrite_clears_the_previous_run(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.delenv("RANK", raising=False)
-    cfg = load_config(_write(tmp_path, _base(tmp_path)))
-    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    (run / "tb").mkdir(parents=True)
-    for name in ("metrics.jsonl", "train.log", "config.json"):
-        (run / name).write_text("old\n")
-    (ckpt / "step_000002").mkdir(parents=True)
-    (ckpt / "latest").write_text("step_000002")
-    (ckpt / "notes.txt").write_text("the user's")
-    _check(cfg, overwrite=True)
-    assert sorted(p.name for p in run.iterdir()) == []
-    assert sorted(p.name for p in ckpt.iterdir()) == ["notes.txt"]
+# --overwrite: tests/run_safety/test_run_dir.py (nothing is deleted before the run has started)
 
 
 def test_resumed_metrics_do_not_repeat_steps(tmp_path: Path) -> None:
