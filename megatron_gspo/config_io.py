@@ -176,7 +176,15 @@ def apply_override(root: type, data: dict[str, Any], override: str) -> None:
                 child = node[part] = {}
             node, cls = child, _section(tp)
     text = text.strip()
-    value = yaml.safe_load(text) if text else ""
+    try:
+        value = yaml.load(text, Loader=_UniqueKeyLoader) if text else ""
+    except yaml.YAMLError as e:
+        if not _accepts_str_only(tp):
+            raise ConfigError(
+                f"--set {override}: {text!r} is not a YAML value ({_yaml_problem(e)}); "
+                "quote it, e.g. --set 'key=\"...\"', or fix the [list] / {mapping}"
+            ) from None
+        value = text  # a string field: `data.system_prompt=[Important] Answer briefly`
     # A string field keeps the literal text: `--set model.hf_path=007` must not become 7.
     if _accepts_str_only(tp) and not isinstance(value, str) and value is not None:
         value = text
@@ -242,12 +250,43 @@ def read_yaml(path: Path) -> Any:
         line = raw[: e.start].count(b"\n") + 1
         raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(
+            f"{path}:{e.line}: duplicate key {e.key!r} (first at line {e.first}); YAML keeps "
+            "only the last one, so merge the two or remove one"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        problem = getattr(e, "problem", None) or getattr(e, "context", None) or "invalid YAML"
-        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+        raise ConfigError(f"{where}: YAML syntax error: {_yaml_problem(e)}") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    return getattr(e, "problem", None) or getattr(e, "context", None) or "invalid YAML"
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.line, self.first = key, line, first
+        self.problem = f"duplicate key {key!r} (lines {first} and {line})"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last
+    silently: a second `optim:` block would reset the first one's values)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in seen and key != "<<":
+                raise _DuplicateKey(key, line, seen[key])
+            if isinstance(key, str | int | float | bool):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def describe_keys(cfg: Any) -> str:
