@@ -17,13 +17,19 @@ before the call (e.g. at import time) cannot be taken back: import heavy librari
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["THIRD_PARTY_LOG", "route_third_party_output", "third_party_stdio"]
+__all__ = [
+    "THIRD_PARTY_LOG",
+    "route_third_party_output",
+    "survive_a_lost_console",
+    "third_party_stdio",
+]
 
 THIRD_PARTY_LOG = "third_party.log"
 _OURS = "megatron_gspo"
@@ -42,7 +48,8 @@ def _is_console(handler: logging.Handler) -> bool:
     if isinstance(handler, logging.FileHandler) or not isinstance(handler, logging.StreamHandler):
         return False
     consoles = {sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__}
-    return any(handler.stream is s for s in consoles)
+    consoles |= {getattr(s, "_stream", None) for s in (sys.stdout, sys.stderr)}
+    return any(handler.stream is s for s in consoles if s is not None)
 
 
 def _is_ours(name: str) -> bool:
@@ -146,3 +153,50 @@ def third_party_stdio(log_dir: str | Path) -> Iterator[Path]:
     with open(path, "a", encoding="utf-8", buffering=1) as f:
         with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
             yield path
+
+
+class _ConsoleStream:
+    """A console stream whose writes stop, silently, once the console is gone: a closed
+    terminal (EIO) or a reader that went away (`| head`: EPIPE). Everything else is the
+    stream's own."""
+
+    _GONE = (errno.EIO, errno.EPIPE, errno.ENXIO)
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.lost = False
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        if self.lost:
+            return None
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.errno not in self._GONE:
+                raise
+            self.lost = True
+            return None
+
+    def write(self, text: str) -> int:
+        self._guard(self._stream.write, text)
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        self._guard(self._stream.writelines, lines)
+
+    def flush(self) -> None:
+        self._guard(self._stream.flush)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def survive_a_lost_console() -> None:
+    """Keep this process running when its console goes away (the terminal or ssh session
+    closed, the reader of a pipe gone): writes to stdout / stderr then do nothing instead of
+    raising in the middle of a step, so the run reaches its checkpoint (the SIGHUP that
+    follows is a graceful stop: `stop.py`). Idempotent."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _ConsoleStream):
+            setattr(sys, name, _ConsoleStream(stream))

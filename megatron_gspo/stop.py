@@ -17,9 +17,15 @@
   thread is stuck in a collective with a dead peer (a C call, where Python signal handlers do
   not run): the signal numbers reach a watchdog thread through `signal.set_wakeup_fd`, which
   the C-level handler writes at once.
+* SIGHUP (the terminal or ssh session closed; torchrun forwards it to its workers) is a
+  graceful stop like SIGTERM, never a forced one. When stdout / stderr are that terminal they
+  are pointed at /dev/null first: writes to a hung-up terminal fail (EIO), and a failing
+  print must not end the step that is about to be checkpointed.
 * The launcher dying (torchrun SIGKILLed, or torchrun exiting on a second Ctrl-C while it
-  waits for its workers) delivers SIGINT to each rank (`PR_SET_PDEATHSIG`): a graceful stop if
-  it is the first, a forced one otherwise.
+  waits for its workers) delivers SIGINT to each rank (`PR_SET_PDEATHSIG`). Such a SIGINT is
+  told from a user's by the parent PID having changed: it is a graceful stop, unless a user's
+  SIGINT came before it (then the second Ctrl-C it stands for forces the exit). Further
+  SIGINTs within `LAUNCHER_DEATH_WINDOW_S` of it are the same event and change nothing.
 
 A forced exit SIGKILLs this process's children (engines, reward workers) before `os._exit`;
 they also die with their parent by their own `PR_SET_PDEATHSIG`.
@@ -36,7 +42,8 @@ import time
 __all__ = ["FORCED_EXIT_CODE", "StopSignals", "seen_sigint"]
 
 FORCED_EXIT_CODE = 130  # the shell's code for "ended by SIGINT"
-_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+LAUNCHER_DEATH_WINDOW_S = 5.0
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StopSignals:
@@ -47,6 +54,8 @@ class StopSignals:
         self.requested: str | None = None  # name of the first stop signal received
         self._first_at = 0.0
         self._sigints = 0
+        self._parent = os.getppid()  # the launcher; a SIGINT once it changed is its death
+        self._launcher_died_at: float | None = None
         self._lock = threading.Lock()
 
     def install(self) -> StopSignals:
@@ -80,10 +89,21 @@ class StopSignals:
     def on_signal(self, signum: int) -> None:
         """What one delivered signal does (called by the watchdog thread)."""
         name = signal.Signals(signum).name
+        now = time.monotonic()
+        if signum == signal.SIGHUP:
+            _detach_from_terminal()
         with self._lock:
+            died_at = self._launcher_died_at
+            if signum == signal.SIGINT and os.getppid() != self._parent:
+                if died_at is not None and now - died_at < LAUNCHER_DEATH_WINDOW_S:
+                    return  # the same launcher death, delivered again
+                if died_at is None:
+                    self._launcher_died_at = now
+                    name = "SIGINT (the launcher died)"
+                    signum = signal.SIGTERM if self._sigints == 0 else signum
             first = self.requested is None
             if first:
-                self.requested, self._first_at = name, time.monotonic()
+                self.requested, self._first_at = name, now
             if signum == signal.SIGINT:
                 self._sigints += 1
             forced = self._sigints >= 2 or (self._sigints == 1 and signum == signal.SIGTERM)
@@ -131,7 +151,27 @@ def _wait_readable(fd: int, timeout: float | None) -> bool:
 
 def _say(text: str) -> None:
     rank = os.environ.get("RANK", "0")
-    print(f"{text} (rank {rank})", file=sys.stderr, flush=True)
+    try:
+        print(f"{text} (rank {rank})", file=sys.stderr, flush=True)
+    except OSError:  # a console gone (EIO, EPIPE) must not stop the watchdog thread
+        pass
+
+
+def _detach_from_terminal() -> None:
+    """Point stdout / stderr at /dev/null where they are a terminal (a hung-up one fails every
+    write); files and pipes (a log, `| tee`) are kept."""
+    null = None
+    for fd in (1, 2):
+        try:
+            if not os.isatty(fd):
+                continue
+            if null is None:
+                null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+        except OSError:
+            pass
+    if null is not None:
+        os.close(null)
 
 
 def _kill_children() -> None:

@@ -16,7 +16,11 @@ import torch
 
 from megatron_gspo import dist, faults
 from megatron_gspo.config import Config, ConfigError, dump_config, parse_cli
-from megatron_gspo.console import route_third_party_output, third_party_stdio
+from megatron_gspo.console import (
+    route_third_party_output,
+    survive_a_lost_console,
+    third_party_stdio,
+)
 from megatron_gspo.engines.protocols import NoEnginesLeft
 from megatron_gspo.metrics_log import MetricsLogger
 from megatron_gspo.preflight import preflight
@@ -56,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM / Ctrl-C from here on: a checkpoint at the next step boundary, every rank gone
     # within train.stop_grace_s (megatron_gspo/stop.py).
     stop = StopSignals(cfg.train.stop_grace_s).install()
+    survive_a_lost_console()  # a closed terminal: the step goes on to its checkpoint
     dist.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
     lock = lock_run_dirs(cfg)  # one run at a time in logging.dir / checkpoint.dir
     if cfg.checkpoint.resume and cfg.checkpoint.dir:  # a damaged checkpoint: before any start
