@@ -30,6 +30,7 @@ __all__ = [
     "PromptDataset",
     "PromptLoader",
     "PromptRecord",
+    "engine_context_length",
     "epoch_order",
     "load_prompt_jsonl",
     "render_prompt",
@@ -178,40 +179,79 @@ class PromptDataset(Sequence[PromptRecord]):
         chat_template: bool = True,
         system_prompt: str | None = None,
         max_prompt_tokens: int | None = None,
+        context: tuple[int, int, str] | None = None,
         source: str = "the prompt dataset",
     ) -> None:
+        """context: (the engine's context length, the response budget, the budget's key):
+        prompts longer than their difference cannot be served (SGLang refuses a request whose
+        prompt plus max_new_tokens exceeds its context) and are dropped here, counted."""
         self.records = records
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt
         self.max_prompt_tokens = max_prompt_tokens
         self.num_too_long = 0  # prompts dropped for being longer than max_prompt_tokens
+        self.num_over_context = 0  # ... for not fitting the engine's context with the budget
+        limits = []
         if max_prompt_tokens is not None:
+            limits.append((max_prompt_tokens, f"data.max_prompt_tokens={max_prompt_tokens}"))
+        if context is not None:
+            context_len, budget, budget_key = context
+            limits.append(
+                (
+                    context_len - budget,
+                    f"the engine's context of {context_len} tokens with {budget_key}={budget} "
+                    "response tokens",
+                )
+            )
+        if limits:
             if tokenizer is None:
-                raise ValueError("max_prompt_tokens needs a tokenizer")
+                raise ValueError("max_prompt_tokens / context need a tokenizer")
             # Filtered here, once, rather than at the step that samples one: an over-long prompt
             # would otherwise fail (or be truncated by) the engine mid-run.
             lengths = [len(self.encode(r)) for r in records]
-            kept = [r for r, n in zip(records, lengths) if n <= max_prompt_tokens]
-            self.num_too_long = len(records) - len(kept)
-            if not kept:
-                raise DatasetError(
-                    f"{source}: all {len(records)} prompts are longer than "
-                    f"data.max_prompt_tokens={max_prompt_tokens} (shortest: {min(lengths)} "
-                    "tokens); raise data.max_prompt_tokens"
-                )
-            if self.num_too_long:
-                print(
-                    f"[data] {source}: dropped {self.num_too_long} of {len(records)} prompts "
-                    f"longer than data.max_prompt_tokens={max_prompt_tokens} tokens (longest: "
-                    f"{max(lengths)}); {len(kept)} remain",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            self.records = kept
+            for i, (limit, what) in enumerate(limits):
+                records, lengths = self._drop_longer(records, lengths, limit, what, source)
+                if i == 0 and max_prompt_tokens is not None:
+                    self.num_too_long = self._dropped
+                else:
+                    self.num_over_context = self._dropped
+            self.records = records
+
+    def _drop_longer(
+        self, records: list[PromptRecord], lengths: list[int], limit: int, what: str, source: str
+    ) -> tuple[list[PromptRecord], list[int]]:
+        """Keep the records of at most `limit` tokens; one stderr line counting the others."""
+        kept = [(r, n) for r, n in zip(records, lengths) if n <= limit]
+        self._dropped = len(records) - len(kept)
+        if not kept:
+            fix = "raise data.max_prompt_tokens"
+            if not what.startswith("data."):
+                fix = f"at most {limit} prompt tokens fit: lower rollout.max_new_tokens or raise "
+                fix += "the engine's context length"
+            raise DatasetError(
+                f"{source}: all {len(records)} prompts are longer than {what} (shortest: "
+                f"{min(lengths)} tokens); {fix}"
+            )
+        if self._dropped:
+            longest = max(lengths)
+            what_line = (
+                f"longer than {what} tokens"
+                if what.startswith("data.")
+                else f"that do not fit {what} (over {limit} prompt tokens)"
+            )
+            print(
+                f"[data] {source}: dropped {self._dropped} of {len(records)} prompts "
+                f"{what_line} (longest: {longest}); {len(kept)} remain",
+                file=sys.stderr,
+                flush=True,
+            )
+        return [r for r, _ in kept], [n for _, n in kept]
 
     @classmethod
-    def from_config(cls, data_cfg: Any, tokenizer: Any = None) -> PromptDataset:
+    def from_config(
+        cls, data_cfg: Any, tokenizer: Any = None, context: tuple[int, int, str] | None = None
+    ) -> PromptDataset:
         """Build from a `megatron_gspo.config.DataConfig`."""
         records = load_prompt_jsonl(
             data_cfg.train_path,
@@ -225,6 +265,7 @@ class PromptDataset(Sequence[PromptRecord]):
             chat_template=data_cfg.chat_template,
             system_prompt=data_cfg.system_prompt,
             max_prompt_tokens=data_cfg.max_prompt_tokens,
+            context=context,
             source=str(data_cfg.train_path),
         )
 
@@ -337,3 +378,37 @@ class PromptLoader:
             raise ValueError(f"corrupt prompt loader state {state}")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self._order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
+
+
+# config.json keys SGLang reads the context length from, in its order: the first present one
+# (times the rope scaling factor where SGLang applies it) is the engine's context.
+_CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                 "max_position_embeddings")  # fmt: skip
+
+
+def engine_context_length(hf_path: str | Path, extra_args: Sequence[str] = ()) -> int | None:
+    """The context length of an SGLang (or embedded) engine serving `hf_path`:
+    `--context-length` among its launch flags, else the rule of SGLang's `get_context_length`
+    on the model's config.json; None when the config names none (no filter then)."""
+    args = list(extra_args)
+    for i, arg in enumerate(args):
+        if arg == "--context-length" and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--context-length="):
+            return int(arg.partition("=")[2])
+    try:
+        config = json.loads((Path(hf_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    rope = config.get("rope_scaling") or {}
+    factor = rope.get("factor", 1) if isinstance(rope, dict) else 1
+    if not isinstance(rope, dict) or "original_max_position_embeddings" in rope:
+        factor = 1
+    elif rope.get("rope_type") == "llama3":
+        factor = 1
+    for key in _CONTEXT_KEYS:
+        if isinstance(config.get(key), int | float):
+            return int(factor * config[key])
+    return None

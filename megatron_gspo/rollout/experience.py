@@ -223,14 +223,22 @@ def make_rollout(cfg: Config) -> Rollout:
     """Rank 0: start (or connect to) the engines, load prompts, tokenizer and rewards."""
     from transformers import AutoTokenizer
 
-    from megatron_gspo.data.prompts import PromptDataset, PromptLoader
+    from megatron_gspo.data.prompts import PromptDataset, PromptLoader, engine_context_length
     from megatron_gspo.engines.connect import connect
     from megatron_gspo.rewards.pool import build_reward_pool
 
     r = cfg.rollout
     engine, servers = connect(r.launch, r.client, log_dir=Path(cfg.logging.dir) / "engines")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
-    dataset = PromptDataset.from_config(cfg.data, tokenizer)
+    # Prompts that cannot fit the engine's context with the response budget: dropped here,
+    # counted, instead of an HTTP 400 that ends the step that samples one.
+    context_len = engine_context_length(
+        cfg.model.hf_path, r.launch.extra_args if r.launch is not None else ()
+    )
+    context = (
+        None if context_len is None else (context_len, r.max_new_tokens, "rollout.max_new_tokens")
+    )
+    dataset = PromptDataset.from_config(cfg.data, tokenizer, context)
     loader = PromptLoader(
         dataset, cfg.rl.prompts_per_rollout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
     )
