@@ -21,6 +21,7 @@ at), so the reverse conversion needs nothing but the directory. Layouts are
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -66,22 +67,54 @@ def check_layout(layout: Layout, hf_config: Any) -> int:
         raise ConversionError(f"layout {layout.name()} does not fit: {e}") from e
 
 
-def _check_output(out_dir: Path, force: bool) -> None:
-    """Refuse a non-empty output unless `force` (before any work; nothing is deleted here)."""
-    if out_dir.exists() and any(out_dir.iterdir()) and not force:
-        raise ConversionError(f"{out_dir} exists and is not empty; pass --force to overwrite")
+# What each direction writes into its output directory; anything else there is the user's.
+MEGATRON_OUTPUT = ("*.distcp", ".metadata", "common.pt", "metadata.json", META_FILE, HF_CONFIG_DIR)
+HF_OUTPUT = ("*.safetensors", hf_io.INDEX_NAME, "config.json", *hf_io.SIDE_FILES)
 
 
-def _prepare_output(out_dir: Path, force: bool) -> None:
-    """Refuse a non-empty output unless `force`; rank 0 clears it, everyone waits."""
-    _check_output(out_dir, force)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        dist.barrier()  # nobody may still be reading it
-        if dist.rank() == 0:
-            shutil.rmtree(out_dir)
-    dist.barrier()
+def _check_output(out_dir: Path, force: bool, writes: tuple[str, ...], src: Path) -> None:
+    """Before any work, nothing deleted: the output is not the input (or inside / around it),
+    holds nothing this tool does not write, and a previous output is replaced only with
+    `force` (was: `--force` removed the whole directory, unrelated files included)."""
+    out_r, src_r = out_dir.resolve(), src.resolve()
+    if out_r == src_r or src_r in out_r.parents or out_r in src_r.parents:
+        raise ConversionError(
+            f"-o {out_dir} overlaps -i {src}: the conversion would overwrite its own input; "
+            "choose an output directory outside it"
+        )
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ConversionError(f"-o {out_dir} is a file, not a directory; choose another -o")
+    entries = sorted(out_dir.iterdir())
+    foreign = [p.name for p in entries if not _written_by(p.name, writes)]
+    if foreign:
+        raise ConversionError(
+            f"-o {out_dir} holds {foreign[0]!r}"
+            f"{f' (and {len(foreign) - 1} more)' if len(foreign) > 1 else ''}, which this tool "
+            "does not write; it replaces only its own previous output (even with --force): "
+            "choose an empty or new directory, or move those files out"
+        )
+    if entries and not force:
+        raise ConversionError(
+            f"-o {out_dir} holds a previous output of this tool; pass --force to replace it"
+        )
+
+
+def _written_by(name: str, writes: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in writes)
+
+
+def _prepare_output(out_dir: Path, force: bool, writes: tuple[str, ...], src: Path) -> None:
+    """`_check_output`; rank 0 then removes what a previous run of this tool wrote there (only
+    that), everyone waits."""
+    _check_output(out_dir, force, writes, src)
+    dist.barrier()  # nobody may still be reading it
     if dist.rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
+        for p in out_dir.iterdir():
+            if _written_by(p.name, writes):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     dist.barrier()
 
 
@@ -199,11 +232,11 @@ def hf_to_megatron(
         raise ConversionError(f"{hf_dir} is not a HF checkpoint (no config.json)")
     if not list(hf_dir.glob("*.safetensors")):
         raise ConversionError(f"{hf_dir} has no *.safetensors weights")
-    _check_output(out_dir, force)
+    _check_output(out_dir, force, MEGATRON_OUTPUT, hf_dir)
     bridge = load_bridge(hf_dir)
     # a layout that does not fit fails here, before --force deletes anything
     check_layout(layout, hf_io.hf_config_of(bridge))
-    _prepare_output(out_dir, force)
+    _prepare_output(out_dir, force, MEGATRON_OUTPUT, hf_dir)
     model = build_for_layout(bridge, layout, dtype)
     check_hf_tensors(bridge, model, hf_dir)
     _say(f"loading {hf_dir} into a {layout.name()} model on {dist.world_size()} ranks")
@@ -258,7 +291,7 @@ def megatron_to_hf(
     hf_dtype: dtype of the written weights (default: the source HF checkpoint's dtype).
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    _check_output(out_dir, force)
+    _check_output(out_dir, force, HF_OUTPUT, ckpt_dir)
     bridge, model = load_megatron(ckpt_dir, layout)
     n = export_hf(
         bridge,
