@@ -232,10 +232,20 @@ def _step_metrics(pushed: Any, seqs: list, t0: float, t1: float, t2: float) -> d
     }
 
 
+def _hold_stop_signals() -> None:
+    """Block the stop signals for the rest of this process: it is exiting with its one line
+    already, and a launcher that ends it now (torchrun, once another rank exited) must not add
+    a "stopping after this step" line or change its exit code."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
 def cli() -> None:
     try:
         main(sys.argv[1:])
     except ConfigError as e:  # bad input (DatasetError included): one line, no traceback
+        _hold_stop_signals()  # torchrun ending this rank now adds no "[train] SIGTERM" line
         if dist.rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         if torch.distributed.is_initialized():

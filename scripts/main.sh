@@ -36,7 +36,8 @@ fresh=(--overwrite)
 for arg in "$@"; do
   case "$arg" in --resume|--overwrite|--dump|*checkpoint.resume=true*) fresh=() ;; esac
 done
-"$py" -m torch.distributed.run --nproc_per_node 2 -m megatron_gspo.train \
+# megatron_gspo.torchrun: torchrun, with bad input refused in one line and exit code 2
+"$py" -m megatron_gspo.torchrun --nproc_per_node 2 -m megatron_gspo.train \
   --config examples/tiny_moe_cpu.yaml ${engine_sets[@]+"${engine_sets[@]}"} \
   ${fresh[@]+"${fresh[@]}"} "$@"
 "$py" tools/plot_metrics.py "$run/metrics.jsonl" --out "$run/reward.png"

@@ -144,7 +144,7 @@ mgspo_start_trainer() {
   nodelist=$(IFS=,; echo "${trainer_nodes[*]}")
   srun --nodes="${#trainer_nodes[@]}" --ntasks-per-node=1 --nodelist="$nodelist" --overlap \
     --kill-on-bad-exit=1 --output="$LOG_DIR/trainer-%N.log" \
-    "$PYTHON" -m torch.distributed.run --nnodes "${#trainer_nodes[@]}" \
+    "$PYTHON" -m megatron_gspo.torchrun --nnodes "${#trainer_nodes[@]}" \
     --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d \
     --rdzv-endpoint "${trainer_nodes[0]}:$RDZV_PORT" --rdzv-id "${SLURM_JOB_ID:-mgspo}" \
     --shutdown-timeout "$GRACE_S" \

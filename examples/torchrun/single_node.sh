@@ -10,5 +10,5 @@ if [[ -n ${GPU_MEM_GB:-} ]]; then
   "$python" -m megatron_gspo.plan --nodes 1 --gpus-per-node "${NPROC:-8}" \
     --gpu-mem-gb "$GPU_MEM_GB" "$@" --quiet
 fi
-exec "$python" -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-8}" \
+exec "$python" -m megatron_gspo.torchrun --standalone --nproc-per-node "${NPROC:-8}" \
   -m megatron_gspo.train "$@"

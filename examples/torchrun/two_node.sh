@@ -16,7 +16,7 @@ python=${PYTHON:-python3}
 if [[ -n ${NET_IF:-} ]]; then
   export NCCL_SOCKET_IFNAME=$NET_IF GLOO_SOCKET_IFNAME=$NET_IF
 fi
-exec "$python" -m torch.distributed.run --nnodes 2 --nproc-per-node "${NPROC:-8}" \
+exec "$python" -m megatron_gspo.torchrun --nnodes 2 --nproc-per-node "${NPROC:-8}" \
   --rdzv-backend c10d --rdzv-endpoint "$HEAD:${RDZV_PORT:-29500}" \
   --rdzv-id "${RDZV_ID:-mgspo-$HEAD}" \
   -m megatron_gspo.train "$@" \

@@ -147,7 +147,7 @@ def _check_trainer(job: Job, hosts: list[str], urls: list[str]) -> dict[str, str
     ((opts, cmd),) = job.of("megatron_gspo.train")
     assert f"--nodes={len(hosts)}" in opts and "--ntasks-per-node=1" in opts
     assert f"--nodelist={','.join(hosts)}" in opts and "--kill-on-bad-exit=1" in opts
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "megatron_gspo.torchrun"]  # torchrun + checks
     assert _value(cmd, "--nnodes") == str(len(hosts))
     assert _value(cmd, "--nproc-per-node") == str(GPUS)
     assert _value(cmd, "--rdzv-backend") == "c10d"

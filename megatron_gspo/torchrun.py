@@ -1,0 +1,108 @@
+"""torchrun, with the job's promise on bad input: one line and exit code 2.
+
+    python -m megatron_gspo.torchrun --nproc_per_node 8 -m megatron_gspo.train --config my.yaml
+
+takes torchrun's own arguments (its parser) and differs in two ways:
+
+* for `-m megatron_gspo.train`, the trainer's input checks (`config.parse_cli` + `preflight`:
+  config, paths, the run directory and its lock, data, model, layout) run once here, before any
+  worker starts: a bad input prints `error: <one line>` and exits 2 at once;
+* when a worker fails, the exit code is that worker's (2 bad input, 3 diverged, 4 no engine
+  left, 128+N for a signal) instead of torchrun's 1, and torchrun's ~40-line
+  `ChildFailedError` report and traceback are replaced by one line (none for code 2, whose
+  line the rank already printed).
+
+Plain `torchrun ... -m megatron_gspo.train` still works: the rank prints the same one line,
+but torchrun then adds its report and exits 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+__all__ = ["main"]
+
+TRAINER = "megatron_gspo.train"
+BAD_INPUT_EXIT_CODE = 2
+
+
+def _world_size(args: Any) -> int | None:
+    """nnodes x nproc_per_node when both are fixed numbers (else the ranks check the layout)."""
+    try:
+        nproc = int(args.nproc_per_node)
+        nnodes = str(args.nnodes)
+        low, _, high = nnodes.partition(":")
+        if high and high != low:
+            return None
+        return int(low) * nproc
+    except (TypeError, ValueError):
+        return None
+
+
+def check_trainer_input(train_argv: list[str], world_size: int | None) -> str | None:
+    """The trainer's input checks, in this process; the one-line message of a refusal."""
+    from megatron_gspo.config import ConfigError, parse_cli
+    from megatron_gspo.preflight import preflight
+
+    try:
+        cfg, args = parse_cli(train_argv)
+        if args.dump or world_size is None:
+            return None
+        preflight(
+            cfg, resume=cfg.checkpoint.resume, overwrite=args.overwrite, world_size=world_size
+        )
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def exit_code_of(failure: Any) -> int:
+    """A failed worker's exit code as a shell reports it (128+N for signal N)."""
+    code = int(getattr(failure, "exitcode", 1) or 1)
+    return 128 - code if code < 0 else code
+
+
+def _quiet_worker_failure_records() -> None:
+    # torchrun's agent logs "failed (exitcode: 2) local_rank: 0 ... of binary: ..." for a worker
+    # that exits non-zero, and "Sending process N closing signal SIGTERM" as it ends the others;
+    # the one line printed below (or by the rank) says it instead.
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            text = record.getMessage()
+            return "failed (exitcode" not in text and "closing signal" not in text
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_Drop())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(argv)
+    if args.module and args.training_script == TRAINER:
+        error = check_trainer_input(list(args.training_script_args), _world_size(args))
+        if error is not None:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            return BAD_INPUT_EXIT_CODE
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    _quiet_worker_failure_records()
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = exit_code_of(failure)
+        if code != BAD_INPUT_EXIT_CODE:  # a refusal's line is already on the console
+            print(
+                f"[torchrun] rank {rank} (pid {failure.pid}) exited with code {code}; its "
+                "output above says why",
+                file=sys.stderr,
+                flush=True,
+            )
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
