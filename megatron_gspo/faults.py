@@ -13,8 +13,10 @@ pass. Unset (every real run), `point` returns at once. Points, in the order a st
 Actions: `sigkill` (this rank dies at once), `raise` (an exception), `hang` (the rank stops
 making progress, as one stuck in a collective with a dead peer), `sigterm` (a SIGTERM to this
 rank only), `sigterm-launcher` (a SIGTERM to the launcher, as a scheduler's preemption notice
-reaches torchrun), `ctrl-c` (a SIGINT to the launcher, as a terminal's Ctrl-C reaches torchrun)
-and `ctrl-c-twice` (the same twice: the second once this rank has seen the first, forwarded).
+reaches torchrun), `ctrl-c` (a SIGINT to the launcher, as a terminal's Ctrl-C reaches torchrun),
+`ctrl-c-twice` (the same twice: the second once this rank has seen the first, forwarded),
+`sighup-launcher` (a SIGHUP to the launcher, as a closed terminal or ssh session sends it) and
+`sigkill-launcher` (the launcher SIGKILLed: the ranks outlive it).
 """
 
 from __future__ import annotations
@@ -27,7 +29,17 @@ from typing import Any
 __all__ = ["ENV", "PlantedFault", "point"]
 
 ENV = "MGSPO_FAULT"
-_ACTIONS = ("sigkill", "raise", "hang", "sigterm", "sigterm-launcher", "ctrl-c", "ctrl-c-twice")
+_ACTIONS = (
+    "sigkill",
+    "raise",
+    "hang",
+    "sigterm",
+    "sigterm-launcher",
+    "ctrl-c",
+    "ctrl-c-twice",
+    "sighup-launcher",
+    "sigkill-launcher",
+)
 _PHASES = ("rollout", "backward", "checkpoint")
 
 
@@ -85,6 +97,10 @@ def _fire(actions: list[str], phase: str, step: int) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
         elif action == "sigterm-launcher":
             os.kill(os.getppid(), signal.SIGTERM)
+        elif action == "sighup-launcher":
+            os.kill(os.getppid(), signal.SIGHUP)
+        elif action == "sigkill-launcher":
+            os.kill(os.getppid(), signal.SIGKILL)
         else:  # ctrl-c, ctrl-c-twice
             os.kill(os.getppid(), signal.SIGINT)
             if action == "ctrl-c-twice":

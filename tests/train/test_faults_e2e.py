@@ -60,6 +60,16 @@ CHAIN: list[tuple[str, int, tuple[str, ...], int | str | None]] = [
     ("sigkill@rollout:4:0", 3, (), "non-zero"),  # rank 0 mid-rollout (rank 1 waits for it)
     ("sigkill@backward:4:1", 3, (), "non-zero"),  # rank 1 mid-backward
     ("sigkill@checkpoint:4:0", 3, (), "non-zero"),  # rank 0 writing the step-4 checkpoint
+    # issue 26: a closed terminal (torchrun forwards its SIGHUP; was: SIGHUP's default action
+    # ended every rank without a checkpoint) ...
+    ("sighup-launcher@rollout:4:0", 4, ("[train] SIGHUP: checkpoint written at step 4",), None),
+    # ... and the launcher SIGKILLed: the ranks' PR_SET_PDEATHSIG SIGINT is a graceful stop
+    (
+        "sigkill-launcher@backward:5:0",
+        5,
+        ("[train] SIGINT (the launcher died): checkpoint written at step 5",),
+        None,
+    ),
     ("", STEPS, (), 0),  # the rest of the run
 ]
 
