@@ -13,7 +13,7 @@ import yaml
 
 from megatron_gspo.config import load_config
 from megatron_gspo.config_io import ConfigError
-from tests.trainer_parts.test_bad_input import _base, _write
+from tests.test_bad_input import _base, _write
 
 
 def _yaml_with(tmp: Path, extra: str) -> Path:

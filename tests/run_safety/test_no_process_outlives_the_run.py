@@ -14,11 +14,11 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
-FIX = "tests.trainer_parts.sandbox_fixtures"
+FIX = "tests.sandbox.sandbox_fixtures"
 
 JOB = textwrap.dedent(f"""
     from megatron_gspo.rewards import RewardPool
-    from megatron_gspo.rewards.sandbox import WorkerLimits
+    from megatron_gspo.sandbox.process import WorkerLimits
     limits = WorkerLimits(pass_env=("MGSPO_TEST_JOB",))  # the marker reaches the sleepers
     with RewardPool("{FIX}:forks", num_workers=2, timeout_s=30, limits=limits) as pool:
         print(pool.score(["p"] * 4, ["r"] * 4, ["a"] * 4).rewards, flush=True)

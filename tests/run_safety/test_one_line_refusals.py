@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.checkpoint_guard import required_files, write_manifest
+from megatron_gspo.checkpoint import required_files, write_manifest
 from megatron_gspo.layout import Layout
 from megatron_gspo.weights.convert import META_FILE
 

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_gspo.config_io import ConfigError
 from megatron_gspo.data.prompts import PromptDataset, engine_context_length, load_prompt_jsonl
-from megatron_gspo.testing.tiny import TINY_QWEN3_MOE
+from megatron_gspo.data.tiny_model import TINY_QWEN3_MOE
 
 
 def test_prompts_that_cannot_fit_the_engine_are_dropped_and_counted(

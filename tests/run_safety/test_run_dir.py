@@ -18,7 +18,7 @@ from megatron_gspo.config import load_config
 from megatron_gspo.config_io import ConfigError
 from megatron_gspo.preflight import preflight
 from megatron_gspo.run_dir import LOCK_NAME, RunLock, clear_previous_run
-from tests.trainer_parts.test_bad_input import _base, _write
+from tests.test_bad_input import _base, _write
 
 ROOT = Path(__file__).resolve().parents[2]
 
