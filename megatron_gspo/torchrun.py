@@ -10,7 +10,8 @@ takes torchrun's own arguments (its parser) and differs in two ways:
 * when a worker fails, the exit code is that worker's (2 bad input, 3 diverged, 4 no engine
   left, 128+N for a signal) instead of torchrun's 1, and torchrun's ~40-line
   `ChildFailedError` report and traceback are replaced by one line (none for code 2, whose
-  line the rank already printed).
+  line the rank already printed); a signal that torchrun forwarded to the ranks (SIGTERM,
+  SIGINT, SIGHUP: they stop with a checkpoint) ends it with 128+N instead of a traceback.
 
 Plain `torchrun ... -m megatron_gspo.train` still works: the rank prints the same one line,
 but torchrun then adds its report and exits 1.
@@ -85,11 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         if error is not None:
             print(f"error: {error}", file=sys.stderr, flush=True)
             return BAD_INPUT_EXIT_CODE
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     _quiet_worker_failure_records()
     try:
         run(args)
+    except SignalException as e:  # SIGTERM / SIGINT / SIGHUP: forwarded; the ranks checkpointed
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = exit_code_of(failure)
