@@ -187,6 +187,9 @@ VALIDATION = [
     (["rollout.temperature=0"], "change rollout.temperature"),
     (["rollout.top_p=1.5"], "change rollout.top_p"),
     (["rollout.top_k=0"], "change rollout.top_k"),
+    (["rollout.top_p=0.9"], "pi_old would not be the behaviour policy; set rollout.top_p=1"),
+    (["rollout.top_k=20"], "pi_old would not be the behaviour policy; set rollout.top_k=-1"),
+    (["rollout.max_continuation_retries=-1"], "change rollout.max_continuation_retries"),
     (["rollout.max_new_tokens=0"], "change rollout.max_new_tokens"),
     (["weights.bucket_mb=0"], "weights.bucket_mb=0.0 must be > 0"),
     (["train.max_bad_steps=0"], "change train.max_bad_steps"),
@@ -219,7 +222,7 @@ def test_valid_edge_cases_pass():
     cfg("parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true")
     cfg("reward.kind=my.pkg.rewards:score", "reward.num_workers=1")
     cfg("reward.kind=toy", "reward.num_workers=0")  # built-ins may run in-process
-    cfg("rollout.top_k=20", "rollout.top_p=1.0", "checkpoint.dir=/c", "checkpoint.resume=true")
+    cfg("rollout.top_k=-1", "rollout.top_p=1.0", "checkpoint.dir=/c", "checkpoint.resume=true")
     cfg("loss.eps_low=0", "loss.eps_high=0")  # allowed by the loss: a zero-width band
     cfg("rl.pi_old=recompute", "loss.tis_mode=token", "loss.kind=grpo")
     cfg("parallel.tp=2", "parallel.ep=2")  # sequence parallelism turns itself on

@@ -14,6 +14,10 @@ duplicates none. A 4xx is never retried: it raises `EngineError` carrying SGLang
 Control calls (weights, memory, pause, abort, cache) go to every engine directly: the router
 does not proxy them. Engines that keep failing, or fail a control call, are dropped from both
 until they answer again and have received the full weights (`engines.pool.EnginePool`).
+
+Aborts (`aabort` / `abort`) reach every request an aborted one became (retries, resubmits), on
+the engine that runs it, and never drop an engine (`engines/aborts.py`). A request that timed
+out is aborted on its engine when it is re-sent elsewhere.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import aiohttp
 import torch
 
 from megatron_gspo.engines import wire as proto
+from megatron_gspo.engines.aborts import Lineage, abort_on, aborted_sample
 from megatron_gspo.engines.client_config import ClientConfig
 from megatron_gspo.engines.pool import EnginePool
 from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, weight_update_session
@@ -93,6 +98,9 @@ class SGLangClient:
         self._load: Counter = Counter()
         self._picks: Counter = Counter()
         self._in_order = in_order
+        self.lineage = Lineage()
+        """Requests in flight and aborted lineages (what an abort must reach)."""
+        self._bg: set[asyncio.Task] = set()
 
     # ---- HTTP plumbing ---------------------------------------------------------------------
     def _session(self, timeout_s: float) -> aiohttp.ClientSession:
@@ -166,6 +174,7 @@ class SGLangClient:
             urls = [u for u in self.config.engine_urls if u in live]
             targets = [_Target(u, self.config.max_inflight_per_engine) for u in urls]
         stats = RolloutStats()
+        self.lineage.live_calls.add(call)
         async with self._session(self.config.request_timeout_s) as session:
             tasks = [
                 asyncio.create_task(self._send_chunk(session, targets, c, native, stats))
@@ -179,6 +188,10 @@ class SGLangClient:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
+            finally:
+                self.lineage.end_call(call)
+                mine = [t for t in self._bg if t.get_loop() is asyncio.get_running_loop()]
+                await asyncio.gather(*mine, return_exceptions=True)  # timed-out requests' aborts
         samples: dict[tuple[int, int], Sample] = {}
         for chunk_samples in results:
             for s in chunk_samples:
@@ -242,11 +255,14 @@ class SGLangClient:
         aborted = {s.key for s in samples if s.finish_reason == "abort"}
         if not aborted or n > 1 or resubmits >= self.config.resubmit_aborted:
             return samples
-        redo = [
+        redo = [  # not the ones the caller aborted itself
             dataclasses.replace(e, rid=f"{e.rid}-r{resubmits + 1}")
             for e in chunk
-            if (e.prompt_index, e.sample_index) in aborted
+            if (e.prompt_index, e.sample_index) in aborted and not self.lineage.is_aborted(e.rid)
         ]
+        aborted = {(e.prompt_index, e.sample_index) for e in redo}
+        if not redo:
+            return samples
         stats.num_resubmitted += len(redo)
         again = await self._send_chunk(session, targets, redo, n, stats, resubmits + 1)
         return [s for s in samples if s.key not in aborted] + again
@@ -291,17 +307,35 @@ class SGLangClient:
                 # SGLang refuses a rid it already holds (same seed: the same sample).
                 chunk = [dataclasses.replace(e, rid=f"{e.rid}-a{attempt}") for e in chunk]
                 await asyncio.sleep(min(cfg.backoff_s * 2 ** (attempt - 1), cfg.backoff_max_s))
-            body = self._body(chunk, n)
             target = await self._next_target(targets)
             url = target.url
             self._load[target.url] += 1
             try:
                 async with target.sem:
-                    status, raw = await self._request(session, "POST", url + "/generate", body)
+                    # checked and registered with no await in between: an abort on this loop
+                    # either finds the request here or stops it from being sent
+                    stopped = [e for e in chunk if self.lineage.is_aborted(e.rid)]
+                    done += [
+                        aborted_sample(x.prompt, x.prompt_index, k if n > 1 else x.sample_index)
+                        for x in stopped
+                        for k in range(n)
+                    ]
+                    chunk = [x for x in chunk if x not in stopped]
+                    if not chunk:
+                        return done
+                    body = self._body(chunk, n)
+                    self.lineage.running.update({x.rid: url for x in chunk})
+                    try:
+                        status, raw = await self._request(session, "POST", url + "/generate", body)
+                    finally:
+                        for x in chunk:
+                            self.lineage.running.pop(x.rid, None)
             except _RETRYABLE as e:
                 last_error, inconsistent = f"{url}/generate: {type(e).__name__}: {e}", False
                 logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
                 self._fault(url, f"{type(e).__name__}: {e}")
+                if isinstance(e, asyncio.TimeoutError):  # it may still run there: stop it
+                    self._background(self._abort_on({url: [x.rid for x in chunk]}))
                 continue
             finally:
                 self._load[target.url] -= 1
@@ -607,8 +641,26 @@ class SGLangClient:
         self._control("/continue_generation", {})
 
     def abort(self, rid: str | None = None) -> None:
-        body = {"abort_all": True} if rid is None else {"rid": rid}
-        self._control("/abort_request", body)
+        """Abort `rid` (and every re-sent request of its lineage), or every request."""
+        if rid is None:
+            targets = self.pool.control_targets()
+            asyncio.run(self._abort_on({u: [None] for u in targets}))
+        else:
+            asyncio.run(self.aabort([rid]))
+
+    async def aabort(self, rids: Sequence[str]) -> None:
+        """Abort `rids` and every request of their lineage (retries, resubmits) on the engine
+        that runs it, concurrently; a lineage not yet re-sent is not sent any more. A rid this
+        client does not know goes to every engine. Never drops an engine."""
+        await self._abort_on(self.lineage.plan(rids, self.pool.control_targets()))
+
+    async def _abort_on(self, per_url: dict[str, list[str | None]]) -> None:
+        await abort_on(self._session, per_url, self._validate)
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     def health(self) -> dict[str, bool]:
         bodies = {u: None for u in self.config.engine_urls}

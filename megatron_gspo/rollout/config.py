@@ -24,9 +24,11 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (> 0: RL needs sampled, not greedy, responses)."""
     top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]."""
+    """Nucleus sampling mass; must stay 1.0: the engines sample from the renormalised nucleus
+    but report (and the trainer computes) log-probs of the full softmax, so pi_old would not
+    be the behaviour policy."""
     top_k: int = -1
-    """Top-k sampling; -1 disables it (SGLang convention)."""
+    """Top-k sampling; must stay -1 (off), for the reason given under top_p."""
     max_new_tokens: int = 1024
     """Maximum response length in tokens."""
     oversample: float = 1.0
@@ -49,6 +51,10 @@ class RolloutConfig:
     max_staleness: int = 1
     """Most weight versions a trained token may lag the weights it is trained under (async
     mode and partial rollouts); an older carried partial response restarts from its prompt."""
+    max_continuation_retries: int = 3
+    """Partial rollouts: a sample whose continuation the client rejects (ids and log-probs
+    disagree after every re-send) is retried with the next chunk at most this many times in a
+    row; one more rejection stops the run with an error naming the engine problem."""
     fill_attempts: int = 4
     """A step may launch fill_attempts * ceil(prompts_per_rollout * oversample) new groups;
     if that does not fill its batch (all dropped) the run stops with an error."""
@@ -97,6 +103,18 @@ class RolloutConfig:
         _require(
             self.top_k == -1 or self.top_k >= 1,
             f"rollout.top_k={self.top_k} must be -1 (off) or >= 1; change rollout.top_k",
+        )
+        why = (
+            "the engine samples from the renormalised truncated distribution but reports (and "
+            "the trainer computes) log-probs of the full softmax, so pi_old would not be the "
+            "behaviour policy"
+        )
+        _require(self.top_p == 1, f"rollout.top_p={self.top_p}: {why}; set rollout.top_p=1")
+        _require(self.top_k == -1, f"rollout.top_k={self.top_k}: {why}; set rollout.top_k=-1")
+        _require(
+            self.max_continuation_retries >= 0,
+            f"rollout.max_continuation_retries={self.max_continuation_retries} must be >= 0; "
+            "change rollout.max_continuation_retries",
         )
         _positive("rollout", max_new_tokens=self.max_new_tokens)
         _require(

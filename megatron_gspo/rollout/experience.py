@@ -61,6 +61,7 @@ class Rollout:
             partial_tokens=r.partial_tokens,
             max_staleness=r.max_staleness,
             fill_attempts=r.fill_attempts,
+            max_continuation_retries=r.max_continuation_retries,
         )
         queue = PromptQueue(self.loader, self.loader.dataset.encode)
         scheduler = GroupScheduler(

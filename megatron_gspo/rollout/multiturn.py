@@ -17,6 +17,14 @@ tokens are context but never in the loss (the trainer's `loss_mask` is this mask
 `meta["turns"]` lists each turn as {"kind": "model"|"env", "start", "end"} (offsets into
 `response_ids`), `meta["env_reward"]` the env's last reward (None: score with `reward.kind`).
 
+Run by the rollout scheduler (`scheduler.TURN_CONTEXT`), an episode waits before each model
+turn while a weight push pauses generation, and ends as aborted when the fill stops. Each
+response token carries the weight version of the turn that sampled it (`token_versions`; env
+tokens that of the model turn before them, or of the first one), so an episode that spans a
+weight push is measured by its oldest turn. An episode whose environment failed, or whose
+engine turn the client rejected, is returned marked (`meta["failed"]`: "env: ..." or
+"rejected"); the scheduler leaves it out of the group and counts it, it is never trained.
+
 Ids are built incrementally and never re-tokenised: each engine turn receives exactly
 `prompt_ids + response_ids[:k]`, the ids the trainer trains on. Observations are tokenised on
 their own: as plain text (`add_special_tokens=False`), or with a chat template (the tokenizer has
@@ -33,6 +41,7 @@ from typing import Any
 
 from megatron_gspo.engines.types import SEED_PROMPT_STRIDE, Sample, SamplingParams
 from megatron_gspo.envs.pool import EnvError, EnvPool
+from megatron_gspo.rollout.scheduler import TURN_CONTEXT
 
 __all__ = ["MultiTurn", "ObservationCodec", "episode_metrics", "record_dict"]
 
@@ -127,13 +136,13 @@ class MultiTurn:
         n: int,
         prompt_index: int,
     ) -> list[Sample]:
-        """`n` episodes for one prompt, concurrently; samples sorted by sample index (an episode
-        whose reset failed or whose first engine turn was rejected is left out, as `generate`
-        leaves out rejects)."""
-        got = await asyncio.gather(
-            *(self.episode(record, prompt_ids, sampling, prompt_index, j) for j in range(n))
+        """`n` episodes for one prompt, concurrently, sorted by sample index; failed ones are
+        marked `meta["failed"]` (the scheduler leaves them out and counts them)."""
+        return list(
+            await asyncio.gather(
+                *(self.episode(record, prompt_ids, sampling, prompt_index, j) for j in range(n))
+            )
         )
-        return [s for s in got if s is not None]
 
     async def episode(
         self,
@@ -142,7 +151,7 @@ class MultiTurn:
         sampling: SamplingParams,
         prompt_index: int,
         sample_index: int,
-    ) -> Sample | None:
+    ) -> Sample:
         prompt = [int(t) for t in prompt_ids]
         resp: list[int] = []
         logprobs: list[float] = []
@@ -151,6 +160,7 @@ class MultiTurn:
         meta: dict[str, Any] = {"turns": turns, "env_reward": None, "env_error": None}
         finish: Any = "length"
         last: Sample | None = None
+        sched = TURN_CONTEXT.get()
         base_seed = sampling.sample_seed(prompt_index, sample_index)
 
         def add_env(ids: list[int]) -> bool:
@@ -179,9 +189,12 @@ class MultiTurn:
                     stop_token_ids=tuple(sampling.stop_token_ids) + self.stop_ids,
                     seed=seed,
                 )
+                if sched is not None and not await sched.gate():  # held while weights move
+                    finish = "abort"  # the fill stopped: the group restarts from its prompt
+                    break
                 result = await client.agenerate([prompt + resp], sp, n=1)
                 if not result.samples:  # the engine's answer was rejected (ids vs log-probs)
-                    meta["env_error"] = "engine turn rejected"
+                    meta["env_error"], meta["failed"] = "engine turn rejected", "rejected"
                     break
                 last = result.samples[0]
                 turns.append(
@@ -190,6 +203,7 @@ class MultiTurn:
                         "start": len(resp),
                         "end": len(resp) + len(last.response_ids),
                         "weight_version": last.weight_version,
+                        "version": _version(last.weight_version, sched),
                         "prompt_tokens": last.meta.get("prompt_tokens"),
                         "engine": last.engine_id,
                     }
@@ -212,12 +226,12 @@ class MultiTurn:
                 if obs and not add_env(self.codec.encode(obs, last.response_ids)):
                     break
         except EnvError as e:  # counted and reported by the pool; the episode ends here
-            meta["env_error"], meta["env_reward"], finish = str(e), 0.0, "stop"
+            meta["env_error"], meta["failed"] = str(e), f"env: {e}"
         finally:
             if ep is not None:
                 await self.envs.close_episode(ep)
-        if last is None:  # no model token (reset failed, or the first turn was rejected)
-            return None
+        if last is None and finish != "abort":  # reset failed, or the first turn was rejected
+            meta.setdefault("failed", "env: no model turn")
         meta["num_model_turns"] = sum(t["kind"] == "model" for t in turns)
         meta["num_env_turns"] = sum(t["kind"] == "env" and t["start"] > 0 for t in turns)
         return Sample(
@@ -227,12 +241,38 @@ class MultiTurn:
             logprob_mask=mask,
             finish_reason=finish,
             truncated=finish != "stop",
-            weight_version=last.weight_version,
-            engine_id=last.engine_id,
+            weight_version=last.weight_version if last else "",
+            engine_id=last.engine_id if last else "",
             prompt_index=prompt_index,
             sample_index=sample_index,
             meta=meta,
+            token_versions=token_versions(turns, len(resp)),
         )
+
+
+def _version(label: str, sched: Any) -> int | None:
+    """A model turn's weight version: the engine's label when it is a number, else the version
+    the scheduler says the engines serve (None outside a scheduler)."""
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return None if sched is None else int(sched.version())
+
+
+def token_versions(turns: Sequence[dict[str, Any]], length: int) -> list[int]:
+    """Per-token weight versions of an episode's `length` response tokens: a model turn's
+    tokens get its version, env tokens that of the model turn before them (of the first model
+    turn when none is before). Empty when a model turn's version is unknown."""
+    model = [t for t in turns if t["kind"] == "model"]
+    if not model or any(t.get("version") is None for t in model):
+        return []
+    out = [int(model[0]["version"])] * length
+    current = out[0] if length else 0
+    for t in sorted(turns, key=lambda t: t["start"]):
+        if t["kind"] == "model":
+            current = int(t["version"])
+        out[t["start"] : t["end"]] = [current] * (t["end"] - t["start"])
+    return out
 
 
 def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
@@ -248,5 +288,4 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "env/tool_call_rate": sum(s.meta.get("num_env_turns", 0) > 0 for s in samples) / k,
         "env/env_token_frac": env_tokens / max(1, tokens),
         "env/reward_from_env_frac": sum(s.meta.get("env_reward") is not None for s in samples) / k,
-        "env/failed_episodes": float(sum(s.meta.get("env_error") is not None for s in samples)),
     }

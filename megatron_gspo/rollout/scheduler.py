@@ -7,17 +7,29 @@ and returns as soon as `prompts` groups are complete and kept:
 * over-sampling / dynamic sampling: a finished group is scored at once; with
   `drop_equal_reward_groups` a group whose rewards are all equal is dropped (its prompt is used
   up) and another prompt starts. When the batch is full the groups still running are stopped
-  through the engine's `abort` (per request id); their prompts go back to the FRONT of the
-  prompt queue (`aborted`), or, with partial rollouts, they are kept as they are (`carried`)
-  and continue in the next fill. Per fill: launched + continued = kept + dropped + aborted +
-  carried. A fill that launched `fill_attempts * ceil(prompts * oversample)` new groups
+  through the engine (`aabort`: every request a group started, the client's re-sent ones
+  included; else `abort` per request id); their prompts go back to the FRONT of the prompt
+  queue (`aborted`), or, with partial rollouts, they are kept as they are (`carried`) and
+  continue in the next fill. Per fill: launched + continued = kept + dropped + aborted +
+  carried + empty. A fill that launched `fill_attempts * ceil(prompts * oversample)` new groups
   without filling its batch raises `RolloutStarved` (e.g. every group of a too easy data set
   has equal rewards).
+* short groups: a sample the client rejected (ids vs log-probs, `rejected`) or an episode that
+  failed (`failed`: an environment error, see `Sample.meta["failed"]`) is left out of its group,
+  never trained with a made-up reward; a kept group that is short is marked (`Group.rejected`,
+  `Group.failed`) and counted (`rollout/groups_rejected`, `rollout/groups_failed`). A group
+  left with no sample at all is `empty`: its prompt goes back to the queue (tried again in a
+  later fill); it is not a dynamic-sampling drop.
 * partial rollouts (`partial_tokens`): every request asks for at most that many new tokens; an
   unfinished response (cut by that budget, or aborted: a weight update's
   `pause_generation("abort")`, or the end of the fill) continues later with prompt + response
   so far as its prompt. Ids, engine log-probs (pi_old) and per-token weight versions
-  (`Sample.token_versions`) are concatenated exactly; a group is returned once, complete.
+  (`Sample.token_versions`) are concatenated exactly; a group is returned once, complete. A
+  continuation the client rejects is retried with the next chunk, at most
+  `max_continuation_retries` times in a row (`ContinuationRejected`).
+* multi-turn (a custom `group_fn`): `TURN_CONTEXT` gives the episodes the pause gate (a weight
+  push holds every episode between two turns) and the served version; an episode's tokens
+  carry the version of the turn that sampled them (`Sample.token_versions`).
 * staleness: a batch trained under weights `target_version` must hold no token sampled more
   than `max_staleness` versions earlier. A carried group that would break that restarts from
   its prompt (`restarted`); `check_staleness` guards every returned batch.
@@ -38,6 +50,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any
 
 from megatron_gspo.config_io import ConfigError
@@ -49,6 +62,7 @@ responses (default: one `engine.agenerate([prompt_ids], sampling, n=n)`)."""
 ScoreFn = Callable[[Any, list[Sample]], tuple[list[float], dict[str, float]]]
 """`score_fn(record, samples) -> (rewards, metrics)`; blocking, run in one worker thread."""
 
+_REABORT_S = 1.0  # a fill's stop re-sends its aborts this often while requests still run
 _CHUNK_SEED_STRIDE = 104_729
 
 
@@ -58,6 +72,25 @@ class RolloutStarved(ConfigError):
 
 class StalenessError(RuntimeError):
     """A batch holds a token older than the staleness bound allows."""
+
+
+class ContinuationRejected(RuntimeError):
+    """The client rejected one sample's continuation `max_continuation_retries` times in a row."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TurnContext:
+    """What a custom `group_fn` (multi-turn episodes) may ask of the scheduler running it."""
+
+    gate: Callable[[], Awaitable[bool]]
+    """Wait while a weight push pauses generation; False once the fill stops (end the
+    episode as aborted)."""
+    version: Callable[[], int]
+    """The weight version the engines serve now (for engines whose label is not a number)."""
+
+
+TURN_CONTEXT: ContextVar[TurnContext | None] = ContextVar("mgspo_turn_context", default=None)
+"""Set while the scheduler runs a custom `group_fn`; tasks it starts inherit it."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -72,6 +105,7 @@ class SchedulerConfig:
     partial_tokens: int | None = None
     max_staleness: int = 1
     fill_attempts: int = 4
+    max_continuation_retries: int = 3
 
     @property
     def width(self) -> int:
@@ -101,6 +135,13 @@ class Group:
     """Request ids in flight (empty between requests, or when a custom group_fn runs)."""
     chunks: int = 0
     seed: int | None = None
+    rejected: int = 0
+    """Samples the client rejected (ids vs log-probs): left out, the group is short."""
+    failed: int = 0
+    """Episodes that failed (`Sample.meta["failed"]`, or missing from a custom group_fn's
+    answer): left out, the group is short."""
+    rejects: Counter = dataclasses.field(default_factory=Counter)
+    """Sample index -> continuations rejected in a row."""
 
     def complete(self, max_new_tokens: int) -> bool:
         return bool(self.samples) and all(sample_done(s, max_new_tokens) for s in self.samples)
@@ -127,6 +168,10 @@ class Batch:
         stale = [self.target_version - v for v in versions]
         out = {f"rollout/groups_{k}": float(self.counts[k]) for k in _COUNTS}
         out |= {
+            "rollout/groups_rejected": float(sum(g.rejected > 0 for g in self.groups)),
+            "rollout/groups_failed": float(sum(g.failed > 0 for g in self.groups)),
+            "rollout/samples_rejected": float(self.counts["samples_rejected"]),
+            "rollout/samples_failed": float(self.counts["samples_failed"]),
             "rollout/staleness_mean": sum(stale) / len(stale) if stale else 0.0,
             "rollout/staleness_max": float(max(stale, default=0)),
             "rollout/continued_samples": float(
@@ -136,7 +181,7 @@ class Batch:
         return out | self.reward_metrics
 
 
-_COUNTS = ("launched", "continued", "kept", "dropped", "aborted", "carried", "restarted")
+_COUNTS = ("launched", "continued", "kept", "dropped", "aborted", "carried", "restarted", "empty")
 
 
 def sample_done(s: Sample, max_new_tokens: int) -> bool:
@@ -284,7 +329,7 @@ class GroupScheduler:
             oldest = g.oldest_version()
             too_old = oldest is not None and target_version - oldest > cfg.max_staleness
             (stale if too_old else ready).append(g)
-        self.carried = []
+        self.carried = list(ready)  # cleared only once this fill succeeded (partial tokens)
         for g in stale:
             counts["restarted"] += 1
             del self.owned[g.uid]
@@ -294,6 +339,7 @@ class GroupScheduler:
         active: dict[asyncio.Task, Group] = {}
         kept: list[Group] = []
         extra: list[Group] = []
+        empty: list[Any] = []  # records of groups left with no sample: back to the queue
         limit = cfg.width * cfg.fill_attempts
         try:
             while len(kept) < cfg.prompts:
@@ -312,15 +358,23 @@ class GroupScheduler:
                 if not active:
                     raise RolloutStarved(
                         f"{counts['launched']} groups launched for one step, "
-                        f"{counts['dropped']} dropped for equal rewards, only {len(kept)} of "
-                        f"{cfg.prompts} kept; raise rollout.fill_attempts or "
+                        f"{counts['dropped']} dropped for equal rewards, {counts['empty']} left "
+                        f"with no sample ({counts['samples_rejected']} samples rejected by the "
+                        f"client, {counts['samples_failed']} episodes failed), only {len(kept)} "
+                        f"of {cfg.prompts} kept; raise rollout.fill_attempts or "
                         "rollout.oversample, or set rollout.drop_equal_reward_groups=false"
                     )
                 done, _ = await asyncio.wait(active, return_when=asyncio.FIRST_COMPLETED)
                 for t in sorted(done, key=lambda t: active[t].slot):
                     g = active.pop(t)
                     t.result()
-                    if not g.samples or (cfg.drop_equal_reward_groups and len(set(g.rewards)) <= 1):
+                    counts["samples_rejected"] += g.rejected
+                    counts["samples_failed"] += g.failed
+                    if not g.samples:  # not a dynamic-sampling drop: the prompt is tried again
+                        counts["empty"] += 1
+                        empty.append(g.record)
+                        del self.owned[g.uid]
+                    elif cfg.drop_equal_reward_groups and len(set(g.rewards)) <= 1:
                         counts["dropped"] += 1
                         del self.owned[g.uid]
                     elif len(kept) < cfg.prompts:
@@ -332,6 +386,10 @@ class GroupScheduler:
             for t, g in active.items():
                 if not g.rids and self.group_fn is not None:
                     t.cancel()  # a custom group_fn has no request ids to abort
+            pending = set(active)
+            while pending:  # an abort that raced its request's arrival is sent again
+                _, pending = await asyncio.wait(pending, timeout=_REABORT_S)
+                await self._abort([active[t] for t in pending])
             for r in await asyncio.gather(*active, return_exceptions=True):
                 if isinstance(r, Exception):
                     raise r
@@ -340,6 +398,13 @@ class GroupScheduler:
             for t in active:
                 t.cancel()
             await asyncio.gather(*active, return_exceptions=True)
+            # carried groups stay carried with their tokens; this fill's new ones and the empty
+            # ones give their prompts back (owned held only carried groups when it started)
+            carried = {g.uid for g in self.carried}
+            new = [g for k, g in sorted(self.owned.items()) if k not in carried]
+            for g in new:
+                del self.owned[g.uid]
+            self.queue.put_front([g.record for g in new] + empty)
             raise
         finally:
             self._filling = False
@@ -353,7 +418,7 @@ class GroupScheduler:
                 back.append(g.record)
                 counts["aborted"] += 1
                 del self.owned[g.uid]
-        self.queue.put_front(back)
+        self.queue.put_front(back + empty)
         kept.sort(key=lambda g: g.slot)
         counts["kept"] = len(kept)
         check_staleness(kept, target_version, cfg.max_staleness)
@@ -401,7 +466,7 @@ class GroupScheduler:
                 g.samples = []  # a custom group_fn was cut: start the group again
             if not g.samples:
                 g.samples = await self._first_chunk(g)
-                if not g.samples:  # a custom group_fn had no sample (every episode failed)
+                if not g.samples:  # every sample rejected / every episode failed: empty
                     return
             else:
                 await self._continue(g)
@@ -437,7 +502,15 @@ class GroupScheduler:
         sp = self._chunk_sampling(g.seed, budget)
         g.chunks += 1
         if self.group_fn is not None:
-            samples = await self.group_fn(g.record, g.prompt_ids, sp, n, g.slot)
+            token = TURN_CONTEXT.set(TurnContext(gate=self._gate, version=lambda: self.version))
+            try:
+                got = await self.group_fn(g.record, g.prompt_ids, sp, n, g.slot)
+            finally:
+                TURN_CONTEXT.reset(token)
+            # failed episodes are left out (never trained with a made-up reward), and counted
+            samples = [s for s in got if not s.meta.get("failed")]
+            g.rejected = sum(s.meta.get("failed") == "rejected" for s in got)
+            g.failed = max(0, n - len(samples) - g.rejected)
         else:
             prefix = f"{self._run}-g{g.uid}-c{g.chunks}"
             g.rids = [f"{prefix}-p0-s{j}" for j in range(n)]
@@ -447,6 +520,7 @@ class GroupScheduler:
                 g.rids = []
             _add_stats(self._stats, res.stats)
             samples = res.samples
+            g.rejected, g.failed = max(0, n - len(samples)), 0
         for s in samples:
             s.prompt_index = g.slot
             if not s.token_versions:
@@ -476,14 +550,31 @@ class GroupScheduler:
             for k, i in enumerate(idx):
                 more = by_prompt.get(k)
                 if more is None:  # rejected by the client: retried with the next chunk
+                    g.rejects[i] += 1
+                    if g.rejects[i] > self.cfg.max_continuation_retries:
+                        raise ContinuationRejected(
+                            f"the client rejected the continuation of sample {i} of prompt "
+                            f"{g.prompt_ids[:8]}... {g.rejects[i]} times in a row (ids and "
+                            "log-probs disagree, see rollout/num_rejected); check the engine "
+                            "or raise rollout.max_continuation_retries"
+                        )
                     continue
+                g.rejects.pop(i, None)
                 version = self._stamp(more, budget)
                 g.samples[i] = extend_sample(g.samples[i], more, version)
 
     async def _abort(self, groups: list[Group]) -> None:
-        """Stop the requests of `groups` through the engine (they return partial output)."""
+        """Stop the requests of `groups` through the engine (they return partial output): one
+        `aabort` call for all of them (it reaches the client's re-sent requests too), else one
+        `abort` per request id."""
         rids = [r for g in groups for r in g.rids]
-        await asyncio.gather(*(asyncio.to_thread(self.engine.abort, r) for r in rids))
+        if not rids:
+            return
+        batched = getattr(self.engine, "aabort", None)
+        if batched is not None:
+            await batched(rids)
+        else:
+            await asyncio.gather(*(asyncio.to_thread(self.engine.abort, r) for r in rids))
 
 
 def _add_stats(total: RolloutStats, part: RolloutStats) -> None:
