@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import aiohttp
 
@@ -80,9 +81,11 @@ async def abort_on(
     session_for: Callable[[float], aiohttp.ClientSession],
     per_url: dict[str, list[str | None]],
     validate: Callable[[str, dict], None],
+    request: Callable[[aiohttp.ClientSession, str, str, Any], Awaitable[tuple[int, bytes]]],
 ) -> None:
-    """`/abort_request` for each (url, rid) concurrently (rid None: `abort_all`); failures and
-    timeouts are logged, never raised."""
+    """`/abort_request` for each (url, rid) concurrently (rid None: `abort_all`) through
+    `request(session, method, url, body) -> (status, body)`; failures and timeouts are logged,
+    never raised."""
     if not per_url:
         return
 
@@ -90,8 +93,7 @@ async def abort_on(
         body = {"abort_all": True} if rid is None else {"rid": rid}
         validate("/abort_request", body)
         try:
-            async with session.post(url + "/abort_request", json=body) as resp:
-                status, raw = resp.status, await resp.read()
+            status, raw = await request(session, "POST", url + "/abort_request", body)
         except _FAULTS as e:
             logger.warning("abort of %s on %s: %s: %s", rid, url, type(e).__name__, e)
             return

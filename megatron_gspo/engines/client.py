@@ -655,7 +655,7 @@ class SGLangClient:
         await self._abort_on(self.lineage.plan(rids, self.pool.control_targets()))
 
     async def _abort_on(self, per_url: dict[str, list[str | None]]) -> None:
-        await abort_on(self._session, per_url, self._validate)
+        await abort_on(self._session, per_url, self._validate, self._request)
 
     def _background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

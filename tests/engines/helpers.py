@@ -56,7 +56,8 @@ class FaultyProxy:
 
     `mode`: "ok" (forward), "5xx" (HTTP 503), "text" (200 with a non-JSON body), "shape"
     (200 with JSON that is no /generate answer), "mismatch" (first sample one log-prob short),
-    "nan" (every first log-prob NaN), "hang" (never answers). Other routes are forwarded.
+    "nan" (every first log-prob NaN), "hang" (never answers). Other routes are forwarded;
+    `/abort_request` bodies are recorded in `aborts`, and with `hang_aborts` never answered.
     """
 
     def __init__(self, upstream: str, mode: str = "ok") -> None:
@@ -70,6 +71,8 @@ class FaultyProxy:
         from megatron_gspo.dist import free_port
 
         self.mode, self.hits = mode, 0
+        self.aborts: list[dict] = []
+        self.hang_aborts = False
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -103,6 +106,10 @@ class FaultyProxy:
             return web.Response(body=json.dumps(items).encode(), status=status)
 
         async def other(request: web.Request) -> web.Response:
+            if request.path == "/abort_request":
+                self.aborts.append(json.loads(await request.read()))
+                if self.hang_aborts:
+                    await self._release.wait()
             status, raw = await forward(request)
             return web.Response(body=raw, status=status, content_type="application/json")
 

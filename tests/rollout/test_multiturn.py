@@ -223,20 +223,22 @@ def test_env_runs_in_a_worker_process():
         make_multiturn(_cfg(f"rollout.env={FIX}:Nope"), FakeEngine(), TOK)
 
 
-def test_env_failures_cost_the_episode_and_are_printed(capsys):
-    cfg = _cfg(f"rollout.env={FIX}:BuggyEnv", "rl.prompts_per_rollout=4", "rl.group_size=2")
+def test_env_failures_are_left_out_counted_and_printed(capsys):
+    """An episode whose environment failed (reset or step raised, a malformed step answer) is
+    never trained (no made-up reward 0): it is left out of its group and counted; a group with
+    every episode failed gives its prompt back and another prompt takes its place."""
+    cfg = _cfg(f"rollout.env={FIX}:BuggyEnv", "rl.prompts_per_rollout=2", "rl.group_size=2")
     ro, _ = _rollout(cfg, answers=("raise", "bad", "reset-bug", "ok"))
     try:
         seqs, metrics = ro.next_batch()
     finally:
         ro.close()
-    # reset-bug episodes have no sample: their group is dropped and another prompt takes its
-    # place (the batch stays full); raise/bad episodes end with reward 0, ok ones score 1
     prompt_of = {tuple(ro.loader.dataset.encode(r)): r.answer for r in ro.loader.dataset}
     answers = [prompt_of[tuple(s.prompt_ids)] for s in seqs]
-    assert len(seqs) == 8 and "reset-bug" not in answers
-    assert metrics["rollout/groups_dropped"] >= 1 and metrics["env/failures"] >= 6.0
-    assert metrics["reward/mean"] == pytest.approx(answers.count("ok") / 8)
+    assert answers == ["ok"] * 4  # two "ok" groups; no failed episode is trained
+    assert metrics["reward/mean"] == 1.0
+    assert metrics["rollout/groups_empty"] == 6 and metrics["rollout/groups_dropped"] == 0
+    assert metrics["rollout/samples_failed"] == 12 and metrics["env/failures"] >= 12.0
     err = capsys.readouterr().err
     assert "ValueError: env bug in step" in err and "KeyError" in err and "TypeError" in err
 
@@ -248,14 +250,15 @@ def test_env_timeout_replaces_the_worker():
         "rl.prompts_per_rollout=1",
         "rl.group_size=2",
     )
-    ro, _ = _rollout(cfg, answers=("hang",))
+    ro, _ = _rollout(cfg, answers=("hang", "ok"))
     try:
         before = ro.envs.worker_pids
         seqs, metrics = ro.next_batch()
         after = ro.envs.worker_pids
     finally:
         ro.close()
-    assert metrics["env/timeouts"] >= 1 and metrics["reward/mean"] == 0.0
+    assert metrics["env/timeouts"] >= 1 and metrics["rollout/samples_failed"] == 2
+    assert metrics["reward/mean"] == 1.0  # the timed-out episodes are not trained as reward 0
     assert before != after and len(seqs) == 2
 
 

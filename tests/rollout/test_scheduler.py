@@ -363,10 +363,11 @@ def test_pause_waits_requests_and_resume_releases_them():
             check_sample_against_engine(engine, s)
 
 
-def test_custom_group_fn_decides_completion_and_empty_groups_are_dropped():
+def test_custom_group_fn_decides_completion_and_empty_groups_return_their_prompt():
     """A multi-turn group_fn ends its episodes itself: a `length` finish shorter than
     max_new_tokens (max_turns used up) is complete, not regenerated forever; an `abort` finish
-    restarts the group; a group_fn with no sample (every episode failed) drops the group."""
+    restarts the group; a group_fn with no sample (every episode failed) leaves the group
+    empty: its prompt goes back to the queue, it is not a dynamic-sampling drop."""
     calls: dict[int, int] = {}
 
     async def group_fn(record, prompt_ids, sampling, n, prompt_index):
@@ -403,7 +404,9 @@ def test_custom_group_fn_decides_completion_and_empty_groups_are_dropped():
     (batch,) = _run_fills(sched, 1, engine)
     kept = _ids(batch.groups)
     assert len(kept) == P and all(i % 3 != 1 for i in kept)
-    assert batch.counts["dropped"] == sum(1 for i in calls if i % 3 == 1) > 0
+    empty = [i for i in calls if i % 3 == 1]
+    assert batch.counts["empty"] == len(empty) > 0 and batch.counts["dropped"] == 0
+    assert [r.index for r in sched.queue.front][: len(empty)] == empty
     # completed on the first call, except an aborted one (second call); never looping
     assert all(calls[i] == (2 if i % 3 == 2 else 1) for i in kept)
     assert all(s.finish_reason == "length" for g in batch.groups for s in g.samples)

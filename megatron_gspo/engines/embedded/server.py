@@ -234,6 +234,10 @@ class EmbeddedTokenizerManager:
         return retracted
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        # As SGLang 0.5.23's tokenizer manager (one worker): a rid it does not hold is ignored,
+        # one it holds goes to the scheduler, which aborts every request it prefixes.
+        if not abort_all and rid not in self.rid_to_state:
+            return
         for state in list(self.rid_to_state.values()):
             if abort_all or (rid and state.rid.startswith(rid)):
                 state.aborted = True
