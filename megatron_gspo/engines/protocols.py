@@ -70,6 +70,11 @@ class Generator(Protocol):
         """Abort one request id, or every request when `rid` is None."""
         ...
 
+    async def aabort(self, rids: Sequence[str]) -> None:
+        """Abort `rids` together, each with every request it became (a re-sent request's rid
+        is its original's plus a suffix), on the engines that run them; never drops an engine."""
+        ...
+
     def pause_generation(self, mode: str = "abort") -> None:
         """Pause: `abort` running requests, `retract` them, or freeze them `in_place`."""
         ...

@@ -105,12 +105,11 @@ class RolloutDriver:
                     t.cancel()
                 await asyncio.gather(*fills, return_exceptions=True)
 
+            try:  # before the cancel: the client still knows where each (re-sent) request runs
+                self._run(self.scheduler.engine.aabort(rids))
+            except Exception:  # noqa: BLE001 - best effort on shutdown
+                pass
             self._run(cancel())
-            for rid in rids:
-                try:
-                    self.scheduler.engine.abort(rid)
-                except Exception:  # noqa: BLE001 - best effort on shutdown
-                    pass
         self._next = None
         self.scheduler.close()
         self.loop.call_soon_threadsafe(self.loop.stop)

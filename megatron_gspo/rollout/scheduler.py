@@ -8,7 +8,7 @@ and returns as soon as `prompts` groups are complete and kept:
   `drop_equal_reward_groups` a group whose rewards are all equal is dropped (its prompt is used
   up) and another prompt starts. When the batch is full the groups still running are stopped
   through the engine (`aabort`: every request a group started, the client's re-sent ones
-  included; else `abort` per request id); their prompts go back to the FRONT of the prompt
+  included); their prompts go back to the FRONT of the prompt
   queue (`aborted`), or, with partial rollouts, they are kept as they are (`carried`) and
   continue in the next fill. Per fill: launched + continued = kept + dropped + aborted +
   carried + empty. A fill that launched `fill_attempts * ceil(prompts * oversample)` new groups
@@ -565,16 +565,10 @@ class GroupScheduler:
 
     async def _abort(self, groups: list[Group]) -> None:
         """Stop the requests of `groups` through the engine (they return partial output): one
-        `aabort` call for all of them (it reaches the client's re-sent requests too), else one
-        `abort` per request id."""
+        `aabort` for all of them (it reaches the client's re-sent requests too)."""
         rids = [r for g in groups for r in g.rids]
-        if not rids:
-            return
-        batched = getattr(self.engine, "aabort", None)
-        if batched is not None:
-            await batched(rids)
-        else:
-            await asyncio.gather(*(asyncio.to_thread(self.engine.abort, r) for r in rids))
+        if rids:
+            await self.engine.aabort(rids)
 
 
 def _add_stats(total: RolloutStats, part: RolloutStats) -> None:

@@ -59,6 +59,10 @@ class FakeEngine:
         self.abort_calls.append(rid or "*")
         self.aborted |= set(self.running) if rid is None else {rid}
 
+    async def aabort(self, rids: Sequence[str]) -> None:
+        for rid in rids:
+            self.abort(rid)
+
     def pause_generation(self, mode: str = "abort") -> None:
         assert mode == "abort"
         self.paused = True

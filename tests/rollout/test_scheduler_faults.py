@@ -12,6 +12,7 @@ import types
 
 import pytest
 
+from megatron_gspo.engines.types import RolloutResult, RolloutStats, Sample, SamplingParams
 from megatron_gspo.rollout.multiturn import MultiTurn
 from megatron_gspo.rollout.scheduler import (
     ContinuationRejected,
@@ -21,8 +22,7 @@ from megatron_gspo.rollout.scheduler import (
     StalenessError,
     check_staleness,
 )
-from megatron_gspo.rollout.types import RolloutResult, RolloutStats, Sample, SamplingParams
-from tests.rollout.fake_engine import PROMPT_LEN, FakeEngine, check_sample_against_engine
+from tests.engines.fake_engine import PROMPT_LEN, FakeEngine, check_sample_against_engine
 from tests.rollout.test_scheduler import G, Loader, P, _ids, _run_fills, encode, make, score
 
 

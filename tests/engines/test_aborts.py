@@ -1,4 +1,4 @@
-"""Aborts through `SGLangClient` (`rollout/aborts.py`) on the embedded engine behind
+"""Aborts through `SGLangClient` (`engines/aborts.py`) on the embedded engine behind
 `helpers.FaultyProxy`: an abort reaches the request a retry became, a request that timed out is
 aborted on its engine, each abort goes only to the engine that runs the request, and an abort
 that times out drops no engine. References: the engine's own finish reasons and token counts,
@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from megatron_gspo.rollout import aborts
-from megatron_gspo.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_gspo.rollout.types import SamplingParams
-from tests.rollout.helpers import FaultyProxy
+from megatron_gspo.engines import aborts
+from megatron_gspo.engines.client import ClientConfig, SGLangClient
+from megatron_gspo.engines.types import SamplingParams
+from tests.engines.helpers import FaultyProxy
 
 pytestmark = pytest.mark.timeout(300)
 
