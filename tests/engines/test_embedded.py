@@ -65,6 +65,30 @@ def test_logprobs_match_independent_rescoring(client_a, ref_a, sp):
         assert abs_logp_diff(res.samples, wrong) > 1e-2
 
 
+@torch.no_grad()
+def test_logprobs_match_the_trainers_kernel_at_temperature_0_7(client_a, ref_a):
+    """pi_old at T != 1: the engine samples at rollout.temperature=0.7 and the trainer's
+    log-prob kernel (`algo.logprobs.vocab_parallel_logprobs`, what the Megatron step calls with
+    rollout.temperature) over the reference model's float64 logits of prompt + response gives
+    the engine's log-prob of every response token; at T=1 it would not."""
+    from megatron_gspo.algo.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.rollout.config import RolloutConfig
+
+    assert RolloutConfig.__dataclass_fields__["top_p"].default == 1.0  # no truncation to undo
+    sp = SamplingParams(max_new_tokens=10, temperature=0.7, seed=4)
+    res = client_a.generate(PROMPTS, sp, n=2)
+    for s in res.samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logits = ref_a(input_ids=ids).logits[0].double()
+        rows = logits[len(s.prompt_ids) - 1 : -1]
+        target = torch.tensor(s.response_ids)
+        engine = torch.tensor(s.logprobs, dtype=torch.float64)
+        trainer, _ = vocab_parallel_logprobs(rows, target, temperature=0.7)
+        torch.testing.assert_close(trainer, engine, rtol=0, atol=2e-5)
+        untempered, _ = vocab_parallel_logprobs(rows, target, temperature=1.0)
+        assert (untempered - engine).abs().max() > 1e-2
+
+
 def test_seeded_sampling_is_reproducible_and_samples_differ(client_a):
     sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
     a = client_a.generate(PROMPTS[:1], sp, n=4)
