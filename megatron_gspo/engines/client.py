@@ -190,7 +190,8 @@ class SGLangClient:
                 raise
             finally:
                 self.lineage.end_call(call)
-                mine = [t for t in self._bg if t.get_loop() is asyncio.get_running_loop()]
+                loop = asyncio.get_running_loop()
+                mine = [t for t in list(self._bg) if t.get_loop() is loop]
                 await asyncio.gather(*mine, return_exceptions=True)  # timed-out requests' aborts
         samples: dict[tuple[int, int], Sample] = {}
         for chunk_samples in results:

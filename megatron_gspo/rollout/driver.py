@@ -106,7 +106,8 @@ class RolloutDriver:
                 await asyncio.gather(*fills, return_exceptions=True)
 
             try:  # before the cancel: the client still knows where each (re-sent) request runs
-                self._run(self.scheduler.engine.aabort(rids))
+                if rids:
+                    self._run(self.scheduler.engine.aabort(rids))
             except Exception:  # noqa: BLE001 - best effort on shutdown
                 pass
             self._run(cancel())

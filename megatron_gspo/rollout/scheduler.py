@@ -536,6 +536,8 @@ class GroupScheduler:
             left = self.cfg.max_new_tokens - len(g.samples[i].response_ids)
             groups.setdefault(min(self.cfg.chunk, left), []).append(i)
         for budget, idx in groups.items():
+            if self._stop:  # the fill is over: no further request for this group
+                break
             prompts = [g.samples[i].prompt_ids + g.samples[i].response_ids for i in idx]
             prefix = f"{self._run}-g{g.uid}-c{g.chunks}-b{budget}"
             g.rids = [f"{prefix}-p{k}-s0" for k in range(len(idx))]
