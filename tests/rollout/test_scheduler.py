@@ -312,7 +312,7 @@ def test_sequence_log_ratio_of_a_continued_response_covers_its_model_tokens():
     batches = _run_fills(sched, 3, engine)
     s = next(s for b in batches for g in b.groups for s in g.samples if s.meta.get("chunks", 1) > 2)
     s.logprob_mask[3] = False  # one invalid engine log-prob in a later chunk
-    seq = Rollout._sequence(types.SimpleNamespace(next_seq_id=0), s, 1.0)
+    seq = Rollout._sequence(types.SimpleNamespace(next_seq_id=0), s, 1.0, 0.0, 0)
     mb = pack([seq], multiple=1)
     gen = torch.Generator().manual_seed(0)
     delta = torch.randn(len(s.response_ids), generator=gen, dtype=torch.float64) * 0.01
