@@ -6,6 +6,7 @@ explicitly). Nothing here imports Megatron, so all of it is testable on CPU.
 
 from megatron_gspo.algo.advantages import group_advantages, token_advantages
 from megatron_gspo.algo.correction import tis_sequence_weights, tis_token_weights
+from megatron_gspo.algo.lm_head import fused_lm_head_logprobs
 from megatron_gspo.algo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.algo.losses import (
     POLICY_LOSSES,
@@ -34,6 +35,7 @@ __all__ = [
     "PolicyLossInputs",
     "aggregation_weights",
     "cp_seq_sum",
+    "fused_lm_head_logprobs",
     "group_advantages",
     "grpo_loss",
     "gspo_loss",
