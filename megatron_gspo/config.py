@@ -92,6 +92,9 @@ class ModelConfig:
     """Use grouped GEMM for the experts (GPU only)."""
     moe_aux_loss_coef: float = 0.0
     """Load-balancing auxiliary loss coefficient (0 disables it; RL usually keeps it off)."""
+    fused_lm_head: bool = True
+    """Compute log-probs and entropy with the fused output layer (never materialises the
+    [tokens, vocab] logits; same numbers); false: output-layer logits, then chunked log-softmax."""
 
     def __post_init__(self) -> None:
         _require(bool(self.hf_path), "model.hf_path is empty; set model.hf_path")

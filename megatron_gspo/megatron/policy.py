@@ -97,11 +97,18 @@ class Policy:
         cfg = self.cfg
         temperature = cfg.rollout.temperature
         if cfg.rl.pi_old == "recompute":
-            fresh = mstep.compute_logprobs(self.model, self.plan(seqs), temperature=temperature)
+            fresh = mstep.compute_logprobs(
+                self.model,
+                self.plan(seqs),
+                temperature=temperature,
+                fused_lm_head=cfg.model.fused_lm_head,
+            )
             for s in seqs:
                 s.rollout_logp, s.old_logp = list(s.old_logp), fresh[s.seq_id].tolist()
         reward_kl = self._reference_logprobs(seqs) if seqs else {}
-        step_cfg = mstep.StepConfig(loss=cfg.loss, temperature=temperature)
+        step_cfg = mstep.StepConfig(
+            loss=cfg.loss, temperature=temperature, fused_lm_head=cfg.model.fused_lm_head
+        )
         n = cfg.rl.mini_batches_per_rollout
         every = cfg.train.routing_flip_every
         before = probe = None

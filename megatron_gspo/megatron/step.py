@@ -16,7 +16,16 @@ CP split or pipeline schedule. With `loss.aggregation=token_mean` `num_tokens` i
 says, this shard's loss tokens (every CP rank counts its own), and the loss the sum of token
 terms: the gradient is that of the mean over the loss tokens of the global mini-batch.
 
-Shape legend: `T` packed tokens of a micro-batch on this CP shard, `Vp` vocab shard.
+LM head: with `StepConfig.fused_lm_head` (the default) the model's output layer is replaced, per
+call, through megatron-core's own `output_processor` hook of `GPTModel.forward` (no patch): it
+receives the final hidden states and the output (or tied embedding) weight and returns
+`(logp, entropy)` from `megatron_gspo.algo.fused_lm_head_logprobs`, so no [T, Vp] logits exist
+on the last stage in either pass. Otherwise the output layer's logits go through the chunked
+`vocab_parallel_logprobs`. Either way `Float16Module` is asked not to upcast its output
+(`fp32_output=False`): the log-prob ops upcast per chunk themselves.
+
+Shape legend: `T` packed tokens of a micro-batch on this CP shard, `H` hidden size, `Vp` vocab
+shard.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from megatron_gspo.algo import (
     PolicyLossConfig,
     PolicyLossInputs,
     cp_seq_sum,
+    fused_lm_head_logprobs,
     identity_seq_sum,
     regularized_loss,
     vocab_parallel_logprobs,
@@ -56,7 +66,17 @@ class StepConfig:
     temperature: float = 1.0
     """Sampling temperature: log-probs are of logits / temperature, as the engine's are."""
     logprob_chunk: int = 1024
-    """Tokens per chunk of the vocab-parallel log-softmax."""
+    """Tokens per chunk of the vocab-parallel log-softmax (fused or not)."""
+    fused_lm_head: bool = True
+    """Fuse the output layer into the log-prob op (no logits materialised); false: the output
+    layer's logits, then the chunked log-softmax."""
+    vocab_chunk: int = 8192
+    """Vocab rows of the output weight per block of the fused LM head."""
+
+
+# What the model returns on the last stage: the output layer's [1, T, Vp] logits, or the fused
+# head's (logp [T], entropy [T]).
+ModelOutput = Tensor | tuple[Tensor, Tensor]
 
 
 def _groups() -> dict[str, Any]:
@@ -74,9 +94,11 @@ def _groups() -> dict[str, Any]:
     )
 
 
-def _logprobs(logits: Tensor, mb: PackedMicroBatch, cfg: StepConfig) -> tuple[Tensor, Tensor]:
+def _logprobs(output: ModelOutput, mb: PackedMicroBatch, cfg: StepConfig) -> tuple[Tensor, Tensor]:
+    if isinstance(output, tuple):  # the fused head already computed them
+        return output
     g = _groups()
-    logits = logits.reshape(-1, logits.size(-1))  # [1, T, Vp] -> [T, Vp]
+    logits = output.reshape(-1, output.size(-1))  # [1, T, Vp] -> [T, Vp]
     logp, entropy = vocab_parallel_logprobs(
         logits,
         mb.labels,
@@ -89,8 +111,8 @@ def _logprobs(logits: Tensor, mb: PackedMicroBatch, cfg: StepConfig) -> tuple[Te
     return logp, entropy
 
 
-def _policy_loss(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> tuple[Any, ...]:
-    logp, entropy = _logprobs(logits, mb, cfg)
+def _policy_loss(mb: PackedMicroBatch, cfg: StepConfig, output: ModelOutput) -> tuple[Any, ...]:
+    logp, entropy = _logprobs(output, mb, cfg)
     g = _groups()
     # The entropy bonus differentiates the per-token entropy; otherwise it is a metric only.
     if cfg.loss.entropy_coef == 0:
@@ -152,11 +174,81 @@ def plan_for_this_rank(
     return [mb.to(dist.device()) for mb in planned]
 
 
-def _forward(model: torch.nn.Module, mb: PackedMicroBatch) -> Tensor:
+def _fused_head(
+    mb: PackedMicroBatch,
+    cfg: StepConfig,
+    *,
+    hidden_states: Tensor,
+    output_layer: Any,
+    output_weight: Tensor | None,
+    config: Any,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """megatron-core `output_processor`: the fused output layer + log-probs + entropy from the
+    final hidden states [S(/tp under SP), 1, H] and the output weight shard [Vp, H]."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    if getattr(config, "use_mup", False) or getattr(output_layer, "bias", None) is not None:
+        raise ValueError(
+            "model.fused_lm_head=true supports an output layer without bias or MuP logit "
+            "scaling; set model.fused_lm_head=false for this model"
+        )
     g = _groups()
-    return model(
-        mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(g["cp_group"])
+    weight = output_weight if output_weight is not None else output_layer.weight
+    sp = g["tp"] > 1 and output_layer.sequence_parallel
+    if sp:
+        # As the column-parallel layer does: all-gather the sequence shards; its backward
+        # reduce-scatters the per-vocab-shard hidden gradients.
+        hidden_states = gather_from_sequence_parallel_region(
+            hidden_states, tensor_parallel_output_grad=True, group=g["tp_group"]
+        )
+    logp, entropy = fused_lm_head_logprobs(
+        hidden_states.reshape(-1, hidden_states.size(-1)),  # [S, 1, H] -> [T, H]
+        weight,
+        mb.labels,
+        group=g["tp_group"],
+        vocab_start=g["tp_rank"] * weight.size(0),
+        temperature=cfg.temperature,
+        chunk_size=cfg.logprob_chunk,
+        vocab_chunk=cfg.vocab_chunk,
+        with_entropy=True,
+        reduce_grad_hidden=not sp,  # without SP the hidden states are TP-replicated
     )
+    assert entropy is not None
+    return logp, entropy
+
+
+def _skip_head(*, hidden_states: Tensor, **_: Any) -> Tensor:
+    """megatron-core `output_processor` for forward passes that need no log-probs."""
+    return hidden_states
+
+
+def _has_float16_wrapper(model: torch.nn.Module) -> bool:
+    from megatron.core.transformer.module import Float16Module
+
+    m: Any = model
+    while m is not None:
+        if isinstance(m, Float16Module):
+            return True
+        m = getattr(m, "module", None)
+    return False
+
+
+def _forward(
+    model: torch.nn.Module, mb: PackedMicroBatch, cfg: StepConfig | None = None
+) -> ModelOutput:
+    """The model on one micro-batch; on the last stage: the fused head's (logp, entropy) when
+    `cfg.fused_lm_head`, the output layer's logits when not, the final hidden states (no LM
+    head at all) when `cfg` is None."""
+    g = _groups()
+    kwargs: dict[str, Any] = {"packed_seq_params": mb.packed_seq_params(g["cp_group"])}
+    if cfg is None:
+        kwargs["output_processor"] = _skip_head
+    elif cfg.fused_lm_head:
+        kwargs["output_processor"] = partial(_fused_head, mb, cfg)
+    if _has_float16_wrapper(model):
+        kwargs["fp32_output"] = False  # no fp32 copy of the logits: the log-prob ops upcast
+    return model(mb.input_ids, mb.position_ids, None, **kwargs)
 
 
 def policy_forward_step(
@@ -164,7 +256,7 @@ def policy_forward_step(
 ) -> tuple[Tensor, Any]:
     """megatron-core `forward_step_func` for the policy loss (bind `cfg` with partial)."""
     mb = next(data_iterator)
-    return _forward(model, mb), partial(_policy_loss, mb, cfg)
+    return _forward(model, mb, cfg), partial(_policy_loss, mb, cfg)
 
 
 def _iterators(model: list[torch.nn.Module], mbs: Sequence[PackedMicroBatch]) -> Any:
@@ -251,8 +343,8 @@ def grads_finite(model: list[torch.nn.Module]) -> bool:
     return bool(bad.item() == 0)
 
 
-def _logprob_rows(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> dict[str, Tensor]:
-    logp, _ = _logprobs(logits, mb, cfg)
+def _logprob_rows(mb: PackedMicroBatch, cfg: StepConfig, output: ModelOutput) -> dict[str, Tensor]:
+    logp, _ = _logprobs(output, mb, cfg)
     keep = mb.token_pos >= 0
     sid = torch.tensor(mb.seq_ids, device=mb.seq_index.device)[mb.seq_index[keep]]
     rows = torch.stack([sid.double(), mb.token_pos[keep].double(), logp[keep].double()], 1)
@@ -263,18 +355,21 @@ def _logprob_rows(mb: PackedMicroBatch, cfg: StepConfig, logits: Tensor) -> dict
 def forward_only(
     model: list[torch.nn.Module],
     micro_batches: Sequence[PackedMicroBatch],
-    reduce: Callable[[PackedMicroBatch, Tensor], dict[str, Any]],
+    reduce: Callable[[PackedMicroBatch, ModelOutput], dict[str, Any]],
+    cfg: StepConfig | None = None,
 ) -> list[dict[str, Any]]:
     """One forward pass over `micro_batches` through megatron-core's schedule (any pipeline
-    layout); `reduce(mb, logits)` runs on the last stage and its dicts are returned there."""
+    layout); `reduce(mb, output)` runs on the last stage and its dicts are returned there.
+    `output` is what `_forward(model, mb, cfg)` returns (cfg None: hidden states, no LM head)."""
 
-    def loss(mb: PackedMicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        zero = torch.tensor(0, dtype=torch.int, device=logits.device)  # megatron sums it on device
-        return logits.sum() * 0.0, zero, reduce(mb, logits)
+    def loss(mb: PackedMicroBatch, output: ModelOutput) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        first = output[0] if isinstance(output, tuple) else output
+        zero = torch.tensor(0, dtype=torch.int, device=first.device)  # megatron sums it on device
+        return first.sum() * 0.0, zero, reduce(mb, output)
 
     def step(data_iterator: Iterator[PackedMicroBatch], m: torch.nn.Module) -> Any:
         mb = next(data_iterator)
-        return _forward(m, mb), partial(loss, mb)
+        return _forward(m, mb, cfg), partial(loss, mb)
 
     return _schedule(model, micro_batches, step, True)
 
@@ -308,14 +403,21 @@ def compute_logprobs(
     *,
     temperature: float = 1.0,
     chunk: int = 1024,
+    fused_lm_head: bool = True,
 ) -> dict[int, Tensor]:
     """Current-policy log-probs of every response token of every sequence in the mini-batch
     (all DP ranks' sequences), as `{seq_id: [R] float64}`, identical on every rank.
+    `fused_lm_head`: through the fused LM head (no logits) or the output layer's logits.
 
     Used to recompute pi_old, and to measure trainer/engine log-prob mismatch.
     """
-    cfg = StepConfig(loss=PolicyLossConfig(), temperature=temperature, logprob_chunk=chunk)
-    outputs = forward_only(model, micro_batches, lambda mb, logits: _logprob_rows(mb, cfg, logits))
+    cfg = StepConfig(
+        loss=PolicyLossConfig(),
+        temperature=temperature,
+        logprob_chunk=chunk,
+        fused_lm_head=fused_lm_head,
+    )
+    outputs = forward_only(model, micro_batches, lambda mb, out: _logprob_rows(mb, cfg, out), cfg)
     rows = torch.cat([o["rows"] for o in outputs]) if outputs else torch.zeros(0, 3)
     # Host memory for the object collective: a pickled CUDA tensor is unpickled onto the
     # sender's GPU index on every receiver (and the default group's object device is the CPU).

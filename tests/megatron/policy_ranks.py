@@ -101,7 +101,7 @@ def _micro_batch_mean_step(model, optimizer, mbs, cfg, dp, n_global):  # noqa: A
             loss, count, reduced = loss_fn(logits)
             return loss * share, count, reduced
 
-        return mstep._forward(m, mb), scaled
+        return mstep._forward(m, mb, cfg), scaled
 
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -142,19 +142,26 @@ def run_case(bridge: Any, case: dict[str, Any]) -> dict[str, Any]:
     placeholder = _train_sequences(
         raw, {s["seq_id"]: torch.zeros(len(s["response_ids"])) for s in raw}, "gspo", False
     )
-    current = mstep.compute_logprobs(model, plan(placeholder))
+    fused = case.get("fused", True)  # the fused LM head, or the output layer's logits
+    calls: list[int] = []
+    head = mstep._fused_head
+    # Count the fused head's calls (on the last stage): the comparisons must be of that path.
+    mstep._fused_head = lambda *a, **k: calls.append(1) or head(*a, **k)  # type: ignore
+    current = mstep.compute_logprobs(model, plan(placeholder), fused_lm_head=fused)
     loss_kw = case.get("loss", {})
     seqs = _train_sequences(
         raw, current, kind, case.get("plant") == "length_weighted", "kl_coef" in loss_kw
     )
     mbs = plan(seqs)
-    cfg = mstep.StepConfig(loss=PolicyLossConfig(kind=kind, **loss_kw))
+    cfg = mstep.StepConfig(loss=PolicyLossConfig(kind=kind, **loss_kw), fused_lm_head=fused)
     if case.get("plant") == "micro_batch_mean":
         _micro_batch_mean_step(model, opt, mbs, cfg, dp, len(seqs))
         metrics: dict[str, float] = {}
     else:
         metrics = mstep.train_step(model, opt, mbs, cfg)
+    mstep._fused_head = head  # type: ignore
     return {
+        "fused_calls": len(calls),
         "metrics": metrics,
         "current": current,
         "num_micro_batches": len(mbs),
@@ -164,10 +171,13 @@ def run_case(bridge: Any, case: dict[str, Any]) -> dict[str, Any]:
 
 def main(rank: int, world: int, hf_dir: str, cases: list[dict[str, Any]]) -> dict[str, Any]:
     quiet_megatron()
-    bridge = load_bridge(hf_dir)
+    bridges = {hf_dir: load_bridge(hf_dir)}
     out = {}
     for case in cases:
-        out[case["name"]] = run_case(bridge, case)
+        path = case.get("hf_dir", hf_dir)  # e.g. a tied-embeddings variant of the model
+        if path not in bridges:
+            bridges[path] = load_bridge(path)
+        out[case["name"]] = run_case(bridges[path], case)
         if rank != 0:
             out[case["name"]].pop("weights")
     return out

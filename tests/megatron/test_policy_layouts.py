@@ -8,6 +8,12 @@ lr = eps >> |g|, gathered to full HF tensors.
 Planted reductions (per-micro-batch mean; length-weighted) must fail the same comparison.
 The token-mean aggregation with the KL and entropy terms on (loss.aggregation=token_mean,
 loss.kl_coef, loss.entropy_coef) is compared the same way at DP=2, CP=2 and PP=2.
+
+LM head: the GSPO reference runs the unfused path (output-layer logits, then the chunked
+log-softmax), every parallel layout the fused LM head (the default), so each layout comparison
+is also fused-vs-current; a tied-embeddings model on PP=2 (the last stage's copy of the
+embedding) is compared the same way, and the fused head on one rank must match the unfused one
+to fp32 round-off.
 """
 
 from __future__ import annotations
@@ -46,12 +52,16 @@ GRAD_TOL, METRIC_TOL = 2e-4, 1e-5
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     # four layers: the interleaved case needs pp * vpp = 4 model chunks
     path = tmp_path_factory.mktemp("tiny") / "hf"
+    save_tiny_hf_checkpoint(f"{path}-tied", seed=0, num_hidden_layers=4, tie_word_embeddings=True)
     return str(save_tiny_hf_checkpoint(path, seed=0, num_hidden_layers=4))
 
 
 @pytest.fixture(scope="module")
 def reference(hf_dir: str) -> dict:
-    cases = [dict(name=k, layout={}, kind=k) for k in ("gspo", "gspo_token", "grpo")]
+    cases = [dict(name="gspo", layout={}, kind="gspo", fused=False)]  # the current LM head path
+    cases += [dict(name=k, layout={}, kind=k) for k in ("gspo_token", "grpo")]
+    cases.append(dict(name="gspo-fused", layout={}, kind="gspo"))
+    cases.append(dict(name="tied", layout={}, fused=False, hf_dir=f"{hf_dir}-tied"))
     cases.append(dict(name="micro_batch_mean", layout={}, plant="micro_batch_mean"))
     cases.append(dict(name="token_mean", layout={}, loss=REG))
     return spawn_ranks(policy_ranks.main, 1, hf_dir, cases)[0]
@@ -60,6 +70,8 @@ def reference(hf_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def parallel(hf_dir: str) -> list[dict]:
     cases = [dict(name=n, layout=lay) for n, lay in LAYOUTS.items()]
+    cases.append(dict(name="pp2-tied", layout=LAYOUTS["pp2"], hf_dir=f"{hf_dir}-tied"))
+    cases.append(dict(name="tp2-unfused", layout=LAYOUTS["tp2"], fused=False))
     cases += [
         dict(name=n, layout=LAYOUTS[lay], kind=k, distopt=d) for n, (lay, k, d) in EXTRA.items()
     ]
@@ -86,6 +98,40 @@ def init(hf_dir: str) -> dict:
     return load_file(f"{hf_dir}/model.safetensors")
 
 
+def _same_step(got: dict, ref: dict, init: dict, grad_tol: float, metric_tol: float) -> None:
+    err = _grad_err(got["weights"], ref["weights"], init)
+    assert err < grad_tol, f"gradient relative error {err}"
+    assert set(got["metrics"]) == set(ref["metrics"])
+    for k, v in ref["metrics"].items():
+        if not math.isnan(v):
+            assert got["metrics"][k] == pytest.approx(v, rel=metric_tol, abs=1e-6), k
+    assert got["current"].keys() == ref["current"].keys()
+    assert (
+        max((got["current"][k] - ref["current"][k]).abs().max().item() for k in ref["current"])
+        < 1e-5
+    )
+
+
+def test_fused_lm_head_matches_unfused_on_one_rank(reference, init) -> None:
+    """Loss, metrics, log-probs and every weight's gradient (the output weight's, and through
+    the hidden states every layer below): fused vs the output layer + chunked log-softmax."""
+    assert reference["gspo-fused"]["fused_calls"] > 0 and reference["gspo"]["fused_calls"] == 0
+    _same_step(reference["gspo-fused"], reference["gspo"], init, grad_tol=2e-5, metric_tol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["pp2-tied", "tp2-unfused"])
+def test_tied_and_unfused_layouts(name, parallel, reference, hf_dir) -> None:
+    """Tied embeddings on PP=2 (fused) vs tied on one rank (unfused); the unfused path on TP=2."""
+    from safetensors.torch import load_file
+
+    tied = name.endswith("tied")
+    # The last stage (rank 1 on PP=2) ran the fused head, or nobody did.
+    assert (parallel[1][name]["fused_calls"] > 0) == tied
+    ref = reference["tied" if tied else "gspo"]
+    init = load_file(f"{hf_dir}{'-tied' if tied else ''}/model.safetensors")
+    _same_step(parallel[0][name], ref, init, grad_tol=GRAD_TOL, metric_tol=METRIC_TOL)
+
+
 def _metrics(results: list[dict], name: str) -> dict:
     return results[0][name]["metrics"]
 
@@ -95,6 +141,7 @@ def test_policy_step_matches_single_rank(name, parallel, reference, init) -> Non
     kind = EXTRA[name][1] if name in EXTRA else "gspo"
     ref = reference[kind]
     got = parallel[0][name]
+    assert sum(r[name]["fused_calls"] for r in parallel) > 0, "the fused LM head did not run"
     err = _grad_err(got["weights"], ref["weights"], init)
     assert err < GRAD_TOL, f"{name}: gradient relative error {err}"
     m, m_ref = got["metrics"], ref["metrics"]
