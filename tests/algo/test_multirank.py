@@ -1,4 +1,5 @@
-"""Two gloo ranks: vocab-parallel log-probs (TP) and the CP loss hook with a real all-reduce."""
+"""Two gloo ranks: vocab-parallel log-probs (TP), the CP loss hook with a real all-reduce, and
+the fused LM head on TP2, TP2+SP and CP2 against the unfused single-rank path in float64."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_gspo.algo import PolicyLossConfig, cp_seq_sum, policy_loss, vocab_parallel_logprobs
+from megatron_gspo.algo import (
+    PolicyLossConfig,
+    PolicyLossInputs,
+    cp_seq_sum,
+    fused_lm_head_logprobs,
+    identity_seq_sum,
+    policy_loss,
+    vocab_parallel_logprobs,
+)
 from megatron_gspo.dist import free_port
 
 from .cases import make_seqs, pack, run_packed, scatter_grad
@@ -80,6 +89,107 @@ def _check_context_parallel(rank: int) -> None:
             torch.testing.assert_close(num / den, want[0] / want[1], rtol=1e-5, atol=1e-6)
 
 
+class _SequenceParallelGather(torch.autograd.Function):
+    """All-gather row shards (forward); sum the gradients and keep this rank's rows (backward):
+    what sequence parallelism does around the output layer."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        parts = [torch.empty_like(x) for _ in range(WORLD)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        g = g.contiguous().clone()
+        dist.all_reduce(g)
+        return g.chunk(WORLD)[dist.get_rank()]
+
+
+def _check_fused_lm_head(rank: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    lengths = [3, 6, 2, 9]
+    t, v, h, temp = sum(lengths), 2 * 29, 6, 0.8
+    hidden = torch.randn(t, h, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64) * 0.7
+    target = torch.randint(0, v, (t,), generator=gen)
+    g_lp, g_h = torch.randn(2, t, generator=gen, dtype=torch.float64)
+    tol = dict(rtol=1e-12, atol=1e-12)
+
+    def reference(objective):  # the unfused path on one rank, full vocab
+        rh, rw = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = vocab_parallel_logprobs(rh @ rw.T, target, temperature=temp, with_entropy=True)
+        objective(lp, ent, torch.arange(t)).backward()
+        return lp.detach(), ent.detach(), rh.grad, rw.grad
+
+    def weighted(lp, ent, idx):
+        return (lp * g_lp[idx]).sum() + (ent * g_h[idx]).sum()
+
+    # TP2 (hidden replicated) and TP2 + SP (hidden row shards, gathered): W vocab shards.
+    ref = reference(weighted)
+    vp = v // WORLD
+    cols = slice(rank * vp, (rank + 1) * vp)
+    mine = slice(rank * t // WORLD, (rank + 1) * t // WORLD)
+    for sp in (False, True):
+        hh = (hidden[mine] if sp else hidden).clone().requires_grad_(True)
+        w = weight[cols].clone().requires_grad_(True)
+        lp, ent = fused_lm_head_logprobs(
+            _SequenceParallelGather.apply(hh) if sp else hh,
+            w,
+            target,
+            group=dist.group.WORLD,
+            vocab_start=rank * vp,
+            temperature=temp,
+            chunk_size=3,
+            vocab_chunk=7,
+            with_entropy=True,
+            reduce_grad_hidden=not sp,
+        )
+        weighted(lp, ent, torch.arange(t)).backward()
+        torch.testing.assert_close(lp, ref[0], **tol)
+        torch.testing.assert_close(ent, ref[1], **tol)
+        torch.testing.assert_close(hh.grad, ref[2][mine] if sp else ref[2], **tol)
+        torch.testing.assert_close(w.grad, ref[3][cols], **tol)
+
+    # CP2, packed: each rank holds every other token; GSPO loss with the CP sequence sum.
+    seq_index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    adv = torch.randn(len(lengths), generator=gen, dtype=torch.float64)
+    mask = torch.rand(t, generator=gen) > 0.2
+    # pi_old near pi_theta, one sequence far off: some sequences clip, some do not.
+    old = ref[0] + 0.02 * torch.sin(torch.arange(t, dtype=torch.float64)) + (seq_index == 1) * 0.5
+    cfg = PolicyLossConfig(kind="gspo")
+
+    def gspo(lp, ent, idx, seq_sum=identity_seq_sum):
+        batch = PolicyLossInputs(
+            logp=lp,
+            old_logp=old[idx],
+            advantages=adv,
+            seq_index=seq_index[idx],
+            mask=mask[idx],
+            num_seqs=len(lengths),
+            entropy=ent.detach(),
+        )
+        loss, _ = policy_loss(batch, cfg, denominator=float(len(lengths)), seq_sum=seq_sum)
+        return loss - 0.01 * (ent * mask[idx]).sum()  # an entropy term in the objective too
+
+    ref_loss = gspo(ref[0], ref[1], torch.arange(t)).detach()
+    ref = reference(gspo)
+    idx = torch.arange(t)[torch.arange(t) % WORLD == rank]
+    hh = hidden[idx].clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    lp, ent = fused_lm_head_logprobs(
+        hh, w, target[idx], temperature=temp, chunk_size=4, vocab_chunk=16, with_entropy=True
+    )
+    loss = gspo(lp, ent, idx, cp_seq_sum(dist.group.WORLD))
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # Megatron sums the CP shards' losses and weight gradients
+    dist.all_reduce(w.grad)
+    torch.testing.assert_close(total, ref_loss, **tol)
+    torch.testing.assert_close(hh.grad, ref[2][idx], **tol)
+    torch.testing.assert_close(w.grad, ref[3], **tol)
+
+
 def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -88,6 +198,7 @@ def _worker(rank: int, port: int) -> None:
     try:
         _check_tensor_parallel(rank)
         _check_context_parallel(rank)
+        _check_fused_lm_head(rank)
         # Leave together: rank 0 hosts the TCP store, and tearing it down while rank 1 is still
         # talking to it aborted rank 0 (SIGABRT, "terminate called without an active
         # exception") in about 1 run in 10.
