@@ -1,18 +1,26 @@
-"""Peak memory and time: chunked vocab-parallel log-probs + GSPO loss vs the naive path.
+"""Peak memory and time of the LM head + log-probs + GSPO loss: straightforward, chunked, fused.
 
-    python benchmarks/logprob_loss.py                 # CPU, T=2048, V=151,936, bf16 logits
-    python benchmarks/logprob_loss.py --device cuda   # GPU: torch.cuda.max_memory_allocated
+    python benchmarks/logprob_loss.py                       # CPU, the default grid below
+    python benchmarks/logprob_loss.py --hidden 2048 --tokens 2048
+    python benchmarks/logprob_loss.py --device cuda         # GPU: torch.cuda.max_memory_allocated
 
-Each variant runs forward + backward of (target log-probs -> GSPO loss) w.r.t. [T, V] logits:
-  naive     log_softmax(logits.float() / temp).gather(target)    ([T, V] float32, twice or more)
-  chunked   megatron_gspo.algo.vocab_parallel_logprobs(..., chunk_size=C)
-"+H" rows also compute the entropy (naive: from the same full log-softmax).
+Each variant runs forward + backward of (output layer -> target log-probs + entropy -> GSPO loss
+with an entropy term) w.r.t. the final hidden states [T, H] and the output weight [V, H] (bf16):
+  straightforward  logits = h @ W^T; log_softmax(logits.float() / temp)   ([T, V] float32 x 2+)
+  chunked          logits = h @ W^T; megatron_gspo.algo.vocab_parallel_logprobs (the unfused
+                   trainer path: bf16 [T, V] logits and their bf16 gradient, fp32 per chunk)
+  fused            megatron_gspo.algo.fused_lm_head_logprobs (no [T, V] tensor in either pass)
+  gemm             one forward h @ W^T, no grad: the unit of matmul time (the three above do
+                   3, 3 and 4 such GEMMs: the fused backward recomputes the logit blocks)
 
-Memory is the peak ABOVE what was allocated before the step (the bf16 logits and the [T] inputs),
-so the bf16 gradient of the logits, which both paths must produce, is included. On CPU each
-variant runs in a fresh subprocess and reads the process's resident-set high-water mark (VmHWM,
-reset through /proc/self/clear_refs; ru_maxrss where that is unavailable); on CUDA it uses
-torch.cuda.max_memory_allocated. Ratios are against the naive row of the same run.
+Memory is the peak ABOVE what was allocated before the step (h, W and the [T] inputs), so it
+includes the bf16 gradients of h and W that every variant returns (dW alone is V*H*2 bytes).
+On CPU each variant runs in a fresh subprocess and reads the process's resident-set high-water
+mark (VmHWM, reset through /proc/self/clear_refs; ru_maxrss where that is unavailable); on CUDA
+torch.cuda.max_memory_allocated. A variant is skipped (and the reason printed) when its
+estimated peak exceeds --mem-limit-gib (the machine's free RAM is shared) or its estimated
+GEMM work exceeds --max-tflop. Ratios are against the straightforward row of the same size, or
+against the chunked row where the straightforward one was skipped.
 """
 
 from __future__ import annotations
@@ -32,11 +40,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_gspo.algo import (  # noqa: E402
     PolicyLossConfig,
     PolicyLossInputs,
+    fused_lm_head_logprobs,
     policy_loss,
     vocab_parallel_logprobs,
 )
 
-MIB = 2**20
+MIB, GIB = 2**20, 2**30
+VARIANTS = ("straightforward", "chunked", "fused", "gemm")
+# Bytes per [T, V] element alive at the peak, rounded up from the ops each path runs (used only
+# to skip what cannot fit): bf16 logits + fp32 copy + fp32 log-softmax + their gradients.
+PEAK_BYTES_PER_TV = {"straightforward": 18, "chunked": 4.5, "fused": 0, "gemm": 2}
+GEMMS = {"straightforward": 3, "chunked": 3, "fused": 4, "gemm": 1}
 
 
 def _rss_hwm_bytes() -> int:
@@ -59,23 +73,27 @@ def _reset_rss_hwm() -> bool:
         return False
 
 
-def _logprobs(variant: str, logits, target, temperature: float, chunk: int):
-    with_entropy = variant.endswith("+H")
-    if variant.startswith("naive"):
-        logq = torch.log_softmax(logits.float() / temperature, dim=-1)
+def _logprobs(args: argparse.Namespace, h: torch.Tensor, w: torch.Tensor, target: torch.Tensor):
+    if args.variant == "fused":
+        return fused_lm_head_logprobs(
+            h, w, target, temperature=args.temperature, chunk_size=args.chunk, with_entropy=True
+        )
+    logits = h @ w.T
+    if args.variant == "straightforward":
+        logq = torch.log_softmax(logits.float() / args.temperature, dim=-1)
         logp = logq.gather(1, target[:, None]).squeeze(1)
-        ent = -(logq.exp() * logq).sum(-1) if with_entropy else None
-        return logp, ent
+        return logp, -(logq.exp() * logq).sum(-1)
     return vocab_parallel_logprobs(
-        logits, target, temperature=temperature, chunk_size=chunk, with_entropy=with_entropy
+        logits, target, temperature=args.temperature, chunk_size=args.chunk, with_entropy=True
     )
 
 
 def worker(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     dev = torch.device(args.device)
-    t, v = args.tokens, args.vocab
-    logits = torch.randn(t, v, dtype=torch.bfloat16, device=dev).mul_(3).requires_grad_(True)
+    t, v, hd = args.tokens, args.vocab, args.hidden
+    h = torch.randn(t, hd, dtype=torch.bfloat16, device=dev).requires_grad_(True)
+    w = (torch.randn(v, hd, device=dev) * (3 / hd**0.5)).bfloat16().requires_grad_(True)
     target = torch.randint(0, v, (t,), device=dev)
     seq_len = max(1, t // args.seqs)
     seq_index = (torch.arange(t, device=dev) // seq_len).clamp(max=args.seqs - 1)
@@ -84,8 +102,12 @@ def worker(args: argparse.Namespace) -> dict:
     cfg = PolicyLossConfig(kind="gspo")
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
-        logits.grad = None
-        logp, ent = _logprobs(args.variant, logits, target, args.temperature, args.chunk)
+        h.grad = w.grad = None
+        if args.variant == "gemm":
+            with torch.no_grad():
+                out = (h @ w.T)[:, 0].float()
+            return out, out.sum()
+        logp, ent = _logprobs(args, h, w, target)
         # pi_old a hair away from pi_theta so some sequences clip and some do not.
         old = logp.detach() + 1e-4 * torch.sin(torch.arange(t, device=dev, dtype=logp.dtype))
         batch = PolicyLossInputs(
@@ -95,11 +117,10 @@ def worker(args: argparse.Namespace) -> dict:
             seq_index=seq_index,
             mask=mask,
             num_seqs=args.seqs,
-            entropy=ent,
+            entropy=ent.detach(),
         )
         loss, _ = policy_loss(batch, cfg, denominator=float(args.seqs))
-        if ent is not None:
-            loss = loss - 1e-3 * ent.mean()  # make the entropy path part of the backward
+        loss = loss - 1e-3 * ent.mean()  # make the entropy path part of the backward
         loss.backward()
         return logp.detach(), loss.detach()
 
@@ -121,97 +142,116 @@ def worker(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() if cuda else _rss_hwm_bytes()) - base
+    grads = args.variant != "gemm"
     return {
         "variant": args.variant,
-        "chunk": args.chunk if not args.variant.startswith("naive") else None,
         "peak_mib": peak / MIB,
         "time_s": min(times),
         "loss": loss.item(),
         "logp_head": logp[:256].double().tolist(),
-        "grad_head": logits.grad[:4, :4096].double().flatten().tolist(),
+        "dh_head": h.grad[:8].double().flatten().tolist() if grads else [],
+        "dw_head": w.grad[:64].double().flatten().tolist() if grads else [],
         "exact_hwm": cuda or exact,
     }
+
+
+def _skip_reason(args: argparse.Namespace, variant: str, t: int, hd: int) -> str | None:
+    tv = t * args.vocab
+    est = PEAK_BYTES_PER_TV[variant] * tv + 4 * (t + args.vocab) * hd
+    if est > args.mem_limit_gib * GIB:
+        return f"estimated peak {est / GIB:.1f} GiB > --mem-limit-gib {args.mem_limit_gib:g}"
+    tflop = GEMMS[variant] * 2 * tv * hd / 1e12
+    if tflop > args.max_tflop:
+        return f"{tflop:.0f} TFLOP of GEMMs > --max-tflop {args.max_tflop:g}"
+    return None
+
+
+def _run_variant(args: argparse.Namespace, variant: str, t: int, hd: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant]
+    for k, val in [
+        ("--device", args.device),
+        ("--tokens", t),
+        ("--hidden", hd),
+        ("--vocab", args.vocab),
+        ("--seqs", args.seqs),
+        ("--temperature", args.temperature),
+        ("--chunk", args.chunk),
+        ("--repeat", args.repeat),
+        ("--warmup", args.warmup),
+    ]:
+        cmd += [k, str(val)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=float("nan"))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--tokens", default="2048,8192,32768", help="comma-separated T values")
+    p.add_argument("--hidden", default="2048,4096", help="comma-separated hidden sizes")
     p.add_argument("--vocab", type=int, default=151_936)
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--seqs", type=int, default=16, help="sequences the tokens are packed into")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--chunks", default="256,1024", help="comma-separated chunk sizes")
-    p.add_argument("--entropy", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--chunk", type=int, default=1024, help="tokens per chunk (chunked, fused)")
+    p.add_argument("--mem-limit-gib", type=float, default=12.0)
+    p.add_argument("--max-tflop", type=float, default=60.0)
     p.add_argument("--repeat", type=int, default=None, help="timed steps (min is reported)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--variant", help=argparse.SUPPRESS)
-    p.add_argument("--chunk", type=int, default=1024, help=argparse.SUPPRESS)
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
     args.repeat = args.repeat if args.repeat is not None else (5 if cuda else 1)
     args.warmup = args.warmup if args.warmup is not None else (2 if cuda else 0)
     if args.variant:
+        args.tokens, args.hidden = int(args.tokens), int(args.hidden)
         if not cuda:
             torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
         print(json.dumps(worker(args)))
         return
 
-    runs = [("naive", 0)] + [("chunked", int(c)) for c in args.chunks.split(",")]
-    if args.entropy:
-        runs += [("naive+H", 0), ("chunked+H", int(args.chunks.split(",")[-1]))]
-    rows = []
-    for variant, chunk in runs:
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--variant",
-            variant,
-            "--chunk",
-            str(chunk),
-            "--device",
-            args.device,
-            "--tokens",
-            str(args.tokens),
-            "--vocab",
-            str(args.vocab),
-            "--seqs",
-            str(args.seqs),
-            "--temperature",
-            str(args.temperature),
-            "--repeat",
-            str(args.repeat),
-            "--warmup",
-            str(args.warmup),
-        ]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-
     print(
-        f"device={args.device} T={args.tokens} V={args.vocab} logits=bf16 S={args.seqs} "
-        f"temperature={args.temperature} (forward+backward, logp -> GSPO loss)"
+        f"device={args.device} V={args.vocab} bf16 h and W, S={args.seqs} chunk={args.chunk} "
+        f"temperature={args.temperature} (forward+backward: LM head -> logp, entropy -> GSPO loss)"
     )
-    if not all(r["exact_hwm"] for r in rows):
-        print("note: VmHWM reset unavailable; peaks are ru_maxrss deltas (lower bounds)")
     head = (
-        f"{'variant':<11}{'chunk':>6}{'peak MiB':>11}{'time s':>9}{'mem ratio':>11}"
-        f"{'time ratio':>11}{'max|dlogp|':>12}{'max|dgrad|':>12}"
+        f"{'H':>5}{'T':>7} {'variant':<16}{'peak MiB':>10}{'time s':>9}{'mem ratio':>11}"
+        f"{'time ratio':>11}{'max|dlogp|':>12}{'max|ddh|':>10}{'max|ddW|':>10}"
     )
     print(head)
-    print("-" * len(head))
-    for r in rows:
-        ref = (
-            rows[0]
-            if not r["variant"].endswith("+H")
-            else next(x for x in rows if x["variant"] == "naive+H")
-        )
-        dlogp = max(abs(a - b) for a, b in zip(r["logp_head"], ref["logp_head"], strict=True))
-        dgrad = max(abs(a - b) for a, b in zip(r["grad_head"], ref["grad_head"], strict=True))
-        print(
-            f"{r['variant']:<11}{r['chunk'] or '-':>6}{r['peak_mib']:>11.0f}"
-            f"{r['time_s']:>9.2f}{r['peak_mib'] / ref['peak_mib']:>11.2f}"
-            f"{r['time_s'] / ref['time_s']:>11.2f}{dlogp:>12.1e}{dgrad:>12.1e}"
-        )
-    print("ratios: against the naive row with the same outputs (naive, or naive+H for +H rows)")
+    print("-" * len(head), flush=True)
+    inexact = False
+    for hd in (int(x) for x in args.hidden.split(",")):
+        for t in (int(x) for x in args.tokens.split(",")):
+            rows: dict[str, dict] = {}
+            for variant in args.variants.split(","):
+                why = _skip_reason(args, variant, t, hd)
+                if why:
+                    print(f"{hd:>5}{t:>7} {variant:<16}skipped: {why}", flush=True)
+                    continue
+                r = rows[variant] = _run_variant(args, variant, t, hd)
+                inexact |= not r["exact_hwm"]
+                ref = rows.get("straightforward") or rows.get("chunked") or r
+                same = r["variant"] != "gemm" and ref["variant"] != "gemm"
+                print(
+                    f"{hd:>5}{t:>7} {variant:<16}{r['peak_mib']:>10.0f}{r['time_s']:>9.2f}"
+                    f"{r['peak_mib'] / ref['peak_mib']:>11.3f}{r['time_s'] / ref['time_s']:>11.2f}"
+                    + (
+                        f"{_max_diff(r['logp_head'], ref['logp_head']):>12.1e}"
+                        f"{_max_diff(r['dh_head'], ref['dh_head']):>10.1e}"
+                        f"{_max_diff(r['dw_head'], ref['dw_head']):>10.1e}"
+                        if same
+                        else ""
+                    ),
+                    flush=True,
+                )
+    if inexact:
+        print("note: VmHWM reset unavailable; peaks are ru_maxrss deltas (lower bounds)")
+    print("ratios: against the straightforward row of the same H and T (else the chunked row)")
 
 
 if __name__ == "__main__":
