@@ -219,7 +219,11 @@ memory per GPU (most loaded pipeline stage; P = its parameters, Pd dense + Pe ex
        moe        (b*3h + 8E + 8k) * T/(cp*tp) + imb * k*T*etp/(cp*tp) * b*(h + 6*f/etp)
                   (dense MLP: b*(3h + 3f) * T/(cp*tp))
      per_layer (recompute full) = b*h*T/(cp*tp), plus one layer's full working set
-     logits     = 6 * T/cp * V/tp (bf16 logits + fp32 log-softmax chunk)
+     lm head    model.fused_lm_head (default): 12 * min(T/cp, 1024) * min(V/tp, 8192)
+                (three fp32 [token chunk, vocab chunk] blocks) + (b + 4) * T/cp * h (hidden
+                states gathered over SP, fp32 hidden-gradient accumulator) + b * V/tp * h
+                (the output weight's gradient before DDP adds it to the grad buffer)
+                unfused: 6 * T/cp * V/tp (bf16 logits + gradient + fp32 log-softmax chunk)
      inflight   = min(pp - stage, micro-batches), * (1 + (pp-1)/(pp*vpp)) if interleaved
      *selective recompute re-runs core attention only, which flash attention does not store
   overhead    = {PROCESS_OVERHEAD_GB} GiB per process (CUDA context, NCCL buffers)
@@ -235,7 +239,8 @@ sequences at their longest, bf16 activations, no CPU offload, fragmentation in t
 def _activations(
     hf: Any, cfg: Config, layout: Layout, layers_stage: int, imbalance: float
 ) -> tuple[float, float]:
-    """(bytes of one micro-batch's layer activations on a stage, bytes of the logits)."""
+    """(bytes of one micro-batch's layer activations on a stage, bytes of the LM head's
+    working set on the last stage: see `memory_formula`)."""
     b = 2 if cfg.model.dtype != "fp32" else 4
     T = cfg.train.micro_batch_tokens
     h, v = hf.hidden_size, hf.vocab_size
@@ -262,7 +267,17 @@ def _activations(
         per_stage = layers_stage * b * h * tok + full_layer
     else:
         per_stage = layers_stage * full_layer
-    return per_stage, 6 * (T / layout.cp) * (v / layout.tp)
+    return per_stage, _lm_head(cfg, layout, b, h, v)
+
+
+def _lm_head(cfg: Config, layout: Layout, b: int, h: int, v: int) -> float:
+    """Bytes of the LM head + log-prob working set (fused or not; see `memory_formula`)."""
+    from megatron_gspo.megatron.step import LOGPROB_CHUNK, VOCAB_CHUNK  # the trainer's chunks
+
+    tok, vp = cfg.train.micro_batch_tokens / layout.cp, v / layout.tp
+    if not cfg.model.fused_lm_head:
+        return 6 * tok * vp
+    return 12 * min(tok, LOGPROB_CHUNK) * min(vp, VOCAB_CHUNK) + (b + 4) * tok * h + b * vp * h
 
 
 def _micro_batches(cfg: Config, dp: int, prompt_tokens: int) -> int:

@@ -57,6 +57,8 @@ from megatron_gspo.megatron.packing import (
     plan_micro_batches,
 )
 
+LOGPROB_CHUNK, VOCAB_CHUNK = 1024, 8192  # LM head chunks: tokens, vocab rows (the planner's too)
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepConfig:
@@ -65,12 +67,12 @@ class StepConfig:
     loss: PolicyLossConfig
     temperature: float = 1.0
     """Sampling temperature: log-probs are of logits / temperature, as the engine's are."""
-    logprob_chunk: int = 1024
+    logprob_chunk: int = LOGPROB_CHUNK
     """Tokens per chunk of the vocab-parallel log-softmax (fused or not)."""
     fused_lm_head: bool = True
     """Fuse the output layer into the log-prob op (no logits materialised); false: the output
     layer's logits, then the chunked log-softmax."""
-    vocab_chunk: int = 8192
+    vocab_chunk: int = VOCAB_CHUNK
     """Vocab rows of the output weight per block of the fused LM head."""
 
 
