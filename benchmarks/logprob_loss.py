@@ -15,12 +15,15 @@ with an entropy term) w.r.t. the final hidden states [T, H] and the output weigh
 
 Memory is the peak ABOVE what was allocated before the step (h, W and the [T] inputs), so it
 includes the bf16 gradients of h and W that every variant returns (dW alone is V*H*2 bytes).
-On CPU each variant runs in a fresh subprocess and reads the process's resident-set high-water
-mark (VmHWM, reset through /proc/self/clear_refs; ru_maxrss where that is unavailable); on CUDA
-torch.cuda.max_memory_allocated. A variant is skipped (and the reason printed) when its
-estimated peak exceeds --mem-limit-gib (the machine's free RAM is shared) or its estimated
-GEMM work exceeds --max-tflop. Ratios are against the straightforward row of the same size, or
-against the chunked row where the straightforward one was skipped.
+Two measurements:
+  tensor peak  every size: the same step under torch's FakeTensorMode (shapes only, nothing
+               computed or allocated) with torch.distributed._tools.mem_tracker.MemTracker,
+               which counts every tensor storage alive at each moment (exact, allocator-free)
+  run          where it fits (estimated peak <= --mem-limit-gib, GEMM work <= --max-tflop):
+               a real step in a fresh subprocess: time, and the process's resident-set
+               high-water mark (VmHWM, reset through /proc/self/clear_refs; ru_maxrss where
+               that is unavailable); on CUDA torch.cuda.max_memory_allocated
+Ratios are against the straightforward row of the same size.
 """
 
 from __future__ import annotations
@@ -155,6 +158,44 @@ def worker(args: argparse.Namespace) -> dict:
     }
 
 
+def tensor_peak(variant: str, t: int, hd: int, args: argparse.Namespace) -> float:
+    """Peak bytes of live tensors during one step, above its inputs (FakeTensorMode: no
+    memory or compute is used, so any size can be measured)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if variant == "gemm":
+        return float("nan")
+    ns = argparse.Namespace(**{**vars(args), "variant": variant})
+    with FakeTensorMode():
+        h = torch.randn(t, hd, dtype=torch.bfloat16).requires_grad_(True)
+        w = torch.randn(args.vocab, hd, dtype=torch.bfloat16).requires_grad_(True)
+        target = torch.randint(0, args.vocab, (t,))
+        seq_index = (torch.arange(t) // max(1, t // args.seqs)).clamp(max=args.seqs - 1)
+        adv = torch.randn(args.seqs)
+        mask = torch.ones(t, dtype=torch.bool)
+        inputs = [h, w, target, seq_index, adv, mask]
+        tracker = MemTracker()
+        tracker.track_external(*inputs)
+        with tracker:
+            logp, ent = _logprobs(ns, h, w, target)
+            old = logp.detach() + 1e-4
+            batch = PolicyLossInputs(
+                logp=logp,
+                old_logp=old,
+                advantages=adv,
+                seq_index=seq_index,
+                mask=mask,
+                num_seqs=args.seqs,
+                entropy=ent.detach(),
+            )
+            loss, _ = policy_loss(batch, PolicyLossConfig(kind="gspo"), denominator=1.0)
+            (loss - 1e-3 * ent.mean()).backward()
+        snap = tracker.get_tracker_snapshot("peak")
+    peak = sum(d["Total"] for d in snap.values())
+    return peak - sum(x.numel() * x.element_size() for x in inputs)
+
+
 def _skip_reason(args: argparse.Namespace, variant: str, t: int, hd: int) -> str | None:
     tv = t * args.vocab
     est = PEAK_BYTES_PER_TV[variant] * tv + 4 * (t + args.vocab) * hd
@@ -219,8 +260,9 @@ def main() -> None:
         f"temperature={args.temperature} (forward+backward: LM head -> logp, entropy -> GSPO loss)"
     )
     head = (
-        f"{'H':>5}{'T':>7} {'variant':<16}{'peak MiB':>10}{'time s':>9}{'mem ratio':>11}"
-        f"{'time ratio':>11}{'max|dlogp|':>12}{'max|ddh|':>10}{'max|ddW|':>10}"
+        f"{'H':>5}{'T':>7} {'variant':<16}{'tensor peak MiB':>16}{'ratio':>7}  |"
+        f"{'run: RSS MiB':>13}{'time s':>9}{'t ratio':>8}"
+        f"{'max|dlogp|':>11}{'max|ddh|':>9}{'max|ddW|':>9}"
     )
     print(head)
     print("-" * len(head), flush=True)
@@ -228,22 +270,26 @@ def main() -> None:
     for hd in (int(x) for x in args.hidden.split(",")):
         for t in (int(x) for x in args.tokens.split(",")):
             rows: dict[str, dict] = {}
+            peaks: dict[str, float] = {}
             for variant in args.variants.split(","):
+                peaks[variant] = tensor_peak(variant, t, hd, args) / MIB
+                ratio = peaks[variant] / peaks.get("straightforward", float("nan"))
+                line = f"{hd:>5}{t:>7} {variant:<16}{peaks[variant]:>16.0f}{ratio:>7.3f}  |"
                 why = _skip_reason(args, variant, t, hd)
                 if why:
-                    print(f"{hd:>5}{t:>7} {variant:<16}skipped: {why}", flush=True)
+                    print(f"{line} not run: {why}", flush=True)
                     continue
                 r = rows[variant] = _run_variant(args, variant, t, hd)
                 inexact |= not r["exact_hwm"]
                 ref = rows.get("straightforward") or rows.get("chunked") or r
                 same = r["variant"] != "gemm" and ref["variant"] != "gemm"
                 print(
-                    f"{hd:>5}{t:>7} {variant:<16}{r['peak_mib']:>10.0f}{r['time_s']:>9.2f}"
-                    f"{r['peak_mib'] / ref['peak_mib']:>11.3f}{r['time_s'] / ref['time_s']:>11.2f}"
+                    f"{line}{r['peak_mib']:>13.0f}{r['time_s']:>9.2f}"
+                    f"{r['time_s'] / ref['time_s']:>8.2f}"
                     + (
-                        f"{_max_diff(r['logp_head'], ref['logp_head']):>12.1e}"
-                        f"{_max_diff(r['dh_head'], ref['dh_head']):>10.1e}"
-                        f"{_max_diff(r['dw_head'], ref['dw_head']):>10.1e}"
+                        f"{_max_diff(r['logp_head'], ref['logp_head']):>11.1e}"
+                        f"{_max_diff(r['dh_head'], ref['dh_head']):>9.1e}"
+                        f"{_max_diff(r['dw_head'], ref['dw_head']):>9.1e}"
                         if same
                         else ""
                     ),
@@ -251,7 +297,10 @@ def main() -> None:
                 )
     if inexact:
         print("note: VmHWM reset unavailable; peaks are ru_maxrss deltas (lower bounds)")
-    print("ratios: against the straightforward row of the same H and T (else the chunked row)")
+    print(
+        "ratios: against the straightforward row of the same H and T (time: else the chunked "
+        "row); max|d...|: against that row (bf16 inputs)"
+    )
 
 
 if __name__ == "__main__":
