@@ -82,8 +82,9 @@ class _FusedLMHead(torch.autograd.Function):
         for rows in _spans(num_tok, chunk_size):
             h = hidden[rows]
             loc, own = local[rows], owned[rows]
-            m = s = a = None  # running max, sum exp(z - m), sum exp(z - m) (z - m)
-            tgt = logp.new_zeros(h.shape[0])
+            # Running max m, sum exp(z - m) and sum exp(z - m) (z - m) (0 without entropy).
+            m: Tensor | None = None
+            s, a, tgt = (logp.new_zeros(h.shape[0]) for _ in range(3))
             for vc in cols:
                 z = (h @ weight[vc].T).to(dtype).mul_(inv_t)  # [C, Vc]
                 hit = own & (loc >= vc.start) & (loc < vc.stop)
@@ -95,7 +96,7 @@ class _FusedLMHead(torch.autograd.Function):
                 e = z.exp()
                 bs = e.sum(-1)
                 # sum e (z - new_m) as a batched dot product: no third [C, Vc] buffer.
-                ba = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1) if with_entropy else None
+                ba = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1) if with_entropy else a
                 del z, e
                 if m is None:
                     s, a = bs, ba
@@ -103,11 +104,11 @@ class _FusedLMHead(torch.autograd.Function):
                     # Rescale the running sums from max m to max new_m (<= 0 exponent).
                     d = m - new_m
                     f = d.exp()
-                    if with_entropy:
-                        a = (a + d * s) * f + ba  # sum e (z - m) -> sum e' (z - new_m)
+                    if with_entropy:  # sum e (z - m) -> sum e' (z - new_m)
+                        a = (a + d * s) * f + ba
                     s = s * f + bs
                 m = new_m
-            assert m is not None and s is not None
+            assert m is not None  # Vp > 0: at least one vocab chunk
             g_m = m.clone()
             _all_reduce(g_m, dist.ReduceOp.MAX, group)
             d = m - g_m
