@@ -456,6 +456,8 @@ class Config:
             f"{optimizer_steps} optimizer steps (train.steps * rl.mini_batches_per_rollout); "
             "change optim.warmup_steps",
         )
+        if launch is not None:  # what each engine TP rank holds of the experts (verification)
+            self.weights.engine_ep_size = launch.ep_size
         if launch is not None and not launch.model_path:
             launch.model_path = self.model.hf_path  # the engines start from the same model
         if (

@@ -26,7 +26,8 @@ from megatron_gspo.metrics_log import MetricsLogger
 from megatron_gspo.preflight import preflight
 from megatron_gspo.run_dir import RunLock, clear_previous_run
 from megatron_gspo.stop import StopSignals
-from megatron_gspo.weights.sync import WeightSync
+from megatron_gspo.weights.checksum import WeightIntegrityError
+from megatron_gspo.weights.sync import WeightSync, WeightSyncError
 
 if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
     from megatron_gspo.megatron.policy import Policy
@@ -257,6 +258,12 @@ def cli() -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         raise SystemExit(3 if isinstance(e, TrainingDiverged) else 4) from None
+    except (WeightSyncError, WeightIntegrityError) as e:  # every rank raises it alike: one line
+        if dist.rank() == 0:
+            print(f"error: weight sync: {e}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        raise SystemExit(5) from None
 
 
 if __name__ == "__main__":

@@ -50,6 +50,10 @@ class WeightSyncConfig:
     config: `<logging.dir>/weights`."""
     disk_keep: int = 2
     """Versions kept on disk."""
+    engine_ep_size: int = 1
+    """Expert-parallel size inside each engine (SGLang `--ep-size`), which decides what each
+    engine TP rank holds of the experts (verification); set from rollout.launch.ep_size when
+    the trainer launches the engines."""
     master_address: str | None = None
     """Address of the sender for the distributed transport's rendezvous, which every engine
     rank connects to (and the sender's gloo device binds). None: the local address that routes
@@ -74,6 +78,8 @@ class WeightSyncConfig:
             raise ConfigError(f"weights.dtype={self.dtype!r} is not a torch dtype name")
         if self.verify_every < 0:
             raise ConfigError("weights.verify_every must be >= 0")
+        if self.engine_ep_size < 1:
+            raise ConfigError(f"weights.engine_ep_size={self.engine_ep_size} must be >= 1")
         if not 0 <= self.master_port < 65536:
             raise ConfigError(f"weights.master_port={self.master_port}: 0 (free) or a TCP port")
 

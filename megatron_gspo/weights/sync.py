@@ -8,9 +8,11 @@ them with the configured transport, then checks, when due:
   through `WeightReceiver.weights_checksum()` (a mismatch raises `WeightIntegrityError` naming
   the tensor). Engines that report HF names (the embedded engine) are compared name by name;
   a real SGLang server reports its own fused parameters (qkv_proj, gate_up_proj, stacked
-  experts w13_weight/w2_weight), which the sender reproduces from what it sent
-  (`sglang_names.SGLangChecksums`), so real servers are verified by default too (one TP rank
-  per engine; FP8 weights are left out: SGLang hashes them dequantised).
+  experts w13_weight/w2_weight), one entry per TP rank over that rank's shard, which the
+  sender reproduces from what it sent, sharded as SGLang's weight loaders shard
+  (`shards.EngineChecksums`: TP and engine-EP sizes from the engine pool and
+  `weights.engine_ep_size`); FP8 weights as SGLang hashes them, dequantised with their
+  `weight_scale_inv`, so a wrong FP8 byte or scale is caught too.
 * version: each engine reports the new version (`WeightReceiver.weight_version()`), which
   rollouts then carry.
 
@@ -41,7 +43,8 @@ from megatron_gspo.weights import fp8 as fp8_lib
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
 from megatron_gspo.weights.config import WeightSyncConfig
-from megatron_gspo.weights.sglang_names import SGLangChecksums, reported_in_sglang_naming
+from megatron_gspo.weights.sglang_names import reported_in_sglang_naming
+from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights.stream import Bucket, StreamStats, is_sender, model_buckets
 from megatron_gspo.weights.transports import (
     DiskTransport,
@@ -69,46 +72,78 @@ class SyncReport:
         return self.stats.bytes_sent / 1e9 / max(self.seconds, 1e-9)
 
 
-def engine_tensor_checksums(info: dict[str, Any], engine_id: str = "") -> dict[str, str]:
-    """Per-tensor checksums from one engine's `weights_checksum()` entry.
-
-    Accepts `{"checksums": {...}}` or SGLang's `/weights_checker` body
-    `{"ranks": [{"checksums": {...}}, ...]}`; with several TP ranks the entries are checksums of
-    shards, which no trainer-side tensor matches, so that is refused.
-    """
+def engine_rank_checksums(info: dict[str, Any], engine_id: str = "") -> list[dict[str, str]]:
+    """Per TP rank (in TP rank order), `{name: checksum}` from one engine's
+    `weights_checksum()` entry: `{"checksums": {...}}` (one rank) or SGLang's `/weights_checker`
+    body `{"ranks": [{"checksums": {...}, "parallelism_info": {"tp_rank": r, ...}}, ...]}`."""
     if "checksums" in info:
-        return dict(info["checksums"])
+        return [dict(info["checksums"])]
     ranks = info.get("ranks") or []
-    if len(ranks) == 1 and "checksums" in ranks[0]:
-        return dict(ranks[0]["checksums"])
-    raise WeightSyncError(
-        f"engine {engine_id}: no per-tensor checksums of full HF tensors in {sorted(info)} "
-        f"({len(ranks)} ranks); set weights.verify_every=0 for tensor-parallel engines"
-    )
+    if not ranks or any("checksums" not in r for r in ranks):
+        raise WeightSyncError(
+            f"engine {engine_id}: no per-tensor checksums in {sorted(info)}; set "
+            "weights.verify_every=0 for engines that cannot report them"
+        )
+
+    def tp_rank(i: int) -> int:
+        r = ranks[i]
+        return int(r.get("tp_rank", (r.get("parallelism_info") or {}).get("tp_rank", i)))
+
+    order = sorted(range(len(ranks)), key=tp_rank)
+    if [tp_rank(i) for i in order] != list(range(len(ranks))):
+        raise WeightSyncError(
+            f"engine {engine_id}: TP ranks {[tp_rank(i) for i in order]} are not 0..{len(ranks) - 1}"
+        )
+    return [dict(ranks[i]["checksums"]) for i in order]
+
+
+def engine_tensor_checksums(info: dict[str, Any], engine_id: str = "") -> dict[str, str]:
+    """The checksums of a one-TP-rank engine (HF or SGLang names); see `engine_rank_checksums`."""
+    per_rank = engine_rank_checksums(info, engine_id)
+    if len(per_rank) != 1:
+        raise WeightSyncError(f"engine {engine_id}: {len(per_rank)} TP ranks, expected 1")
+    return per_rank[0]
+
+
+def engine_tp_sizes(engines: Sequence[WeightReceiver]) -> list[int]:
+    """TP sizes of the engines a sync reaches (the HTTP client's `engine_tp_sizes`; 1 else)."""
+    sizes = {1}
+    for engine in engines:
+        sizes.update(getattr(getattr(engine, "config", None), "engine_tp_sizes", None) or [1])
+    return sorted(sizes)
 
 
 def verify_engines(
     engines: Sequence[WeightReceiver],
-    sent: SGLangChecksums,
+    sent: EngineChecksums,
     *,
     verify_names: Literal["all", "common"] = "all",
 ) -> None:
-    """Raise `WeightIntegrityError` unless every engine holds what was sent.
-
-    Each engine is compared in the naming it reports: SGLang's fused parameter names when it
-    reports them (a real server), else HF names (the embedded engine).
-    """
+    """Raise `WeightIntegrityError` unless every engine (every TP rank of it) holds what was
+    sent. Each engine is compared in the naming it reports: SGLang's fused parameter names
+    over each rank's shard when it reports them (a real server), else HF names (the embedded
+    engine)."""
     for engine in engines:
         for engine_id, info in engine.weights_checksum().items():
-            held = engine_tensor_checksums(info, engine_id)
-            expected = sent.result() if reported_in_sglang_naming(held) else sent.hf
-            if verify_names == "common":
-                expected = {n: c for n, c in expected.items() if n in held}
-                if not expected:
-                    raise WeightIntegrityError(
-                        f"engine {engine_id} reports no checksum under any sent name"
-                    )
-            compare_checksums(expected, held, engine_id)
+            per_rank = engine_rank_checksums(info, engine_id)
+            if reported_in_sglang_naming(per_rank[0]):
+                expected_ranks = sent.ranks(len(per_rank))
+            elif len(per_rank) == 1:
+                expected_ranks = [sent.hf]
+            else:
+                raise WeightSyncError(
+                    f"engine {engine_id}: {len(per_rank)} TP ranks report HF names; only "
+                    "SGLang's fused per-rank naming can be verified"
+                )
+            for r, (expected, held) in enumerate(zip(expected_ranks, per_rank, strict=True)):
+                where = engine_id if len(per_rank) == 1 else f"{engine_id} TP rank {r}"
+                if verify_names == "common":
+                    expected = {n: c for n, c in expected.items() if n in held}
+                    if not expected:
+                        raise WeightIntegrityError(
+                            f"engine {where} reports no checksum under any sent name"
+                        )
+                compare_checksums(expected, held, where)
 
 
 def _with_last(buckets: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
@@ -184,8 +219,8 @@ class WeightSync:
         version = str(self.version)
         report = SyncReport(version=self.version)
         verify = cfg.verify_every > 0 and self.version % cfg.verify_every == 0
-        sent_sums = SGLangChecksums()
-        on_tensor = sent_sums.add if verify else None
+        sent_sums = self._checksums() if verify else None
+        on_tensor = sent_sums.add if sent_sums is not None else None
         error: BaseException | None = None
         start = time.perf_counter()
         try:
@@ -224,7 +259,7 @@ class WeightSync:
         if self.sender and error is None:
             try:
                 self.transport.finish(version)
-                if verify:
+                if sent_sums is not None:
                     self._verify(sent_sums)
                     report.verified = True
                 if cfg.check_version:
@@ -239,7 +274,15 @@ class WeightSync:
         self.local_stats = report.stats
         return self._agree(report, error)
 
-    def _verify(self, sent: SGLangChecksums) -> None:
+    def _checksums(self) -> EngineChecksums:
+        tps = engine_tp_sizes(self.engines) if self.sender else []
+        if tps == [1]:  # nothing is sharded: no model shape needed
+            return EngineChecksums([EngineLayout(1, 1, 1, 1, 1)])
+        hf = hf_io.hf_config_of(self.bridge) if tps else None
+        ep = self.config.engine_ep_size
+        return EngineChecksums([EngineLayout.of(hf, tp, ep if tp > 1 else 1) for tp in tps])
+
+    def _verify(self, sent: EngineChecksums) -> None:
         verify_engines(self.engines, sent, verify_names=self.config.verify_names)
 
     def _check_version(self, version: str) -> None:

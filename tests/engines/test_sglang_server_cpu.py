@@ -32,7 +32,8 @@ from megatron_gspo.engines.sgl_kernel_cpu import (
 from megatron_gspo.engines.types import SamplingParams
 from megatron_gspo.testing import sglang_server
 from megatron_gspo.weights.checksum import WeightIntegrityError
-from megatron_gspo.weights.sglang_names import SGLangChecksums, sglang_checksums
+from megatron_gspo.weights.sglang_names import sglang_checksums
+from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights.stream import Bucket
 from megatron_gspo.weights.sync import verify_engines
 from megatron_gspo.weights.transports import DiskTransport, DistributedTransport, TensorTransport
@@ -105,8 +106,8 @@ def _engine_sums(client: SGLangClient) -> dict[str, str]:
     return rank["checksums"]
 
 
-def _sent(named: list[tuple[str, torch.Tensor]]) -> SGLangChecksums:
-    acc = SGLangChecksums()
+def _sent(named: list[tuple[str, torch.Tensor]]) -> EngineChecksums:
+    acc = EngineChecksums([EngineLayout(1, 1, 1, 1, 1)])  # one TP rank: nothing sharded
     for n, t in named:
         acc.add(n, t)
     return acc

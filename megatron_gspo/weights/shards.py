@@ -1,0 +1,191 @@
+"""What each TP rank of a SGLang engine holds of a HF tensor, and its `/weights_checker` sums.
+
+SGLang's `/weights_checker` `{"action": "checksum"}` answers one entry per TP rank, each over
+the parameters that rank holds (sglang 0.5.23 `srt/utils/weight_checker.py`). Each rank's weight
+loaders narrow the HF tensors (`srt/layers/linear.py`, `vocab_parallel_embedding.py`,
+`moe/fused_moe_triton/layer.py`); with `T` = engine TP size, `E` = its `--ep-size`,
+`moe_tp = T / E`, rank `r`:
+
+    q_proj            rows [r*Hq/T*d, (r+1)*Hq/T*d)                       (QKVParallelLinear)
+    k_proj, v_proj    rows of kv heads r*Hkv/T.. when Hkv >= T; else the one head r // (T/Hkv)
+    o_proj            columns split in T                                  (RowParallelLinear)
+    gate/up_proj      rows split in T (dense MLP)        down_proj: columns split in T
+    experts.e.*       only experts [ep*n/E, (ep+1)*n/E) with ep = r // moe_tp, renumbered from 0;
+                      gate/up rows, down columns split in moe_tp (moe_tp rank = r % moe_tp)
+    embed_tokens,     vocab padded with zero rows to a multiple of 64, rows split in T
+    lm_head
+    everything else   whole (norms, q/k norms, the MoE router `mlp.gate`)
+
+The narrowed HF-named shards then fuse exactly as with one rank (`sglang_names`).
+
+Block-FP8 weights: SGLang's checksum of a quantised parameter is the hash of its bf16
+dequantisation `(q.float() * repeat(weight_scale_inv)).to(bf16)` (`Fp8BlockComparable`), so a
+wrong FP8 byte or a wrong scale changes it. The sender dequantises what it sent the same way
+(`fp8.dequantise_blockwise`, the same fp32 products) and shards that; SGLang requires every
+shard to be block aligned (128 rows / columns), so sharding before or after dequantising is the
+same tensor (`topology` refuses layouts where it is not).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_gspo.weights import fp8 as fp8_lib
+from megatron_gspo.weights.sglang_names import SGLangChecksums
+
+VOCAB_PADDING = 64
+"""SGLang's DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)."""
+
+_Q = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
+_KV = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
+_O = re.compile(r"\.self_attn\.o_proj\.weight$")
+_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<m>gate|up|down)_proj\.(?P<leaf>\w+)$")
+_DENSE_COL = re.compile(r"\.mlp\.(gate|up)_proj\.(weight|bias)$")
+_DENSE_ROW = re.compile(r"\.mlp\.down_proj\.weight$")
+_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """One engine's parallel layout and the model shape its loaders shard by."""
+
+    tp_size: int
+    """SGLang --tp-size."""
+    ep_size: int
+    """SGLang --ep-size (experts split over ep_size groups of tp_size/ep_size ranks)."""
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int = 0
+
+    @classmethod
+    def of(cls, hf_config: Any, tp_size: int, ep_size: int = 1) -> EngineLayout:
+        """From a HF config (attributes or a dict)."""
+
+        def get(k: str, default: Any = None) -> Any:
+            if isinstance(hf_config, dict):
+                return hf_config.get(k, default)
+            return getattr(hf_config, k, default)
+
+        heads = int(get("num_attention_heads"))
+        d = get("head_dim") or int(get("hidden_size")) // heads
+        experts = get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0
+        return cls(
+            tp_size=tp_size,
+            ep_size=ep_size,
+            num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads") or heads),
+            head_dim=int(d),
+            num_experts=int(experts),
+        )
+
+    @property
+    def moe_tp(self) -> int:
+        return self.tp_size // self.ep_size
+
+
+def _split(t: torch.Tensor, dim: int, parts: int, i: int) -> torch.Tensor:
+    if t.shape[dim] % parts:
+        raise ValueError(f"dim {dim} of shape {tuple(t.shape)} does not split in {parts}")
+    n = t.shape[dim] // parts
+    return t.narrow(dim, i * n, n)
+
+
+def engine_shard(
+    name: str, t: torch.Tensor, rank: int, lay: EngineLayout
+) -> tuple[str, torch.Tensor] | None:
+    """`(name, part)` that TP rank `rank` holds of HF tensor `name` (None: nothing of it).
+
+    Expert names come back renumbered to the rank's local expert index (SGLang stacks only its
+    own experts into w13_weight / w2_weight).
+    """
+    tp = lay.tp_size
+    if m := _EXPERT.match(name):
+        ep_rank, moe_rank = divmod(rank, lay.moe_tp)
+        local = name
+        if lay.ep_size > 1:
+            e, n_local = int(m["e"]), lay.num_experts // lay.ep_size
+            if not ep_rank * n_local <= e < (ep_rank + 1) * n_local:
+                return None
+            local = f"{m['p']}.{e - ep_rank * n_local}.{m['m']}_proj.{m['leaf']}"
+        dim = 1 if m["m"] == "down" else 0
+        return local, _split(t, dim, lay.moe_tp, moe_rank)
+    if tp == 1:
+        return name, _pad_vocab(t) if _VOCAB.search(name) else t
+    if _Q.search(name) or _DENSE_COL.search(name):
+        return name, _split(t, 0, tp, rank)
+    if _KV.search(name):
+        kv, d = lay.num_kv_heads, lay.head_dim
+        if kv >= tp:
+            return name, _split(t, 0, tp, rank)
+        head = rank // (tp // kv)
+        return name, t.narrow(0, head * d, d)
+    if _O.search(name) or _DENSE_ROW.search(name):
+        return name, _split(t, 1, tp, rank)
+    if _VOCAB.search(name):
+        return name, _split(_pad_vocab(t), 0, tp, rank)
+    return name, t
+
+
+def _pad_vocab(t: torch.Tensor) -> torch.Tensor:
+    rows = -(-t.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
+    if rows == t.shape[0]:
+        return t
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+class EngineChecksums:
+    """Feed tensors as sent (`add`); read what each TP rank of each engine layout reports.
+
+    `hf`: per-tensor checksums under HF names of the raw bytes sent (engines that report HF
+    names: the embedded engine). `ranks(tp_size)`: one `{sglang_name: checksum}` per TP rank,
+    FP8 weights as their bf16 dequantisation (scales consumed), as SGLang reports them.
+    """
+
+    def __init__(self, layouts: list[EngineLayout]) -> None:
+        self.plain = SGLangChecksums()
+        self.layouts = {lay.tp_size: lay for lay in layouts}
+        self._ranks = {tp: [SGLangChecksums() for _ in range(tp)] for tp in self.layouts}
+        self._fp8: dict[str, torch.Tensor] = {}
+
+    @property
+    def hf(self) -> dict[str, str]:
+        return self.plain.hf
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.plain.add(name, tensor)
+        if tensor.dtype == torch.float8_e4m3fn:
+            self._fp8[name] = tensor.detach().cpu().clone()  # until its scale arrives
+            return
+        if name.endswith(fp8_lib.SCALE_SUFFIX):
+            weight = name[: -len(fp8_lib.SCALE_SUFFIX)]
+            q = self._fp8.pop(weight, None)
+            if q is None:
+                raise ValueError(f"{name} sent before (or without) its FP8 weight {weight}")
+            s = tensor.detach().cpu().float()
+            name, tensor = weight, fp8_lib.dequantise_blockwise(q, s).to(torch.bfloat16)
+        for tp, accs in self._ranks.items():
+            for r, acc in enumerate(accs):
+                part = engine_shard(name, tensor, r, self.layouts[tp])
+                if part is not None:
+                    acc.add(*part)
+
+    def ranks(self, tp_size: int) -> list[dict[str, str]]:
+        """Per TP rank, `{sglang_name: checksum}` as a TP `tp_size` engine reports it."""
+        if self._fp8:
+            raise ValueError(f"FP8 weights sent without their scales: {sorted(self._fp8)[:3]}")
+        if tp_size not in self._ranks:
+            raise KeyError(
+                f"no checksums computed for engines of TP size {tp_size} "
+                f"(computed for {sorted(self._ranks)})"
+            )
+        return [acc.result() for acc in self._ranks[tp_size]]
+
+
+__all__ = ["EngineChecksums", "EngineLayout", "engine_shard"]
