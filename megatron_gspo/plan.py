@@ -14,7 +14,9 @@
    Steps 2-3's counting and arithmetic live in `plan_memory`; this module checks, decides and
    prints.
 
-Exit codes: 0 fits, 1 does not fit (the verdict says what), 2 invalid config or layout.
+Exit codes: 0 fits, 1 does not fit (the verdict says what), 2 invalid config or layout, or a
+topology refusal (`megatron_gspo.topology`: printed as `topology: REFUSED: ...`; PLAN_FORCE
+does not override it, and no launch files are written).
 `--emit-launch DIR` also writes what the Slurm scripts start (NUL-separated argv files for each
 engine and the router, the trainer's `--set` overrides), so SGLang flags have one source:
 `rollout.launch.engine_command`.
@@ -50,6 +52,7 @@ from megatron_gspo.plan_memory import (
     hf_tensor_bytes,
     memory_formula,
 )
+from megatron_gspo.topology import Placement, topology_problems
 
 __all__ = [
     "GiB",
@@ -83,6 +86,8 @@ class Plan:
     engine: dict[str, Any]
     sync: dict[str, float]
     problems: list[str] = field(default_factory=list)
+    topology: list[str] = field(default_factory=list)
+    """Topology refusals (`megatron_gspo.topology`): the job cannot start as configured."""
 
     @property
     def fits(self) -> bool:
@@ -136,6 +141,7 @@ def make_plan(
     sync_gb_per_s: float = 25.0,
     prompt_tokens: int | None = None,
     moe_imbalance: float = 1.0,
+    check_ports: bool = False,
 ) -> Plan:
     """Check `cfg` on `nodes` x `gpus_per_node` GPUs and estimate memory; ConfigError if the
     layout is invalid (the message names the key)."""
@@ -252,7 +258,15 @@ def make_plan(
         problems.append(
             f"rollout.launch.tp_size={launch.tp_size} exceeds the {engine_gpus} engine GPUs"
         )
+    # the transport the job runs with: the launch files switch separate nodes to distributed
+    tcfg = copy.deepcopy(cfg)
+    if rollout_nodes:
+        tcfg.weights.transport = "distributed"
+    topology = plan_topology(
+        tcfg, launch, hf, nodes, gpus_per_node, rollout_nodes, check_ports=check_ports
+    )
     return Plan(
+        topology=topology,
         nodes=nodes,
         gpus_per_node=gpus_per_node,
         gpu_mem_gb=gpu_mem_gb,
@@ -269,6 +283,44 @@ def make_plan(
         engine=engine,
         sync=sync,
         problems=problems,
+    )
+
+
+def plan_topology(
+    cfg: Config,
+    launch: LaunchConfig,
+    hf: Any,
+    nodes: int,
+    gpus_per_node: int,
+    rollout_nodes: int,
+    *,
+    check_ports: bool = False,
+) -> list[str]:
+    """`topology.topology_problems` of `cfg` (the trainer's config as it will run) with the
+    engines of `launch` placed on the planned nodes."""
+    per_node = max(1, gpus_per_node // launch.tp_size)
+    ports = [(f"rollout.launch.base_port+{j}", launch.base_port + j) for j in range(per_node)]
+    if launch.base_port == 0:
+        ports = []
+    if rollout_nodes or launch.router:
+        ports.append(("rollout.launch.router_port", launch.router_port))
+    if cfg.weights.transport == "distributed" and cfg.weights.master_port:
+        ports.append(("weights.master_port", cfg.weights.master_port))
+    placement = Placement(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        rollout_nodes=rollout_nodes,
+        ports=tuple(ports),
+        check_free=check_ports,
+    )
+    model_path = launch.model_path or cfg.model.hf_path
+    return topology_problems(
+        cfg,
+        placement,
+        hf=vars(hf) if not isinstance(hf, dict) else hf,
+        engine_model_path=model_path if launch.backend == "sglang" else None,
+        engine_tp=launch.tp_size,
+        engine_ep=launch.ep_size,
     )
 
 
@@ -358,7 +410,8 @@ def format_plan(plan: Plan) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     verdict = "FITS" if plan.fits else "DOES NOT FIT: " + "; ".join(plan.problems)
-    return "\n".join(lines) + f"\nverdict: {verdict}\n"
+    topo = "OK" if not plan.topology else "REFUSED: " + "; ".join(plan.topology)
+    return "\n".join(lines) + f"\ntopology: {topo}\nverdict: {verdict}\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,11 +425,11 @@ def emit_launch(
     out_dir: str | Path,
     *,
     engine_python: str | None = None,
-) -> None:
+) -> list[str]:
     """Write what the Slurm scripts start: `engine<i>.argv` + `engine<i>.host` (NUL-separated
     argv from `rollout.launch.engine_command`), `router.argv` (disaggregated), and
     `trainer.sets` (the trainer's `--set` overrides, NUL-separated), for `hosts` (the job's
-    nodes in Slurm order: trainer nodes first, then rollout nodes)."""
+    nodes in Slurm order: trainer nodes first, then rollout nodes). Returns the `--set`s."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     require(
@@ -417,11 +470,13 @@ def emit_launch(
         (out / "router_url").write_text(f"http://{router.host}:{router.router_port}\n")
         sets.append(f"rollout.client.router_url=http://{router.host}:{router.router_port}")
         # Separate nodes share no memory: weights go over a process group with the engines.
-        sets += ["weights.transport=distributed", f"weights.master_address={trainer_hosts[0]}"]
-    elif cfg.weights.transport == "distributed":
-        sets.append(f"weights.master_address={trainer_hosts[0]}")
+        # No weights.master_address: global rank 0 (the rendezvous host) is only known once
+        # torchrun's rendezvous has run, so rank 0 resolves its own address then.
+        sets.append("weights.transport=distributed")
+    sets.append(f"weights.engine_ep_size={launch.ep_size}")  # rollout.launch=null drops it
     (out / "trainer.sets").write_bytes(_nul(sets))
     (out / "engine_urls").write_text("\n".join(urls) + "\n")
+    return sets
 
 
 def _nul(items: list[str]) -> bytes:
@@ -474,7 +529,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--emit-launch", metavar="DIR", help="write engine/router/trainer launch files")
     p.add_argument("--hosts", help="comma-separated node names (with --emit-launch)")
     p.add_argument("--engine-python", help="interpreter of the engines (with --emit-launch)")
-    p.add_argument("--quiet", action="store_true", help="no table (verdict only)")
+    p.add_argument("--quiet", action="store_true", help="no table (verdicts only)")
+    p.add_argument(
+        "--check-ports", action="store_true", help="refuse ports in use here (the first node)"
+    )
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -490,19 +548,35 @@ def main(argv: list[str] | None = None) -> int:
             sync_gb_per_s=args.sync_gb_per_s,
             prompt_tokens=args.prompt_tokens,
             moe_imbalance=args.moe_imbalance,
+            check_ports=args.check_ports,
         )
-        if args.emit_launch:
+        if args.emit_launch and not plan.topology:
             hosts = [h for h in (args.hosts or "").split(",") if h]
-            emit_launch(cfg, plan, hosts, args.emit_launch, engine_python=args.engine_python)
+            sets = emit_launch(cfg, plan, hosts, args.emit_launch, engine_python=args.engine_python)
+            # the topology of the trainer's config as the job runs it (the emitted overrides on
+            # top), with the engines as the launch files start them
+            final = load_config(args.config, args.overrides + sets[1:])
+            plan.topology = plan_topology(
+                final,
+                cfg.rollout.launch or LaunchConfig(backend="sglang"),
+                _hf_config(args.hf_config or cfg.model.hf_path),
+                args.nodes,
+                args.gpus_per_node,
+                args.rollout_nodes,
+            )
     except ConfigError as e:
         print(f"plan: invalid config: {e}", file=sys.stderr)
         return 2
     if args.json:
         Path(args.json).write_text(json.dumps(plan.to_json(), indent=1))
     if args.quiet:
-        print(format_plan(plan).splitlines()[-1])
+        print("\n".join(format_plan(plan).splitlines()[-2:]))
     else:
         print(format_plan(plan) + "\n" + memory_formula())
+    if plan.topology:
+        for line in plan.topology:
+            print(f"plan: refused: {line}", file=sys.stderr)
+        return 2
     return 0 if plan.fits else 1
 
 
