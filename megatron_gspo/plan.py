@@ -555,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
             sets = emit_launch(cfg, plan, hosts, args.emit_launch, engine_python=args.engine_python)
             # the topology of the trainer's config as the job runs it (the emitted overrides on
             # top), with the engines as the launch files start them
-            final = load_config(args.config, args.overrides + sets[1:])
+            final = load_config(args.config, args.overrides + sets)
             plan.topology = plan_topology(
                 final,
                 cfg.rollout.launch or LaunchConfig(backend="sglang"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -54,6 +55,7 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
     if cfg.rollout.env is not None:
         _check_module(cfg.rollout.env, "rollout.env")
     _check_engine_python(cfg)
+    _check_topology(cfg, world_size)
 
 
 def check_run_dir(cfg: Config, *, resume: bool, overwrite: bool) -> None:
@@ -115,6 +117,20 @@ def _check_dtype(cfg: Config) -> None:
         f"model.dtype={cfg.model.dtype} on CPU: the CPU path computes in fp32; set "
         "model.dtype=fp32",
     )
+
+
+def _check_topology(cfg: Config, world_size: int) -> None:
+    """The launch-plan rules that can be seen from inside the job (`topology`): torchrun's
+    LOCAL_WORLD_SIZE gives the trainer's node count (the planner checks the rest)."""
+    from megatron_gspo.topology import Placement, transport_problems
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    nodes = max(1, world_size // max(1, local))
+    if nodes == 1 or cfg.weights.master_address is None:
+        return
+    problems = transport_problems(cfg, Placement(nodes=nodes, gpus_per_node=local))
+    pinned = [p for p in problems if p.startswith("weights.master_address")]
+    require(not pinned, pinned[0] if pinned else "")
 
 
 def _check_engine_python(cfg: Config) -> None:

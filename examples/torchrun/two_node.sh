@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Two nodes, one torchrun each, c10d rendezvous on the first node (run the same line on both;
 # start order does not matter). The engines run elsewhere and are passed by URL; weights go
-# over a process group with them (weights.transport=distributed, address of the first node).
+# over a process group with them (weights.transport=distributed); global rank 0 hosts its
+# rendezvous and resolves its own address at run time (c10d may make either node rank 0).
 #
 #   # on both nodes:
 #   HEAD=node1 NPROC=8 ENGINES=http://node3:30000,http://node3:30001 \
@@ -21,4 +22,4 @@ exec "$python" -m megatron_gspo.torchrun --nnodes 2 --nproc-per-node "${NPROC:-8
   --rdzv-id "${RDZV_ID:-mgspo-$HEAD}" \
   -m megatron_gspo.train "$@" \
   --set rollout.launch=null --set "rollout.client.engine_urls=[$ENGINES]" \
-  --set weights.transport=distributed --set "weights.master_address=$HEAD"
+  --set weights.transport=distributed

@@ -90,10 +90,9 @@ def engine_rank_checksums(info: dict[str, Any], engine_id: str = "") -> list[dic
         return int(r.get("tp_rank", (r.get("parallelism_info") or {}).get("tp_rank", i)))
 
     order = sorted(range(len(ranks)), key=tp_rank)
-    if [tp_rank(i) for i in order] != list(range(len(ranks))):
-        raise WeightSyncError(
-            f"engine {engine_id}: TP ranks {[tp_rank(i) for i in order]} are not 0..{len(ranks) - 1}"
-        )
+    got = [tp_rank(i) for i in order]
+    if got != list(range(len(ranks))):
+        raise WeightSyncError(f"engine {engine_id}: TP ranks {got} are not 0..{len(ranks) - 1}")
     return [dict(ranks[i]["checksums"]) for i in order]
 
 

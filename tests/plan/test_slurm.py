@@ -1,8 +1,9 @@
 """The Slurm scripts (examples/slurm/) run with stand-ins for srun / scontrol / sbatch / curl on
 PATH (tests/plan/standins/): the real planner runs first, then the scripts' srun steps are
 recorded and played (engines serve until SIGTERM, the trainer runs a moment). Checked: the
-torchrun and engine command lines for 1, 2 and 4 nodes (colocated and disaggregated), that
-nothing starts when the planner refuses, and that a failing engine, a failing trainer or a
+torchrun and engine command lines for 1 node colocated and 2 and 4 nodes disaggregated, that
+nothing starts when the planner refuses (a layout, a memory fit, or the topology: colocated on
+2 nodes), and that a failing engine, a failing trainer or a
 SIGTERM (preemption: the trainer checkpoints first) tears everything down.
 """
 
@@ -102,6 +103,21 @@ def _sbatch(tmp: Path, cache: Path, script: str, nodes: int, **extra: str) -> Jo
     return Job(tmp, proc)
 
 
+def _sbatch_sets(tmp: Path, cache: Path, script: str, nodes: int, *sets: str) -> Job:
+    cmd = ["sbatch", "--nodes", str(nodes), str(ROOT / "examples/slurm" / script)]
+    cmd += [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run(
+        cmd,
+        env=_env(tmp, cache),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        executable=str(STANDINS / "sbatch"),
+    )
+    return Job(tmp, proc)
+
+
 def _all_gone(job: Job) -> None:
     pids = job.pids()
     assert pids, job.events
@@ -135,7 +151,7 @@ def _check_engines(job: Job, hosts: list[str], *, colocated: bool) -> list[str]:
         j = port - 30000
         assert gpu == j * ENGINE_TP and _value(cmd, "--tp-size") == str(ENGINE_TP)
         assert ("--enable-memory-saver" in cmd) == colocated
-        assert _value(cmd, "--mem-fraction-static") == "0.4"
+        assert _value(cmd, "--mem-fraction-static") == "0.35"
         assert _value(cmd, "--model-path") == "examples/recipes/qwen3-30b-a3b"
         seen.add((host, j))
         urls.append(f"http://{host}:{port}")
@@ -160,7 +176,8 @@ def _check_trainer(job: Job, hosts: list[str], urls: list[str]) -> dict[str, str
     assert sets["rollout.launch"] == "null"
     assert sorted(sets["rollout.client.engine_urls"].strip("[]").split(",")) == sorted(urls)
     assert sets["rollout.client.engine_tp_sizes"] == "[" + ",".join(["2"] * len(urls)) + "]"
-    assert sets["weights.master_address"] == hosts[0]
+    # rank 0 resolves the weight-update rendezvous address itself: c10d may put it on any node
+    assert "weights.master_address" not in sets
     return sets
 
 
@@ -171,7 +188,7 @@ def _planned_first(job: Job) -> None:
     assert plan.stat().st_mtime_ns <= first
 
 
-@pytest.mark.parametrize("nodes", [1, 2, 4])
+@pytest.mark.parametrize("nodes", [1])
 def test_colocated_command_lines(nodes: int, tmp_path: Path, counts_cache: Path) -> None:
     job = _sbatch(tmp_path, counts_cache, "colocated.sbatch", nodes)
     assert job.proc.returncode == 0, job.proc.stdout + job.proc.stderr
@@ -213,15 +230,31 @@ def test_nothing_starts_when_the_planner_refuses(tmp_path: Path, counts_cache: P
     job = _sbatch(tmp_path, counts_cache, "disaggregated.sbatch", 1, ROLLOUT_NODES="1")
     assert job.proc.returncode == 2 and "--rollout-nodes" in job.proc.stdout + job.proc.stderr
     assert job.steps == []
-    job = _sbatch(tmp_path, counts_cache, "colocated.sbatch", 2, PLAN_FORCE="0", GPU_MEM_GB="40")
+    job = _sbatch(tmp_path, counts_cache, "colocated.sbatch", 1, PLAN_FORCE="0", GPU_MEM_GB="40")
     assert job.proc.returncode == 1 and "DOES NOT FIT" in job.proc.stdout
     assert job.steps == []
+
+
+def test_nothing_starts_when_the_topology_is_refused(tmp_path: Path, counts_cache: Path) -> None:
+    """Colocated on 2 nodes: CUDA IPC cannot reach the second node's engines, and NCCL refuses
+    trainer rank 0 and an engine rank on one GPU; PLAN_FORCE does not override either."""
+    for transport, key in (("tensor", "CUDA IPC"), ("distributed", "NCCL refuses")):
+        job = _sbatch_sets(
+            tmp_path / transport,
+            counts_cache,
+            "colocated.sbatch",
+            2,
+            f"weights.transport={transport}",
+        )
+        out = job.proc.stdout + job.proc.stderr
+        assert job.proc.returncode == 2 and key in out, out
+        assert "topology: REFUSED" in out and job.steps == []
 
 
 def test_failing_engine_tears_everything_down(tmp_path: Path, counts_cache: Path) -> None:
     t0 = time.monotonic()
     job = _sbatch(
-        tmp_path, counts_cache, "colocated.sbatch", 2, STANDIN_FAIL="engine", STANDIN_TRAIN_S="600"
+        tmp_path, counts_cache, "colocated.sbatch", 1, STANDIN_FAIL="engine", STANDIN_TRAIN_S="600"
     )
     assert job.proc.returncode != 0
     assert "exited during training" in job.proc.stderr or "before it was healthy" in (
@@ -237,16 +270,16 @@ def test_failing_engine_tears_everything_down(tmp_path: Path, counts_cache: Path
 
 
 def test_failing_trainer_tears_everything_down(tmp_path: Path, counts_cache: Path) -> None:
-    job = _sbatch(tmp_path, counts_cache, "colocated.sbatch", 2, STANDIN_FAIL="trainer")
+    job = _sbatch(tmp_path, counts_cache, "colocated.sbatch", 1, STANDIN_FAIL="trainer")
     assert job.proc.returncode == 1, job.proc.stdout + job.proc.stderr
     terminated = {int(e[2]) for e in job.events if e[0] == "term"}
-    assert terminated == job.pids("engine") and len(terminated) == 2 * GPUS // ENGINE_TP
+    assert terminated == job.pids("engine") and len(terminated) == GPUS // ENGINE_TP
     _all_gone(job)
 
 
 def test_sigterm_checkpoints_then_tears_down(tmp_path: Path, counts_cache: Path) -> None:
     env = _env(tmp_path, counts_cache, STANDIN_TRAIN_S="600")
-    cmd = ["sbatch", "--nodes", "2", str(ROOT / "examples/slurm/colocated.sbatch")]
+    cmd = ["sbatch", "--nodes", "1", str(ROOT / "examples/slurm/colocated.sbatch")]
     proc = subprocess.Popen(
         cmd,
         env=env,

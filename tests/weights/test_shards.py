@@ -19,7 +19,7 @@ from megatron_gspo.weights.checksum import WeightIntegrityError
 from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights.sync import verify_engines
 
-H, HQ, HKV, D, I, E, V = 256, 4, 2, 128, 256, 4, 200  # FP8: every shard 128-aligned
+H, HQ, HKV, D, FF, E, V = 256, 4, 2, 128, 256, 4, 200  # FP8: every shard 128-aligned
 P = "model.layers.0"
 
 
@@ -42,9 +42,9 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
         f"{P}.mlp.gate.weight": r(E, H),
     }
     for e in range(E):
-        t[f"{P}.mlp.experts.{e}.gate_proj.weight"] = r(I, H)
-        t[f"{P}.mlp.experts.{e}.up_proj.weight"] = r(I, H)
-        t[f"{P}.mlp.experts.{e}.down_proj.weight"] = r(H, I)
+        t[f"{P}.mlp.experts.{e}.gate_proj.weight"] = r(FF, H)
+        t[f"{P}.mlp.experts.{e}.up_proj.weight"] = r(FF, H)
+        t[f"{P}.mlp.experts.{e}.down_proj.weight"] = r(H, FF)
     return t
 
 

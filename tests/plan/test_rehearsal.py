@@ -1,0 +1,184 @@
+"""Recipe rehearsals: every shipped recipe in its Slurm mode, as a user would run it, on CPU.
+
+For each recipe (examples/recipes/*.yaml) and the Slurm script its header names: the recipe's
+own YAML with only the model size (`testing/rehearsal.shrink`: a tiny model of the same family
+and layout shape) and the device (`device_sets`: CPU ranks over gloo, fp32) changed; FP8 recipes'
+engine checkpoint written by tools/fp8_checkpoint.py from the tiny BF16 one. Then what the
+Slurm script does, in its order: the real planner (`python -m megatron_gspo.plan ...
+--emit-launch`, refusing a bad topology), the emitted engine command lines (served by
+`rehearsal_engine`, which shards, loads and reports checksums per TP rank as SGLang, with
+`sglang.launch_server` swapped for it), the emitted router command line (the real
+sglang-router), and the real trainer (`torchrun -m megatron_gspo.train --config RECIPE` with
+the emitted `--set`s) for 2 steps with the recipe's transport, FP8 and verification. Checked:
+the run exits 0 after 2 steps with every weight push verified on every engine TP rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from megatron_gspo.config import load_config
+from megatron_gspo.data.toy import save_toy_tokenizer, write_toy_dataset
+from megatron_gspo.dist import free_port
+from megatron_gspo.metrics_log import read_metrics
+from megatron_gspo.testing.rehearsal import device_sets, shrink
+from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
+from megatron_gspo.weights.fp8_checkpoint import write_fp8_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 2
+# recipe -> (Slurm script, nodes, rollout nodes, GPUs per node) from its header
+RECIPES = {
+    "qwen3_30b_a3b_bf16": ("colocated.sbatch", 1, 0, 8),
+    "qwen3_30b_a3b_fp8": ("colocated.sbatch", 1, 0, 8),
+    "qwen3_235b_a22b_bf16": ("disaggregated.sbatch", 12, 4, 8),
+    "qwen3_235b_a22b_fp8": ("disaggregated.sbatch", 12, 4, 8),
+}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+
+
+def _wait(urls: list[str], procs: list[subprocess.Popen], timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        for p in procs:
+            assert p.poll() is None, f"{p.args[:4]} exited {p.returncode} before it was healthy"
+        assert time.monotonic() < deadline, f"not healthy: {pending}"
+        try:
+            urllib.request.urlopen(pending[0], timeout=5).read()
+            pending.pop(0)
+        except OSError:
+            time.sleep(0.5)
+
+
+def _nul(path: Path) -> list[str]:
+    return [a.decode() for a in path.read_bytes().split(b"\0")[:-1]]
+
+
+def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] = ()) -> dict:
+    """Run one rehearsal; returns {"stage", "rc", "out", "metrics"}."""
+    script, nodes, rollout_nodes, gpus = RECIPES[recipe]
+    config = str(ROOT / "examples/recipes" / f"{recipe}.yaml")
+    cfg = load_config(config, list(extra))
+    hf = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
+    r = shrink(cfg, hf, nodes=nodes, rollout_nodes=rollout_nodes, gpus_per_node=gpus)
+    model = tmp / "toy/model"
+    save_tiny_hf_checkpoint(model, seed=0, perturb_norms=False, **r.hf_overrides)
+    save_toy_tokenizer(model)
+    write_toy_dataset(tmp / "toy/toy.jsonl", 64, seed=0, ops=("copy",))
+    sets = (
+        device_sets(cfg)
+        + r.sets
+        + [
+            f"model.hf_path={model}",
+            f"data.train_path={tmp}/toy/toy.jsonl",
+            f"logging.dir={tmp}/run",
+            f"checkpoint.dir={tmp}/ckpt",
+            f"train.steps={STEPS}",
+            f"rollout.launch.base_port={free_port()}",
+            f"rollout.launch.router_port={free_port()}",
+        ]
+    )
+    launch = cfg.rollout.launch
+    if launch is not None and launch.model_path and launch.model_path != cfg.model.hf_path:
+        # the recipe's engines start from a checkpoint of their own (block FP8): the tool's
+        write_fp8_checkpoint(model, tmp / "toy/model_fp8")
+        sets.append(f"rollout.launch.model_path={tmp}/toy/model_fp8")
+    sets += list(extra)
+    trainer_nodes = r.nodes - r.rollout_nodes
+    hosts = (
+        ["127.0.0.1"]
+        if trainer_nodes == 1 and not r.rollout_nodes
+        else [f"rehearsal-trainer-{i}" for i in range(trainer_nodes)] + ["127.0.0.1"]
+    )
+    launch_dir = tmp / "launch"
+    plan = [sys.executable, "-m", "megatron_gspo.plan", "--config", config]
+    plan += [a for s in sets for a in ("--set", s)]
+    plan += ["--nodes", str(r.nodes), "--gpus-per-node", str(r.gpus_per_node)]
+    plan += ["--gpu-mem-gb", "141", "--rollout-nodes", str(r.rollout_nodes)]
+    plan += ["--hosts", ",".join(hosts), "--emit-launch", str(launch_dir)]
+    plan += ["--engine-python", engine_python, "--quiet"]
+    if script == "colocated.sbatch":
+        plan.append("--engines-external")  # as the script plans it
+    p = subprocess.run(plan, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    if p.returncode not in (0,):
+        return {"stage": "plan", "rc": p.returncode, "out": p.stdout + p.stderr}
+    procs: list[subprocess.Popen] = []
+    logs = tmp / "logs"
+    logs.mkdir()
+    try:
+        urls = (launch_dir / "engine_urls").read_text().split()
+        for i, f in enumerate(sorted(launch_dir.glob("engine*.argv"))):
+            argv = _nul(f)
+            assert argv[1:3] == ["-m", "sglang.launch_server"], argv
+            cmd = [sys.executable, "-m", "tests.launch.rehearsal_engine", *argv[3:]]
+            with open(logs / f"engine{i}.log", "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        cmd, cwd=ROOT, env=_env(), stdout=log, stderr=log, start_new_session=True
+                    )  # fmt: skip
+                )
+        _wait([f"{u}/health_generate" for u in urls], procs)
+        if (launch_dir / "router.argv").exists():
+            with open(logs / "router.log", "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        _nul(launch_dir / "router.argv"),
+                        cwd=ROOT,
+                        stdout=log,
+                        stderr=log,
+                        start_new_session=True,
+                    )  # fmt: skip
+                )
+            router = (launch_dir / "router_url").read_text().strip()
+            _wait([f"{router}/health"], procs)
+        emitted = _nul(launch_dir / "trainer.sets")
+        train = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
+        train += [str(r.trainer_world), "--master_port", str(free_port())]
+        train += ["-m", "megatron_gspo.train", "--config", config]
+        train += [a for s in sets + emitted for a in ("--set", s)]
+        p = subprocess.run(train, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+        out = p.stdout[-3000:] + p.stderr[-3000:]
+        if p.returncode != 0:
+            out += "".join(f"\n--- {f.name}\n" + f.read_text()[-1500:] for f in logs.iterdir())
+            return {"stage": "train", "rc": p.returncode, "out": out}
+        rows = read_metrics(tmp / "run/metrics.jsonl")
+        return {"stage": "done", "rc": 0, "out": out, "metrics": rows, "emitted": emitted}
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_rehearsal(recipe: str, tmp_path: Path, engine_python: str) -> None:
+    t0 = time.monotonic()
+    got = rehearse(recipe, tmp_path, engine_python)
+    assert got["stage"] == "done", f"{got['stage']} exited {got['rc']}:\n{got['out']}"
+    rows = got["metrics"]
+    assert sorted(rows) == list(range(1, STEPS + 1))
+    for step, m in rows.items():
+        assert m["weights/verified"] == 1.0, (step, m)  # every TP rank of every engine
+        assert m["weights/version"] == step + 1
+    print(f"{recipe}: {time.monotonic() - t0:.0f} s")
