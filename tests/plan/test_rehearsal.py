@@ -150,11 +150,18 @@ def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] 
         train += [str(r.trainer_world), "--master_port", str(free_port())]
         train += ["-m", "megatron_gspo.train", "--config", config]
         train += [a for s in sets + emitted for a in ("--set", s)]
-        p = subprocess.run(train, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                           timeout=600)  # fmt: skip
-        out = p.stdout[-3000:] + p.stderr[-3000:]
+        # output to a file: torch's shm manager (CPU tensor IPC) outlives the ranks holding
+        # inherited pipes until the engines are gone
+        with open(logs / "trainer.log", "w") as log:
+            p = subprocess.run(train, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                               timeout=600)  # fmt: skip
+        out = (logs / "trainer.log").read_text()[-4000:]
         if p.returncode != 0:
-            out += "".join(f"\n--- {f.name}\n" + f.read_text()[-1500:] for f in logs.iterdir())
+            out += "".join(
+                f"\n--- {f.name}\n" + f.read_text()[-1500:]
+                for f in logs.iterdir()
+                if f.name != "trainer.log"
+            )
             return {"stage": "train", "rc": p.returncode, "out": out}
         rows = read_metrics(tmp / "run/metrics.jsonl")
         return {"stage": "done", "rc": 0, "out": out, "metrics": rows, "emitted": emitted}

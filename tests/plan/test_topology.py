@@ -97,6 +97,7 @@ def test_ports_distinct() -> None:
     _one(got, "rollout.launch.router_port=30000", "rollout.launch.base_port+0")
 
 
+@pytest.mark.slow
 def test_fp8_checkpoint_tool(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
