@@ -1,6 +1,6 @@
 """A CPU stand-in for one `sglang.launch_server` of any TP / EP size, for recipe rehearsals.
 
-    python -m tests.launch.rehearsal_engine <the sglang.launch_server flags the planner emits>
+    python -m tests.plan.rehearsal_engine <the sglang.launch_server flags the planner emits>
 
 SGLang's own HTTP app and the embedded engine's control plane (sessions, versions, transports)
 serve it; generation runs the HF model on CPU. What it adds is what a real multi-GPU server
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.rollout import embedded
-from megatron_gspo.rollout.embedded_model import HFPolicy
-from megatron_gspo.rollout.sglang_protocol import overall_checksum
+from megatron_gspo.engines.embedded import server as embedded
+from megatron_gspo.engines.embedded.model import HFPolicy
+from megatron_gspo.engines.wire import overall_checksum
 from megatron_gspo.weights import fp8
 from megatron_gspo.weights.sglang_names import SGLangChecksums
 from megatron_gspo.weights.shards import EngineLayout, engine_shard

@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.config import load_config
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.data.toy import save_toy_tokenizer, write_toy_dataset
 from megatron_gspo.dist import free_port
 from megatron_gspo.metrics_log import read_metrics
 from megatron_gspo.testing.rehearsal import device_sets, shrink
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 from megatron_gspo.weights.fp8_checkpoint import write_fp8_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.timeout(900)]
@@ -124,7 +124,7 @@ def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] 
         for i, f in enumerate(sorted(launch_dir.glob("engine*.argv"))):
             argv = _nul(f)
             assert argv[1:3] == ["-m", "sglang.launch_server"], argv
-            cmd = [sys.executable, "-m", "tests.launch.rehearsal_engine", *argv[3:]]
+            cmd = [sys.executable, "-m", "tests.plan.rehearsal_engine", *argv[3:]]
             with open(logs / f"engine{i}.log", "w") as log:
                 procs.append(
                     subprocess.Popen(

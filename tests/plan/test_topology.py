@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatron_gspo.config import load_config
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
+from megatron_gspo.engines.launch import LaunchConfig
 from megatron_gspo.plan import _hf_config, plan_topology
-from megatron_gspo.rollout.launch import LaunchConfig
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 from megatron_gspo.weights import fp8
 from megatron_gspo.weights.fp8_checkpoint import write_fp8_checkpoint
 

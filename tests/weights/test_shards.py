@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gspo.rollout.sglang_protocol import tensor_checksum
+from megatron_gspo.engines.wire import tensor_checksum
 from megatron_gspo.weights import fp8
 from megatron_gspo.weights.checksum import WeightIntegrityError
 from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
