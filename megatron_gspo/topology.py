@@ -112,8 +112,8 @@ def fp8_problems(cfg: Config, engine_model_path: str | None) -> list[str]:
             f"cannot read config.json of the engines' checkpoint {engine_model_path}; set "
             "rollout.launch.model_path to a HF checkpoint directory"
         ]
-    held = engine_cfg.get("quantization_config")
-    block_fp8 = bool(held) and held.get("quant_method") == "fp8" and held.get("weight_block_size")
+    held: dict[str, Any] = engine_cfg.get("quantization_config") or {}
+    block_fp8 = held.get("quant_method") == "fp8" and bool(held.get("weight_block_size"))
     if cfg.weights.fp8:
         want = fp8_lib.quantization_config_for(engine_cfg)
         if not block_fp8:
