@@ -134,9 +134,14 @@ def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] 
         _wait([f"{u}/health_generate" for u in urls], procs)
         if (launch_dir / "router.argv").exists():
             router_argv = _nul(launch_dir / "router.argv")
-            probe = subprocess.run([router_argv[0], "-c", "import sglang_router"], timeout=120)
-            if probe.returncode != 0:
-                return {"stage": "skip", "rc": 0, "out": f"no sglang_router in {router_argv[0]}"}
+            # the real router from whichever venv has it (the engine venv may not)
+            for python in (router_argv[0], sys.executable):
+                probe = subprocess.run([python, "-c", "import sglang_router"], timeout=120)
+                if probe.returncode == 0:
+                    router_argv[0] = python
+                    break
+            else:
+                return {"stage": "skip", "rc": 0, "out": "no sglang_router installed"}
             with open(logs / "router.log", "w") as log:
                 procs.append(
                     subprocess.Popen(
