@@ -136,7 +136,9 @@ def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] 
             router_argv = _nul(launch_dir / "router.argv")
             # the real router from whichever venv has it (the engine venv may not)
             for python in (router_argv[0], sys.executable):
-                probe = subprocess.run([python, "-c", "import sglang_router.launch_router"], timeout=120)
+                probe = subprocess.run(
+                    [python, "-c", "import sglang_router.launch_router"], timeout=120
+                )
                 if probe.returncode == 0:
                     router_argv[0] = python
                     break
