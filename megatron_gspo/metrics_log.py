@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import time
+import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -254,7 +255,7 @@ class MetricsLogger:
         id_file = self.log_dir / "wandb_run_id"
         if run_id is None and resuming and id_file.is_file():
             run_id = id_file.read_text().strip() or None
-        run_id = run_id or wandb.util.generate_id()
+        run_id = run_id or uuid.uuid4().hex[:12]  # W&B ids: letters and digits
         id_file.write_text(run_id + "\n")  # before init: a crash in it still leaves the id
         run = wandb.init(
             project=project,
