@@ -3,11 +3,12 @@
 Run A trains 4 steps straight. Run B is SIGKILLed (torchrun and its ranks) right after its
 step-2 checkpoint; run C resumes it to step 4. Run D trains 2 steps colocated (engine memory
 released during updates) on the same prompts from a Parquet file, evaluating a held-out set
-saved with Hugging Face `datasets` every step (greedy). Checks: every step trains on prompts x group_size
-sequences with finite metrics, run D (colocation, Parquet, evaluation) trains exactly as A,
-its held-out evaluation at step 0 equals transformers' own greedy decoding, the engines serve the pushed weights (per-tensor checksums of
-sent vs engine-held tensors) at the right version, a killed trainer leaves no engine behind,
-and the resumed run reproduces the uninterrupted one.
+saved with Hugging Face `datasets` every step (greedy). Checks: every step trains on prompts x
+group_size sequences with finite metrics, run D (colocation, Parquet, evaluation) trains
+exactly as A, its held-out evaluation at step 0 equals transformers' own greedy decoding, the
+engines serve the pushed weights (per-tensor checksums of sent vs engine-held tensors) at the
+right version, a killed trainer leaves no engine behind, and the resumed run reproduces the
+uninterrupted one.
 """
 
 from __future__ import annotations
