@@ -38,9 +38,9 @@ fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
 py="$venv/bin/python"
 "$py" tools/make_tiny_toy.py --out runs/tiny_toy
-if $held_out; then  # 3-digit copies: prompts the 1-2 digit training set never holds
-  "$py" -m megatron_gspo.data.toy --out runs/tiny_toy/toy_eval.jsonl --n 32 --seed 1 \
-    --ops copy --min-len 3 --max-len 3
+if $held_out; then  # held out: the ten 2-digit copies ending in 7, none left in training
+  "$py" tools/make_held_out.py runs/tiny_toy/toy.jsonl --train runs/tiny_toy/toy_train.jsonl \
+    --held-out runs/tiny_toy/toy_eval.jsonl --suffix 7
 fi
 # The main job is a fresh run each time (the toy is regenerated): replace the previous one,
 # unless the caller continues it with --resume.

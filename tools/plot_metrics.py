@@ -58,7 +58,7 @@ def plot(
     for ax, key in zip(axes[:, 0], keys):
         steps = [s for s, r in rows.items() if key in r]
         values = [rows[s][key] for s in steps]
-        sparse = len(steps) < len(rows)  # e.g. evaluated every N steps: show each point
+        sparse = 2 * len(steps) < len(rows)  # e.g. evaluated every N steps: show each point
         alpha = 0.4 if smooth > 1 else 1.0
         ax.plot(steps, values, lw=1, alpha=alpha, marker="o" if sparse else None, label=key)
         if smooth > 1:

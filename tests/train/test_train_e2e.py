@@ -301,7 +301,7 @@ def test_held_out_evaluation_every_step_equals_greedy_decoding_at_step_0(runs) -
     tmp = runs["tmp"]
     rows = read_metrics(tmp / "d/metrics.jsonl")
     assert sorted(rows) == [0, 1, 2]
-    assert {k for k in rows[0] if not k.startswith("eval/")} == {"time"}  # step 0: eval only
+    assert {k for k in rows[0] if not k.startswith("eval/")} == {"step", "time"}  # eval only
     for m in rows.values():
         assert m["eval/num_prompts"] == 6 and m["eval/failed"] == 0
         assert m["eval/reward_failures"] == 0 and 0 <= m["eval/pass@1"] <= 1
