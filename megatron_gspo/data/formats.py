@@ -72,7 +72,7 @@ def load_prompt_records(
     path = Path(path)
     fmt = resolve_format(path, fmt)
     if not path.exists():
-        raise DatasetError(f"{path}: no such prompt file or directory ({key})")
+        raise DatasetError(f"{path}: no such prompt file ({key})")
     if fmt != "hf" and not path.is_file():
         raise DatasetError(
             f"{path}: not a file ({key}, data.format={fmt}); a saved dataset "

@@ -83,7 +83,7 @@ def test_auto_resolution_and_bad_inputs_name_path_row_and_key(files, tmp_path):
     ]
     with pytest.raises(DatasetError, match=r"splits \['train'\].*eval\.path.*dict/train"):
         load_prompt_records(files / "dict", fmt="hf", key="eval.path")
-    with pytest.raises(DatasetError, match=r"no such prompt file or directory \(eval\.path\)"):
+    with pytest.raises(DatasetError, match=r"no such prompt file \(eval\.path\)"):
         load_prompt_records(tmp_path / "none.parquet", fmt="auto", key="eval.path")
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"not parquet at all")
