@@ -40,6 +40,7 @@ from megatron_gspo.engines.client_config import ClientConfig
 from megatron_gspo.engines.launch import LaunchConfig
 from megatron_gspo.layout import Layout
 from megatron_gspo.rollout.config import RolloutConfig
+from megatron_gspo.rollout.evaluation import EvalConfig
 from megatron_gspo.sandbox.config import SandboxConfig
 from megatron_gspo.weights.config import WeightSyncConfig
 
@@ -49,6 +50,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "EvalConfig",
     "RLConfig",
     "LaunchConfig",
     "Layout",
@@ -194,10 +196,16 @@ class RLConfig:
 
 @dataclass(**_CFG)
 class DataConfig:
-    """The prompt dataset (JSONL: a prompt string or chat messages, plus an answer)."""
+    """The prompt dataset (JSONL, Parquet or Hugging Face `datasets`: a prompt string or chat
+    messages, plus an answer)."""
 
     train_path: str
-    """JSONL file of training prompts."""
+    """Training prompts: a JSONL file, or per data.format a Parquet file or a local dataset."""
+    format: Literal["jsonl", "parquet", "hf", "auto"] = "jsonl"
+    """How data.train_path (and eval.path) are read (`data/formats.py`): jsonl; parquet
+    (pyarrow); hf (Hugging Face datasets, local only: a save_to_disk directory or a .json /
+    .jsonl / .csv / .parquet / .arrow file); auto: by the path (directory: hf, .parquet:
+    parquet, .csv / .arrow: hf, else jsonl). A row is read like a JSONL object."""
     prompt_key: str = "prompt"
     """Field holding the prompt text."""
     messages_key: str = "messages"
@@ -226,12 +234,23 @@ class RewardConfig:
     """How responses are scored."""
 
     kind: str = "math"
-    """math (math-verify on boxed / final answers), toy (the built-in digit task), or a user
-    function as "package.module:function" with signature (prompt, response, answer) -> float."""
+    """math (math-verify on boxed / final answers), toy (the built-in digit task), http (a
+    judge model served at reward.url, `rewards/http.py`), or a user function as
+    "package.module:function" with signature (prompt, response, answer) -> float."""
     num_workers: int = 2
-    """Worker processes for reward calls; 0 runs in-process (no timeout enforcement)."""
+    """Worker processes for reward calls; 0 runs in-process (no timeout enforcement). With
+    reward.kind=http: requests in flight at once (0: one)."""
     timeout_s: float = 10.0
-    """Per-call timeout; a call past it scores 0 and counts in reward/timeouts."""
+    """Per-call timeout; a call past it scores 0 and counts in reward/timeouts (http: per
+    attempt; the last attempt's timeout counts)."""
+    url: str | None = None
+    """reward.kind=http: the judge's endpoint, POST {"prompt", "response", "answer"} ->
+    {"reward": number}."""
+    retries: int = 2
+    """reward.kind=http: retries of a request that failed to connect, timed out or got HTTP
+    429 / 5xx (exponential backoff); counted in reward/retries."""
+    api_key_env: str | None = None
+    """reward.kind=http: environment variable whose value is sent as a Bearer token."""
     overlong_buffer: int = 0
     """DAPO soft overlong punishment (https://arxiv.org/abs/2503.14476, eq. 13): responses
     longer than L - overlong_buffer tokens (L = rollout.max_new_tokens; the episode cap with
@@ -241,11 +260,17 @@ class RewardConfig:
     """Scale of the overlong punishment (its value at the length cap is -overlong_penalty)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("math", "toy"):
+        _require(
+            (self.kind == "http") == bool(self.url),
+            f"reward.url is the judge of reward.kind=http (kind={self.kind!r}, url="
+            f"{self.url!r}); set both or neither",
+        )
+        _require(self.retries >= 0, f"reward.retries={self.retries} must be >= 0; change it")
+        if self.kind not in ("math", "toy", "http"):
             mod, sep, fn = self.kind.partition(":")
             _require(
                 bool(sep and mod and fn),
-                f'reward.kind={self.kind!r} is not math, toy or "module:function"; '
+                f'reward.kind={self.kind!r} is not math, toy, http or "module:function"; '
                 "change reward.kind",
             )
         _require(
@@ -253,7 +278,7 @@ class RewardConfig:
             f"reward.num_workers={self.num_workers} must be >= 0; change reward.num_workers",
         )
         _require(
-            self.num_workers > 0 or self.kind in ("math", "toy"),
+            self.num_workers > 0 or self.kind in ("math", "toy", "http"),
             f"reward.num_workers=0 runs the reward in the trainer, which only the built-in kinds "
             f"may do; user code (reward.kind={self.kind!r}) runs in worker processes: set "
             "reward.num_workers >= 1",
@@ -310,6 +335,9 @@ class LoggingConfig:
     """Write TensorBoard scalars to logging.dir/tb."""
     wandb_project: str | None = None
     """Weights & Biases project; None disables W&B (skipped if wandb is not installed)."""
+    wandb_run_id: str | None = None
+    """W&B run id to log to; None: a resumed run (--resume from a checkpoint) continues the
+    run whose id is stored in logging.dir/wandb_run_id, a fresh run starts a new one."""
     log_every: int = 1
     """Write metrics every N steps."""
     progress: bool = True
@@ -389,6 +417,8 @@ class Config:
     """Reward kind, workers and timeout."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits of the worker processes that run user reward and environment code."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation between steps (rollout/evaluation.py); off by default."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

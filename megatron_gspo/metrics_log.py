@@ -16,6 +16,12 @@ reads all three back). Non-finite values are never dropped: a diverged loss must
 measured" is an absent key.
 `read_metrics` decodes the file (used by tools/plot_metrics.py and tools/reward_summary.py).
 
+W&B (`logging.wandb_project`): a resumed run continues the same W&B run. The run id is kept in
+`<dir>/wandb_run_id` (or given as `logging.wandb_run_id`); a logger started at `start_step` > 0
+reuses it with `resume="allow"`, a fresh run (start_step 0 or None) gets a new id. Metrics are
+logged against the trainer's step (`trainer/step`, W&B's step metric), not W&B's own counter,
+which only grows: steps a resumed run logs again are then kept, not dropped by W&B.
+
 Console (`logging.progress`): a tqdm bar on stderr over the steps, with ETA and a few metrics,
 and the full line of any step with a non-finite metric; `progress=false`: nothing. Either way
 every step's line goes to `<dir>/train.log`.
@@ -28,6 +34,7 @@ import math
 import os
 import sys
 import time
+import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -168,10 +175,12 @@ class MetricsLogger:
         rank: int | None = None,
         log_every: int = 1,
         start_step: int | None = None,
+        wandb_run_id: str | None = None,
     ) -> None:
         """start_step: the step a resumed (or restarted) run continues from: lines of later steps
         are removed from metrics.jsonl and hidden in TensorBoard, since the run logs them again.
-        None: append to whatever is there."""
+        None: append to whatever is there. wandb_run_id: the W&B run to log to (None: the one
+        stored in the log directory when resuming, else a new one)."""
         self.enabled = (_rank() if rank is None else rank) == 0
         self.log_dir = Path(log_dir)
         self.total_steps = total_steps
@@ -215,8 +224,8 @@ class MetricsLogger:
                     stacklevel=2,
                 )
             else:
-                self._wandb = wandb.init(
-                    project=wandb_project, dir=str(self.log_dir), config=dict(config or {})
+                self._wandb = self._wandb_init(
+                    wandb, wandb_project, wandb_run_id, config, resuming=bool(start_step)
                 )
         if progress:
             from tqdm import tqdm
@@ -232,6 +241,32 @@ class MetricsLogger:
                 mininterval=0,  # steps take seconds: redraw on every one
                 file=sys.stderr,
             )
+
+    def _wandb_init(
+        self,
+        wandb: Any,
+        project: str,
+        run_id: str | None,
+        config: Mapping[str, Any] | None,
+        *,
+        resuming: bool,
+    ) -> Any:
+        """wandb.init on the run id of this run directory (see the module docstring)."""
+        id_file = self.log_dir / "wandb_run_id"
+        if run_id is None and resuming and id_file.is_file():
+            run_id = id_file.read_text().strip() or None
+        run_id = run_id or uuid.uuid4().hex[:12]  # W&B ids: letters and digits
+        id_file.write_text(run_id + "\n")  # before init: a crash in it still leaves the id
+        run = wandb.init(
+            project=project,
+            dir=str(self.log_dir),
+            config=dict(config or {}),
+            id=run_id,
+            resume="allow",
+        )
+        run.define_metric("trainer/step")
+        run.define_metric("*", step_metric="trainer/step")
+        return run
 
     @classmethod
     def from_config(
@@ -255,6 +290,7 @@ class MetricsLogger:
             rank=rank,
             log_every=logging_cfg.log_every,
             start_step=start_step,
+            wandb_run_id=getattr(logging_cfg, "wandb_run_id", None),
         )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -273,7 +309,7 @@ class MetricsLogger:
                     self._tb.add_scalar(k, v, step)
                 self._tb.flush()
             if self._wandb is not None:
-                self._wandb.log(scalars, step=step)
+                self._wandb.log({**scalars, "trainer/step": step})
         self._console(step, scalars)
 
     def console_line(self, step: int, scalars: Mapping[str, float]) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 from megatron_gspo.checkpoint import check_resume_layout
 from megatron_gspo.config import Config
 from megatron_gspo.config_io import ConfigError, require
-from megatron_gspo.data.prompts import load_prompt_jsonl
+from megatron_gspo.data.formats import load_prompt_records
 from megatron_gspo.engines.interpreter import sglang_python
 from megatron_gspo.run_dir import check_run_paths, previous_run_files
 
@@ -30,7 +30,7 @@ __all__ = ["check_run_dir", "preflight", "read_hf_config"]
 
 def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) -> None:
     """Every input check that needs no megatron-core: run directory, model directory, dtype for
-    the device, the layout against `world_size`, the prompt file and the reward module. Raises
+    the device, the layout against `world_size`, the prompt files and the reward module. Raises
     `ConfigError` (one line naming the file, line or key). Nothing is written or deleted here:
     `--overwrite` clears the previous run only once the new one has started
     (`run_dir.clear_previous_run`, called by `train.main`)."""
@@ -45,12 +45,16 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
     cfg.parallel.validate(world_size, hf_config)
     if resume:
         check_resume_layout(cfg.checkpoint.dir, cfg.parallel, world_size)
-    load_prompt_jsonl(
-        cfg.data.train_path,
-        prompt_key=cfg.data.prompt_key,
-        messages_key=cfg.data.messages_key,
-        answer_key=cfg.data.answer_key,
-    )
+    for path, key in ((cfg.data.train_path, "data.train_path"), (cfg.eval.path, "eval.path")):
+        if path is not None:  # the held-out set (eval.path) is read like the training set
+            load_prompt_records(
+                path,
+                fmt=cfg.data.format,
+                prompt_key=cfg.data.prompt_key,
+                messages_key=cfg.data.messages_key,
+                answer_key=cfg.data.answer_key,
+                key=key,
+            )
     _check_reward(cfg.reward.kind)
     if cfg.rollout.env is not None:
         _check_module(cfg.rollout.env, "rollout.env")
@@ -145,7 +149,7 @@ def _check_engine_python(cfg: Config) -> None:
 def _check_reward(kind: str) -> None:
     """A user reward "module:function" must be importable. Located, not imported: user code
     runs in the reward workers only."""
-    if kind in ("math", "toy"):
+    if kind in ("math", "toy", "http"):  # http: a server, reached at the first step
         return
     _check_module(kind, "reward.kind")
 

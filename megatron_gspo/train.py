@@ -24,6 +24,7 @@ from megatron_gspo.console import (
 from megatron_gspo.engines.protocols import NoEnginesLeft
 from megatron_gspo.metrics_log import MetricsLogger
 from megatron_gspo.preflight import preflight
+from megatron_gspo.rollout.evaluation import build_evaluator
 from megatron_gspo.run_dir import RunLock, clear_previous_run
 from megatron_gspo.stop import StopSignals
 from megatron_gspo.weights.checksum import WeightIntegrityError
@@ -71,10 +72,11 @@ def main(argv: list[str] | None = None) -> None:
             verify(path)
     with third_party_stdio(cfg.logging.dir):
         policy = Policy.build(cfg)
-    rollout = sync = log = None
+    rollout = sync = log = evaluator = None
     try:  # whatever fails, engines and reward workers are shut down
         with third_party_stdio(cfg.logging.dir):
             rollout = make_rollout(cfg) if dist.rank() == 0 else None
+            evaluator = build_evaluator(cfg, rollout)  # eval.every (rank 0); None when off
         sync = WeightSync(policy.bridge, rollout.engine if rollout else [], cfg.weights)
         start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
         if args.overwrite and dist.rank() == 0:  # only now that the new run has started
@@ -86,9 +88,10 @@ def main(argv: list[str] | None = None) -> None:
             rank=dist.rank(),
             start_step=start,
         )
-        _loop(cfg, policy, rollout, sync, log, start, stop)
+        evaluate = evaluator.maybe_run if evaluator else (lambda step: {})
+        _loop(cfg, policy, rollout, sync, log, start, stop, evaluate)
     finally:
-        for part in (log, rollout, sync):
+        for part in (log, evaluator, rollout, sync):
             if part is not None:
                 part.close()
         if lock is not None:
@@ -104,12 +107,15 @@ def _loop(
     log: MetricsLogger,
     start: int,
     stop: StopSignals,
+    evaluate: Any,
 ) -> None:
     from megatron_gspo.megatron.offload import offload_trainer, reload_trainer
 
     colocated = bool(rollout and cfg.rollout.launch and cfg.rollout.launch.colocated)
     push = _pusher(policy, rollout, sync)
     push()  # the engines serve exactly the trainer's weights from step 0
+    if start == 0 and (held_out := evaluate(0)):  # the held-out curve starts untrained
+        log.log(0, held_out)
     bad = 0  # consecutive steps with a skipped (non-finite) update
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
@@ -135,6 +141,7 @@ def _loop(
             log.log(step + 1, metrics)
             _stop_without_engines(cfg, policy, rollout, step + 1, str(e))
         metrics |= _step_metrics(pushed, seqs, t0, t1, t2)
+        metrics |= evaluate(step + 1)  # eval.every: held-out prompts on the pushed weights
         log.log(step + 1, metrics)
         bad = bad + 1 if metrics["train/skipped_updates"] else 0
         every = cfg.checkpoint.save_every

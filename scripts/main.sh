@@ -6,12 +6,20 @@
 #                     a bf16 engine against the fp32 trainer, so train/inference mismatch is
 #                     real; builds its venv once (scripts/engine_env.sh) and writes
 #                     runs/tiny_moe_cpu_sglang/.
+#   --eval            (first argument) the same job with held-out evaluation every 5 steps
+#                     (examples/tiny_moe_cpu_eval.yaml): prints the held-out curve and plots it
+#                     in runs/tiny_moe_cpu_eval/reward.png.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/env.sh")
 cd "$root"
 run=runs/tiny_moe_cpu
+config=examples/tiny_moe_cpu.yaml
 engine_sets=()
+held_out=false
+if [ "${1:-}" = "--eval" ]; then
+  shift; held_out=true; config=examples/tiny_moe_cpu_eval.yaml; run=runs/tiny_moe_cpu_eval
+fi
 if [ "${1:-}" = "--engine" ] || [[ "${1:-}" == --engine=* ]]; then
   if [ "$1" = "--engine" ]; then engine=${2:-}; shift 2 || shift; else engine=${1#--engine=}; shift; fi
   case "$engine" in
@@ -30,6 +38,10 @@ fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
 py="$venv/bin/python"
 "$py" tools/make_tiny_toy.py --out runs/tiny_toy
+if $held_out; then  # held out: the ten 2-digit copies ending in 7, none left in training
+  "$py" tools/make_held_out.py runs/tiny_toy/toy.jsonl --train runs/tiny_toy/toy_train.jsonl \
+    --held-out runs/tiny_toy/toy_eval.jsonl --suffix 7
+fi
 # The main job is a fresh run each time (the toy is regenerated): replace the previous one,
 # unless the caller continues it with --resume.
 fresh=(--overwrite)
@@ -38,7 +50,12 @@ for arg in "$@"; do
 done
 # megatron_gspo.torchrun: torchrun, with bad input refused in one line and exit code 2
 "$py" -m megatron_gspo.torchrun --nproc_per_node 2 -m megatron_gspo.train \
-  --config examples/tiny_moe_cpu.yaml ${engine_sets[@]+"${engine_sets[@]}"} \
+  --config "$config" ${engine_sets[@]+"${engine_sets[@]}"} \
   ${fresh[@]+"${fresh[@]}"} "$@"
 "$py" tools/plot_metrics.py "$run/metrics.jsonl" --out "$run/reward.png"
+if $held_out; then
+  for key in eval/reward_mean eval/pass@1 eval/pass@4; do
+    "$py" tools/reward_summary.py "$run/metrics.jsonl" --curve "$key"
+  done
+fi
 "$py" tools/reward_summary.py "$run/metrics.jsonl"

@@ -3,7 +3,9 @@
     python tools/plot_metrics.py runs/tiny/metrics.jsonl --out reward.png
     python tools/plot_metrics.py runs/tiny/metrics.jsonl --keys reward/mean,policy/loss --smooth 5
 
-One panel per key (default: the reward mean and the clip fractions that are present). Repeated
+One panel per key (default: the reward mean, the held-out evaluation's reward mean and pass@k
+when the run evaluated (`eval.every`), and the clip fractions that are present). A key logged
+only at some steps (evaluation) is drawn with markers. Repeated
 steps (a resumed run appends) keep their last value; non-finite values ("nan"/"inf" in the file)
 are left as gaps.
 """
@@ -18,6 +20,8 @@ from megatron_gspo.metrics_log import read_metrics
 
 DEFAULT_KEYS = (
     "reward/mean",
+    "eval/reward_mean",
+    "eval/pass@*",  # every pass@k the run logged
     "policy/clip_frac",
     "policy/clip_frac_low",
     "policy/clip_frac_high",
@@ -54,7 +58,9 @@ def plot(
     for ax, key in zip(axes[:, 0], keys):
         steps = [s for s, r in rows.items() if key in r]
         values = [rows[s][key] for s in steps]
-        ax.plot(steps, values, lw=1, alpha=0.4 if smooth > 1 else 1.0, label=key)
+        sparse = 2 * len(steps) < len(rows)  # e.g. evaluated every N steps: show each point
+        alpha = 0.4 if smooth > 1 else 1.0
+        ax.plot(steps, values, lw=1, alpha=alpha, marker="o" if sparse else None, label=key)
         if smooth > 1:
             ax.plot(steps, _smooth(values, smooth), lw=1.8, label=f"{key} (mean of {smooth})")
         ax.set_ylabel(key.split("/")[-1])
@@ -69,6 +75,17 @@ def plot(
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def default_keys(present: set[str]) -> list[str]:
+    """DEFAULT_KEYS that are in `present`, a trailing "*" matching every key it prefixes."""
+    keys: list[str] = []
+    for k in DEFAULT_KEYS:
+        if k.endswith("*"):
+            keys += sorted(p for p in present if p.startswith(k[:-1]))
+        elif k in present:
+            keys.append(k)
+    return keys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             p.error(f"keys not in {args.metrics}: {missing}; present: {sorted(present)}")
     else:
-        keys = [k for k in DEFAULT_KEYS if k in present]
+        keys = default_keys(present)
         if not keys:
             p.error(f"none of {DEFAULT_KEYS} in {args.metrics}; pass --keys")
     out = plot(rows, keys, args.out, smooth=args.smooth, title=args.title)

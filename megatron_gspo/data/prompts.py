@@ -33,6 +33,7 @@ __all__ = [
     "engine_context_length",
     "epoch_order",
     "load_prompt_jsonl",
+    "record_from_object",
     "render_prompt",
 ]
 
@@ -83,6 +84,41 @@ def _check_messages(msgs: Any, where: str, key: str) -> list[dict[str, str]]:
     return msgs
 
 
+def record_from_object(
+    obj: Any,
+    where: str,
+    index: int,
+    *,
+    prompt_key: str = "prompt",
+    messages_key: str = "messages",
+    answer_key: str = "answer",
+    require_answer: bool = True,
+) -> PromptRecord:
+    """One record from a decoded object (a JSONL line, a Parquet or `datasets` row); anything
+    malformed raises `DatasetError` starting with `where` (file and line or row)."""
+    if not isinstance(obj, dict):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    obj = dict(obj)  # popped below; the caller's row stays whole
+    prompt, messages = obj.pop(prompt_key, None), obj.pop(messages_key, None)
+    if prompt is None and messages is None:
+        raise DatasetError(
+            f"{where}: neither {prompt_key!r} nor {messages_key!r} is present "
+            f"(keys: {sorted(obj)}); set data.prompt_key / data.messages_key"
+        )
+    if prompt is not None and not isinstance(prompt, str):
+        raise DatasetError(f"{where}: {prompt_key!r} must be a string")
+    if prompt is None:
+        messages = _check_messages(messages, where, messages_key)
+    else:
+        messages = None  # a plain prompt wins when a record has both
+    if answer_key not in obj and require_answer:
+        raise DatasetError(
+            f"{where}: no answer field {answer_key!r} (keys: {sorted(obj)}); set data.answer_key"
+        )
+    answer = obj.pop(answer_key, None)
+    return PromptRecord(index=index, prompt=prompt, messages=messages, answer=answer, meta=obj)
+
+
 def load_prompt_jsonl(
     path: str | Path,
     *,
@@ -115,29 +151,15 @@ def load_prompt_jsonl(
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            prompt, messages = obj.pop(prompt_key, None), obj.pop(messages_key, None)
-            if prompt is None and messages is None:
-                raise DatasetError(
-                    f"{where}: neither {prompt_key!r} nor {messages_key!r} is present "
-                    f"(keys: {sorted(obj)}); set data.prompt_key / data.messages_key"
-                )
-            if prompt is not None and not isinstance(prompt, str):
-                raise DatasetError(f"{where}: {prompt_key!r} must be a string")
-            if prompt is None:
-                messages = _check_messages(messages, where, messages_key)
-            else:
-                messages = None  # a plain prompt wins when a record has both
-            if answer_key not in obj and require_answer:
-                raise DatasetError(
-                    f"{where}: no answer field {answer_key!r} (keys: {sorted(obj)}); "
-                    "set data.answer_key"
-                )
-            answer = obj.pop(answer_key, None)
             records.append(
-                PromptRecord(
-                    index=len(records), prompt=prompt, messages=messages, answer=answer, meta=obj
+                record_from_object(
+                    obj,
+                    where,
+                    len(records),
+                    prompt_key=prompt_key,
+                    messages_key=messages_key,
+                    answer_key=answer_key,
+                    require_answer=require_answer,
                 )
             )
     if not records:
@@ -250,14 +272,26 @@ class PromptDataset(Sequence[PromptRecord]):
 
     @classmethod
     def from_config(
-        cls, data_cfg: Any, tokenizer: Any = None, context: tuple[int, int, str] | None = None
+        cls,
+        data_cfg: Any,
+        tokenizer: Any = None,
+        context: tuple[int, int, str] | None = None,
+        *,
+        path: str | None = None,
+        key: str | None = None,
     ) -> PromptDataset:
-        """Build from a `megatron_gspo.config.DataConfig`."""
-        records = load_prompt_jsonl(
-            data_cfg.train_path,
+        """Build from a `megatron_gspo.config.DataConfig`: `data.train_path`, or `path` (named
+        `key` in messages, e.g. the held-out set's `eval.path`) read the same way."""
+        from megatron_gspo.data.formats import load_prompt_records
+
+        source = path if path is not None else data_cfg.train_path
+        records = load_prompt_records(
+            source,
+            fmt=getattr(data_cfg, "format", "jsonl"),
             prompt_key=data_cfg.prompt_key,
             messages_key=data_cfg.messages_key,
             answer_key=data_cfg.answer_key,
+            key=key or "data.train_path",
         )
         return cls(
             records,
@@ -266,7 +300,7 @@ class PromptDataset(Sequence[PromptRecord]):
             system_prompt=data_cfg.system_prompt,
             max_prompt_tokens=data_cfg.max_prompt_tokens,
             context=context,
-            source=str(data_cfg.train_path),
+            source=str(source),
         )
 
     def __len__(self) -> int:

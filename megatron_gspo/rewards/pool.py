@@ -100,6 +100,8 @@ class RewardBatch:
     """The first few failure messages, for the log."""
     time_s: float = 0.0
     """Wall time of the batch."""
+    retries: int = 0
+    """Requests retried (reward.kind=http: `rewards/http.py`)."""
 
     def report(self, what: str = "reward") -> str | None:
         """One block for stderr when a call failed or timed out (None when all went well):
@@ -117,6 +119,7 @@ class RewardBatch:
         return {
             "reward/timeouts": float(self.timeouts),
             "reward/failures": float(self.failures),
+            "reward/retries": float(self.retries),
             "reward/time_s": self.time_s,
         }
 
@@ -298,8 +301,14 @@ def worker_limits(sandbox_cfg: Any, timeout_s: float) -> WorkerLimits:
     )
 
 
-def build_reward_pool(reward_cfg: Any, sandbox_cfg: Any) -> RewardPool:
-    """A pool from a `megatron_gspo.config.RewardConfig`."""
+def build_reward_pool(reward_cfg: Any, sandbox_cfg: Any) -> Any:
+    """A pool from a `megatron_gspo.config.RewardConfig`; for reward.kind=http the judge
+    client (`rewards/http.py`: the same `score` / `close` interface; no user code, so no
+    sandbox)."""
+    if reward_cfg.kind == "http":
+        from megatron_gspo.rewards.http import http_reward_from_config
+
+        return http_reward_from_config(reward_cfg)
     return RewardPool(
         reward_cfg.kind,
         num_workers=reward_cfg.num_workers,

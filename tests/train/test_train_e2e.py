@@ -2,10 +2,13 @@
 
 Run A trains 4 steps straight. Run B is SIGKILLed (torchrun and its ranks) right after its
 step-2 checkpoint; run C resumes it to step 4. Run D trains 2 steps colocated (engine memory
-released during updates). Checks: every step trains on prompts x group_size
-sequences with finite metrics, the engines serve the pushed weights (per-tensor checksums of
-sent vs engine-held tensors) at the right version, a killed trainer leaves no engine behind,
-and the resumed run reproduces the uninterrupted one.
+released during updates) on the same prompts from a Parquet file, evaluating a held-out set
+saved with Hugging Face `datasets` every step (greedy). Checks: every step trains on prompts x
+group_size sequences with finite metrics, run D (colocation, Parquet, evaluation) trains
+exactly as A, its held-out evaluation at step 0 equals transformers' own greedy decoding, the
+engines serve the pushed weights (per-tensor checksums of sent vs engine-held tensors) at the
+right version, a killed trainer leaves no engine behind, and the resumed run reproduces the
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -142,13 +145,41 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     out["b"] = _train_until_killed(tmp, "b", "ckpt_b", 2)
     out["orphans"] = _wait_for_no_engines(tmp / "toy/model")
     out["c"] = _train(tmp, "c", "ckpt_b", 4, "--resume")
-    out["d"] = _train(tmp, "d", "ckpt_d", 2, "--set", "rollout.launch.colocated=true")
+    data = _parquet_and_held_out(tmp)
+    out["d"] = _train(
+        tmp,
+        "d",
+        "ckpt_d",
+        2,
+        *("--set", "rollout.launch.colocated=true", "--set", "data.format=auto"),
+        *("--set", f"data.train_path={data}/toy.parquet", "--set", "eval.every=1"),
+        *("--set", f"eval.path={data}/held_out"),
+    )
     extra = ("--set", "train.max_bad_steps=2", "--set", "checkpoint.save_every=0")
     cmd = _command(tmp, "nan", "ckpt_nan", 5, *extra, module="tests.train.nan_train")
     out["nan"] = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     # the checkpoint of a run that never stepped its optimizer resumes (a healthy loss now)
     out["nan_resumed"] = _train(tmp, "nan", "ckpt_nan", 3, "--resume")
     out["tmp"] = tmp
+    return out
+
+
+def _parquet_and_held_out(tmp: Path) -> Path:
+    """toy.jsonl as a Parquet file (pyarrow), and 6 held-out 3-digit copies saved with
+    `datasets`' save_to_disk (the training prompts have 1-2 digits)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megatron_gspo.data.toy import write_toy_dataset
+
+    out = tmp / "data"
+    rows = [json.loads(line) for line in (tmp / "toy/toy.jsonl").read_text().splitlines()]
+    out.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), out / "toy.parquet")
+    held = write_toy_dataset(out / "held.jsonl", 6, seed=1, ops=("copy",), min_len=3, max_len=3)
+    held_rows = [json.loads(line) for line in held.read_text().splitlines()]
+    datasets.Dataset.from_list(held_rows).save_to_disk(str(out / "held_out"))
     return out
 
 
@@ -216,8 +247,11 @@ def test_final_hf_export_equals_the_converted_last_checkpoint(runs) -> None:
 
 def test_colocated_release_and_resume_change_nothing(runs) -> None:
     """rollout.colocated: the engines free their memory during each update (the embedded engine
-    then refuses to generate) and get it back before the weight push and the next rollout."""
-    for got, want in zip(runs["d"], runs["a"][:2], strict=True):
+    then refuses to generate) and get it back before the weight push and the next rollout.
+    Run D also reads its prompts from Parquet and evaluates between steps: neither changes
+    what it trains."""
+    trained = [m for m in runs["d"] if m["step"] > 0]
+    for got, want in zip(trained, runs["a"][:2], strict=True):
         assert got["weights/verified"] == 1.0
         for k in ("loss", "reward/mean", "grad_norm", "policy/clip_frac"):
             assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
@@ -250,3 +284,48 @@ def test_non_finite_steps_are_skipped_logged_and_stop_the_job(runs) -> None:
         assert math.isnan(m["loss"]) and math.isnan(m["grad_norm"])
         assert m["train/skipped_updates"] == 4  # every mini-batch
         assert m["weights/verified"] == 1.0  # the engines hold the (unchanged, finite) weights
+
+
+def test_held_out_evaluation_every_step_equals_greedy_decoding_at_step_0(runs) -> None:
+    """eval.every=1 on a `datasets` directory: step 0 (before training) and every step log the
+    held-out metrics; step 0's equal the toy reward of transformers' own greedy decoding of
+    the initial model; the plotting tool draws them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_gspo.data.formats import load_prompt_records
+    from megatron_gspo.data.prompts import PromptDataset
+    from megatron_gspo.metrics_log import read_metrics
+    from megatron_gspo.rewards.toy import toy_reward
+    from tools import plot_metrics
+
+    tmp = runs["tmp"]
+    rows = read_metrics(tmp / "d/metrics.jsonl")
+    assert sorted(rows) == [0, 1, 2]
+    assert {k for k in rows[0] if not k.startswith("eval/")} == {"step", "time"}  # eval only
+    for m in rows.values():
+        assert m["eval/num_prompts"] == 6 and m["eval/failed"] == 0
+        assert m["eval/reward_failures"] == 0 and 0 <= m["eval/pass@1"] <= 1
+    tok = AutoTokenizer.from_pretrained(tmp / "toy/model")
+    model = AutoModelForCausalLM.from_pretrained(tmp / "toy/model", dtype=torch.float32).eval()
+    held = PromptDataset(
+        load_prompt_records(tmp / "data/held_out", fmt="hf"), tok, chat_template=False
+    )
+    rewards = []
+    for record in held:
+        ids = torch.tensor([held.encode(record)])
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_token_id
+            )
+        text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        rewards.append(toy_reward(record.prompt, text, record.answer))
+    assert rows[0]["eval/reward_mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-12)
+    assert rows[0]["eval/pass@1"] == pytest.approx(sum(r >= 1 for r in rewards) / len(rewards))
+    png = tmp / "d/reward.png"
+    assert plot_metrics.main([str(tmp / "d/metrics.jsonl"), "--out", str(png)]) == 0
+    assert png.stat().st_size > 0
+    assert plot_metrics.default_keys(set(rows[1]))[:3] == [
+        "reward/mean",
+        "eval/reward_mean",
+        "eval/pass@1",
+    ]
