@@ -34,7 +34,12 @@ from megatron_gspo.metrics_log import read_metrics
 from megatron_gspo.testing.rehearsal import device_sets, shrink
 from megatron_gspo.weights.fp8_checkpoint import write_fp8_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.multirank,
+    pytest.mark.rehearsal,
+    pytest.mark.timeout(900),
+]
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 # recipe -> (Slurm script, nodes, rollout nodes, GPUs per node) from its header
