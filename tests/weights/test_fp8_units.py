@@ -7,8 +7,8 @@ import torch
 
 from megatron_gspo.weights import fp8
 from megatron_gspo.weights.checksum import WeightIntegrityError, checksums, compare_checksums
+from megatron_gspo.weights.group import flatten_for_broadcast as flatten
 from megatron_gspo.weights.stream import StreamStats, iter_buckets
-from megatron_gspo.weights.transports import flatten
 
 
 @pytest.mark.parametrize("shape", [(300, 200), (128, 128), (1, 7), (257, 129)])
