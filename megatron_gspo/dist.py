@@ -119,6 +119,16 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def release_device_memory() -> None:
+    """Give the accelerator's free memory back to the driver, for a colocated engine to use:
+    `torch.cuda.ipc_collect()` (blocks shared over CUDA IPC whose receivers let go return to
+    the allocator) then `torch.cuda.empty_cache()` (cached blocks return to the driver). A
+    no-op on CPU, where there is neither a cache nor IPC handles."""
+    if device().type == "cuda":
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+
+
 def barrier() -> None:
     if world_size() > 1:
         torch.distributed.barrier()

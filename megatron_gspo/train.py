@@ -28,6 +28,7 @@ from megatron_gspo.rollout.evaluation import build_evaluator
 from megatron_gspo.run_dir import RunLock, clear_previous_run
 from megatron_gspo.stop import StopSignals
 from megatron_gspo.weights.checksum import WeightIntegrityError
+from megatron_gspo.weights.colocated import resume_engines
 from megatron_gspo.weights.sync import WeightSync, WeightSyncError
 
 if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
@@ -111,7 +112,8 @@ def _loop(
 ) -> None:
     from megatron_gspo.megatron.offload import offload_trainer, reload_trainer
 
-    colocated = bool(rollout and cfg.rollout.launch and cfg.rollout.launch.colocated)
+    colocated_job = bool(cfg.rollout.launch and cfg.rollout.launch.colocated)  # every rank
+    colocated = bool(rollout) and colocated_job
     push = _pusher(policy, rollout, sync)
     push()  # the engines serve exactly the trainer's weights from step 0
     if start == 0 and (held_out := evaluate(0)):  # the held-out curve starts untrained
@@ -133,8 +135,8 @@ def _loop(
         faults.point("backward", step + 1, policy.model)
         metrics |= policy.update(seqs, step)
         t2 = time.perf_counter()
-        if rollout and colocated:
-            rollout.engine.resume_memory()
+        # Every rank frees its cached blocks, then rank 0 resumes the engines' memory.
+        resume_engines(rollout.engine if rollout else None, colocated=colocated_job)
         try:
             pushed = push()
         except NoEnginesLeft as e:  # raised on every rank alike; the update itself is sound

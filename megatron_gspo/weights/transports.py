@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megatron_gspo import dist
 from megatron_gspo.dist import free_port
 from megatron_gspo.engines.protocols import WeightReceiver
 from megatron_gspo.weights import hf_io
@@ -93,9 +94,14 @@ class TensorTransport(Transport):
             engine.begin_weight_update()
 
     def send(self, bucket: Bucket, *, version: str, last: bool) -> None:
+        # `bucket` stays referenced here until every engine has answered (the client also
+        # keeps its flattened copy until then): SGLang reads it through CUDA IPC handles.
         for engine in self.engines:
             # The prefix cache is flushed once, with the last bucket.
             engine.update_weights_from_tensor(bucket.tensors, weight_version=None, flush_cache=last)
+        # Confirmed by every engine: blocks the engines let go of return to the allocator and
+        # the cache to the driver before the next bucket is built (weights/colocated.py).
+        dist.release_device_memory()
 
     def finish(self, version: str) -> None:
         _end_session(self.engines, version)
