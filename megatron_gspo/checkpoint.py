@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -332,12 +331,10 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
     save_model_and_optimizer(policy.model, policy.optimizer, tmp)
     # hf_config/ + metadata: tools/convert_megatron_to_hf.py turns this step into a HF model
     write_source_info(tmp, policy.cfg.model.hf_path, policy.bridge, policy.model, policy.layout)
-    state = {
-        "step": step,
-        "torch_rng": torch.get_rng_state(),
-        "py_rng": random.getstate(),
-        "policy": policy.state_dict(),
-    }
+    from megatron_gspo.megatron.rng import rng_state
+
+    # torch, Python, CUDA and megatron-core's TP tracker generators (megatron/rng.py)
+    state = {"step": step, **rng_state(), "policy": policy.state_dict()}
     torch.save(state, tmp / f"trainer_rank{rank()}.pt")
     if rollout is not None:
         torch.save(rollout.state_dict(), tmp / "rollout.pt")
@@ -365,8 +362,9 @@ def load_checkpoint(policy: Policy, rollout: Rollout | None) -> int:
 
     load_model_and_optimizer(policy.model, policy.optimizer, path)
     state = torch.load(path / f"trainer_rank{rank()}.pt", weights_only=True)
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["py_rng"])
+    from megatron_gspo.megatron.rng import set_rng_state
+
+    set_rng_state(state)
     policy.load_state_dict(state["policy"])
     if rollout is not None:
         rollout.load_state_dict(torch.load(path / "rollout.pt", weights_only=True))

@@ -111,6 +111,7 @@ def _loop(
     evaluate: Any,
 ) -> None:
     from megatron_gspo.megatron.offload import offload_trainer, reload_trainer
+    from megatron_gspo.megatron.transfer import broadcast_sequences
 
     colocated_job = bool(cfg.rollout.launch and cfg.rollout.launch.colocated)  # every rank
     colocated = bool(rollout) and colocated_job
@@ -126,7 +127,8 @@ def _loop(
         faults.point("rollout", step + 1)  # tests only: MGSPO_FAULT
         if rollout and colocated and lost is None:  # before the broadcast, so no rank reloads
             rollout.engine.release_memory()  # into engine memory
-        seqs, metrics, lost = dist.broadcast((seqs, metrics, lost))
+        # The sequences as tensors, the metrics and the stop reason pickled (small).
+        seqs, (metrics, lost) = broadcast_sequences(seqs, (metrics, lost))
         if lost is not None:  # every engine is gone: keep what `step` steps trained
             reload_trainer(cfg, policy)
             _stop_without_engines(cfg, policy, rollout, step, lost)

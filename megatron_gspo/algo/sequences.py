@@ -8,23 +8,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # type only: the fields may be tensor views (megatron/transfer.py)
+    from torch import Tensor
 
 
 @dataclass(kw_only=True)
 class TrainSequence:
-    """One sampled response with what the loss needs. Lists are per response token."""
+    """One sampled response with what the loss needs. Per-token fields are lists on rank 0;
+    on the ranks that receive the rollout, 1-D tensor views of the broadcast buffer
+    (megatron/transfer.py), which `megatron.packing.pack` reads alike."""
 
     seq_id: int
     """Global index of the sequence in its rollout batch (for reassembly and metrics)."""
-    prompt_ids: Sequence[int]
-    response_ids: Sequence[int]
-    old_logp: Sequence[float]
+    prompt_ids: Sequence[int] | Tensor
+    response_ids: Sequence[int] | Tensor
+    old_logp: Sequence[float] | Tensor
     """pi_old log-probs of the response tokens (the engine's, or recomputed)."""
-    advantage: float | Sequence[float]
+    advantage: float | Sequence[float] | Tensor
     """Per-sequence advantage, or per response token (GSPO-token)."""
-    loss_mask: Sequence[int] | None = None
+    loss_mask: Sequence[int] | Tensor | None = None
     """1 = the token counts in the loss; None = all response tokens count."""
-    rollout_logp: Sequence[float] | None = None
+    rollout_logp: Sequence[float] | Tensor | None = None
     """Engine log-probs when `old_logp` was recomputed (truncated importance correction)."""
     ref_logp: Sequence[float] | None = None
     """Reference-model log-probs (loss.kl_coef > 0), filled by the policy before the update."""
@@ -35,7 +41,7 @@ class TrainSequence:
 
     def __post_init__(self) -> None:
         r = len(self.response_ids)
-        if not self.prompt_ids:
+        if len(self.prompt_ids) == 0:  # a tensor has no truth value
             raise ValueError(f"sequence {self.seq_id}: empty prompt")
         for name in ("old_logp", "loss_mask", "rollout_logp", "ref_logp"):
             v = getattr(self, name)

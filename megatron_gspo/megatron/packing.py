@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from megatron_gspo.algo.sequences import TrainSequence
-from megatron_gspo.megatron.cpu_attention import zigzag_indices
 
 PAD_ID = 0
 
@@ -81,10 +80,22 @@ def _padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _as(values: Sequence[int] | Sequence[float] | Tensor, dtype: torch.dtype) -> Tensor:
+    """A field as a `dtype` tensor: lists (rank 0's rollout) or tensor views (what the other
+    ranks receive, megatron/transfer.py) give the same values."""
+    if isinstance(values, Tensor):
+        return values.to(dtype)
+    return torch.tensor(list(values), dtype=dtype)
+
+
 def pack(
     seqs: Sequence[TrainSequence], *, multiple: int, cp_size: int = 1, cp_rank: int = 0
 ) -> PackedMicroBatch:
     """Pack `seqs` into one THD micro-batch and keep this CP rank's zig-zag shard."""
+    # Imported here: megatron-core (via cpu_attention) costs seconds, and ranks that only
+    # receive or build `TrainSequence`s (megatron/transfer.py) need none of it.
+    from megatron_gspo.megatron.cpu_attention import zigzag_indices
+
     if not seqs:  # a padding micro-batch: one fully masked sequence, contributes nothing
         seqs = [
             TrainSequence(
@@ -101,23 +112,22 @@ def pack(
         n = _padded(s.length, multiple)
         lengths.append(n)
         ids = torch.full((n,), PAD_ID, dtype=torch.long)
-        ids[: s.length] = torch.tensor([*s.prompt_ids, *s.response_ids], dtype=torch.long)
+        ids[:p] = _as(s.prompt_ids, torch.long)
+        ids[p : s.length] = _as(s.response_ids, torch.long)
         labels = torch.full((n,), PAD_ID, dtype=torch.long)
         labels[: s.length - 1] = ids[1 : s.length]
         span = slice(p - 1, p - 1 + r)  # positions that predict the response tokens
         old, roll, ref, mask, adv = (torch.zeros(n) for _ in range(5))
         tpos = torch.full((n,), -1, dtype=torch.long)
-        old[span] = torch.tensor(list(s.old_logp), dtype=torch.float32)
+        old[span] = _as(s.old_logp, torch.float32)
         if s.rollout_logp is not None:
-            roll[span] = torch.tensor(list(s.rollout_logp), dtype=torch.float32)
+            roll[span] = _as(s.rollout_logp, torch.float32)
         if s.ref_logp is not None:
-            ref[span] = torch.tensor(list(s.ref_logp), dtype=torch.float32)
-        mask[span] = (
-            torch.tensor(list(s.loss_mask), dtype=torch.float32) if s.loss_mask is not None else 1.0
-        )
+            ref[span] = _as(s.ref_logp, torch.float32)
+        mask[span] = _as(s.loss_mask, torch.float32) if s.loss_mask is not None else 1.0
         tpos[span] = torch.arange(r)
         if per_token_adv:
-            adv[span] = torch.tensor(list(s.advantage), dtype=torch.float32)
+            adv[span] = _as(s.advantage, torch.float32)
         keep = zigzag_indices(n, cp_size, cp_rank)
         cols["ids"].append(ids[keep])
         cols["pos"].append(torch.arange(n)[keep])

@@ -104,7 +104,8 @@ class Policy:
                 fused_lm_head=cfg.model.fused_lm_head,
             )
             for s in seqs:
-                s.rollout_logp, s.old_logp = list(s.old_logp), fresh[s.seq_id].tolist()
+                # tensors stay tensors: no Python float per token (megatron/transfer.py)
+                s.rollout_logp, s.old_logp = s.old_logp, fresh[s.seq_id]
         reward_kl = self._reference_logprobs(seqs) if seqs else {}
         step_cfg = mstep.StepConfig(
             loss=cfg.loss, temperature=temperature, fused_lm_head=cfg.model.fused_lm_head

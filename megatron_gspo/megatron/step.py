@@ -56,6 +56,7 @@ from megatron_gspo.megatron.packing import (
     pad_multiple,
     plan_micro_batches,
 )
+from megatron_gspo.megatron.transfer import gather_logprob_rows, logprobs_by_sequence
 
 LOGPROB_CHUNK, VOCAB_CHUNK = 1024, 8192  # LM head chunks: tokens, vocab rows (the planner's too)
 
@@ -420,18 +421,10 @@ def compute_logprobs(
         fused_lm_head=fused_lm_head,
     )
     outputs = forward_only(model, micro_batches, lambda mb, out: _logprob_rows(mb, cfg, out), cfg)
+    from megatron.core import parallel_state as ps
+
     rows = torch.cat([o["rows"] for o in outputs]) if outputs else torch.zeros(0, 3)
-    # Host memory for the object collective: a pickled CUDA tensor is unpickled onto the
-    # sender's GPU index on every receiver (and the default group's object device is the CPU).
-    rows = rows.cpu()
-    gathered: list[Tensor] = [None] * torch.distributed.get_world_size()  # type: ignore
-    torch.distributed.all_gather_object(gathered, rows)
-    table: dict[int, dict[int, float]] = {}
-    for part in gathered:
-        for sid, pos, lp in part.tolist():
-            if sid >= 0:
-                table.setdefault(int(sid), {})[int(pos)] = lp
-    return {
-        sid: torch.tensor([d[i] for i in range(len(d))], dtype=torch.float64)
-        for sid, d in sorted(table.items())
-    }
+    # Tensors on the host (the default group's gloo side), TP duplicates left out: TP ranks
+    # compute the same rows as TP rank 0 (the vocab-parallel log-softmax is all-reduced).
+    gathered = gather_logprob_rows(rows, duplicate=ps.get_tensor_model_parallel_rank() != 0)
+    return logprobs_by_sequence(gathered)
