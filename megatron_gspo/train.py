@@ -129,9 +129,9 @@ def _loop(
             rollout.engine.release_memory()  # into engine memory
         # The sequences as tensors, the metrics and the stop reason pickled (small).
         seqs, (metrics, lost) = broadcast_sequences(seqs, (metrics, lost))
-        if lost is not None:  # every engine is gone: keep what `step` steps trained
+        if lost is not None or seqs is None:  # every engine is gone: keep what `step` trained
             reload_trainer(cfg, policy)
-            _stop_without_engines(cfg, policy, rollout, step, lost)
+            _stop_without_engines(cfg, policy, rollout, step, lost or "no rollout")
         t1 = time.perf_counter()
         metrics |= reload_trainer(cfg, policy)
         faults.point("backward", step + 1, policy.model)

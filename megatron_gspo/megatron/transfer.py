@@ -89,7 +89,7 @@ def pack_sequences(seqs: Sequence[TrainSequence]) -> dict[str, Tensor]:
         "old_logp": _floats(_flat(seqs, "old_logp")),
         "adv_per_token": torch.tensor([int(per_token)], dtype=torch.uint8),
         "advantage": _floats(
-            _flat(seqs, "advantage") if per_token else [float(s.advantage) for s in seqs]
+            _flat(seqs, "advantage") if per_token else [float(s.advantage) for s in seqs]  # type: ignore[arg-type]
         ),
         "loss_mask": _ints(_flat(seqs, "loss_mask")),
         "rollout_logp": _floats(_flat(seqs, "rollout_logp")),
