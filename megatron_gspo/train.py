@@ -73,6 +73,14 @@ def main(argv: list[str] | None = None) -> None:
             verify(path)
     with third_party_stdio(cfg.logging.dir):
         policy = Policy.build(cfg)
+    if cfg.checkpoint.dir:  # before any engine starts: a checkpoint we could not resume exactly
+        from megatron_gspo.patches import PatchError
+        from megatron_gspo.patches.optimizer import check_resumable
+
+        try:
+            check_resumable(policy.optimizer)
+        except PatchError as e:
+            raise ConfigError(str(e)) from None
     rollout = sync = log = evaluator = None
     try:  # whatever fails, engines and reward workers are shut down
         with third_party_stdio(cfg.logging.dir):

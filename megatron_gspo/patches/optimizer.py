@@ -5,7 +5,9 @@ Two gaps in megatron-core's own load path, filled by `megatron_gspo.megatron.che
 * A freshly built optimizer has no state to load into. megatron-core's loader first fills it
   with placeholders through the PRIVATE `DistributedOptimizer._init_optimizer_states_with_dummy_
   values` (a zero-gradient step); we call the same method.
-* torch Adam keeps a `step` per parameter. The `dp_reshardable` format does not round-trip it,
+* torch Adam keeps a `step` per parameter (Transformer Engine's FusedAdam, megatron-core's
+  choice on GPU, one per param group: `STEP_LAYOUTS`; other optimizers are refused at start
+  by `check_resumable`). The `dp_reshardable` format does not round-trip it,
   and `DistributedOptimizer.load_state_dict` (no Apex/TE branch) puts ONE step tensor, taken
   from the param groups, into every parameter's state; torch Adam then increments that shared
   tensor in place once per parameter. We save every parameter's step next to the checkpoint and
@@ -54,30 +56,92 @@ def init_states_for_load(optimizer: Any) -> None:
             init()
 
 
-def adam_steps(optimizer: Any) -> list[list[float | None]]:
-    """torch Adam's `step` of every parameter of every inner optimizer (None: no state yet)."""
-    out = []
+# Where each supported inner optimizer keeps Adam's step count:
+# * torch.optim.Adam / AdamW: `state[param]["step"]`, one (tensor) per parameter;
+# * Transformer Engine's FusedAdam (transformer_engine/pytorch/optimizers/fused_adam.py, what
+#   megatron-core uses on GPU when TE is installed) and Apex's: `param_group["step"]`, ONE per
+#   param group (an int, or an int tensor of shape [1] with capturable=True), and no "step" in
+#   the per-parameter state (exp_avg, exp_avg_sq, master_param only).
+# * SGD (torch's, TE's and Apex's FusedSGD): no step count; momentum lives in per-parameter
+#   state, which megatron-core's checkpoint carries.
+PER_PARAM, PER_GROUP, NO_STEP = "param", "group", "none"
+STEP_LAYOUTS = {
+    "torch.optim.sgd.SGD": NO_STEP,
+    "transformer_engine.pytorch.optimizers.fused_sgd.FusedSGD": NO_STEP,
+    "apex.optimizers.fused_sgd.FusedSGD": NO_STEP,
+    "torch.optim.adam.Adam": PER_PARAM,
+    "torch.optim.adamw.AdamW": PER_PARAM,
+    "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam": PER_GROUP,
+    "apex.optimizers.fused_adam.FusedAdam": PER_GROUP,
+}
+
+
+def step_layout(inner: Any) -> str:
+    """PER_PARAM, PER_GROUP or NO_STEP for a supported torch-level optimizer; else a PatchError that
+    names it (an optimizer whose step we do not know how to resume is refused at start)."""
+    cls = type(inner)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    layout = STEP_LAYOUTS.get(name)
+    if layout is None:
+        raise PatchError(
+            f"optimizer {name} is not supported by the Adam-step resume "
+            f"(megatron_gspo.patches.optimizer knows {', '.join(sorted(STEP_LAYOUTS))}): "
+            "set optim.optimizer=adam, or checkpoint.dir=null to train without checkpoints"
+        )
+    return layout
+
+
+def check_resumable(optimizer: Any) -> None:
+    """Refuse, before training starts, an inner optimizer the resume path does not know."""
     for opt in chained(optimizer):
-        state = opt.optimizer.state
+        step_layout(opt.optimizer)
+
+
+def adam_steps(optimizer: Any) -> list[list[float | None]]:
+    """Adam's step counts of every inner optimizer (None: no state yet): per parameter for
+    torch Adam, per param group for FusedAdam (see STEP_LAYOUTS)."""
+    out: list[list[float | None]] = []
+    for opt in chained(optimizer):
+        inner = opt.optimizer
+        layout = step_layout(inner)
+        if layout == NO_STEP:
+            out.append([])
+            continue
+        if layout == PER_GROUP:
+            out.append([float(g["step"]) if "step" in g else None for g in inner.param_groups])
+            continue
+        state = inner.state
         out.append(
             [float(state[p]["step"]) if "step" in state.get(p, {}) else None for p in _params(opt)]
         )
     return out
 
 
+def _like(old: Any, step: float) -> Any:
+    """`step` in the type of the value it replaces (tensor of the same shape/dtype, or int /
+    float), never sharing storage with another parameter's or group's."""
+    if torch.is_tensor(old):
+        return torch.full_like(old, step)
+    return int(step) if isinstance(old, int) else step
+
+
 def restore_adam_steps(optimizer: Any, steps: list[list[float | None]]) -> None:
-    """Put back what `adam_steps` saved, one tensor per parameter."""
+    """Put back what `adam_steps` saved, one value of its own per parameter (or group)."""
     for opt, opt_steps in zip(chained(optimizer), steps, strict=True):
-        state = opt.optimizer.state
+        inner = opt.optimizer
+        layout = step_layout(inner)
+        if layout == NO_STEP:
+            continue
+        if layout == PER_GROUP:
+            for group, step in zip(inner.param_groups, opt_steps, strict=True):
+                if step is not None:
+                    group["step"] = _like(group.get("step", 0), step)
+            continue
+        state = inner.state
         for p, step in zip(_params(opt), opt_steps, strict=True):
             if step is None or "step" not in state.get(p, {}):
                 continue
-            old = state[p]["step"]
-            state[p]["step"] = (
-                torch.tensor(step, dtype=old.dtype, device=old.device)
-                if torch.is_tensor(old)
-                else step
-            )
+            state[p]["step"] = _like(state[p]["step"], step)
 
 
 @dataclass(frozen=True)
