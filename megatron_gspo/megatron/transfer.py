@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from itertools import chain
 from typing import Any
 
 import torch
@@ -43,10 +42,9 @@ _INT_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 _OPTIONAL = ("loss_mask", "rollout_logp")
 
 
-def _ints(values: list[int]) -> Tensor:
-    """`values` in the narrowest integer dtype that holds all of them exactly."""
-    # array.array converts a list in C several times faster than torch.tensor(list)
-    t = torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.zeros(0)
+def _ints(values: array) -> Tensor:
+    """`values` (an int64 array) in the narrowest integer dtype that holds them exactly."""
+    t = torch.frombuffer(values, dtype=torch.int64) if values else torch.zeros(0)
     if t.numel() == 0:
         return t.to(torch.uint8)
     lo, hi = int(t.min()), int(t.max())
@@ -57,18 +55,21 @@ def _ints(values: list[int]) -> Tensor:
     return t
 
 
-def _floats(values: list[float]) -> Tensor:
-    """`values` as float64 (what a Python float is: exact)."""
-    return (
-        torch.frombuffer(array("d", values), dtype=torch.float64)
-        if values
-        else torch.zeros(0, dtype=torch.float64)
-    )
+def _floats(values: array) -> Tensor:
+    """`values` (a double array) as float64, what a Python float is: exact."""
+    if not values:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.frombuffer(values, dtype=torch.float64)
 
 
-def _flat(seqs: Sequence[TrainSequence], field: str) -> list[Any]:
-    # chain: the concatenation runs in C, not one Python step per token
-    return list(chain.from_iterable(x for s in seqs if (x := getattr(s, field)) is not None))
+def _flat(seqs: Sequence[TrainSequence], field: str, code: str = "q") -> array:
+    """One field of every sequence end to end (sequences without it are skipped), converted
+    in C by `array.extend`, several times faster than `torch.tensor(list)`."""
+    out = array(code)
+    for s in seqs:
+        if (x := getattr(s, field)) is not None:
+            out.extend(x)
+    return out
 
 
 def pack_sequences(seqs: Sequence[TrainSequence]) -> dict[str, Tensor]:
@@ -81,18 +82,20 @@ def pack_sequences(seqs: Sequence[TrainSequence]) -> dict[str, Tensor]:
     """
     per_token = bool(seqs) and not isinstance(seqs[0].advantage, float | int)
     out = {
-        "seq_id": _ints([s.seq_id for s in seqs]),
-        "prompt_len": _ints([len(s.prompt_ids) for s in seqs]),
-        "response_len": _ints([len(s.response_ids) for s in seqs]),
+        "seq_id": _ints(array("q", [s.seq_id for s in seqs])),
+        "prompt_len": _ints(array("q", [len(s.prompt_ids) for s in seqs])),
+        "response_len": _ints(array("q", [len(s.response_ids) for s in seqs])),
         "prompt_ids": _ints(_flat(seqs, "prompt_ids")),
         "response_ids": _ints(_flat(seqs, "response_ids")),
-        "old_logp": _floats(_flat(seqs, "old_logp")),
+        "old_logp": _floats(_flat(seqs, "old_logp", "d")),
         "adv_per_token": torch.tensor([int(per_token)], dtype=torch.uint8),
         "advantage": _floats(
-            _flat(seqs, "advantage") if per_token else [float(s.advantage) for s in seqs]  # type: ignore[arg-type]
+            _flat(seqs, "advantage", "d")
+            if per_token
+            else array("d", [float(s.advantage) for s in seqs])  # type: ignore[arg-type]
         ),
         "loss_mask": _ints(_flat(seqs, "loss_mask")),
-        "rollout_logp": _floats(_flat(seqs, "rollout_logp")),
+        "rollout_logp": _floats(_flat(seqs, "rollout_logp", "d")),
     }
     for f in _OPTIONAL:
         out[f"has_{f}"] = torch.tensor([getattr(s, f) is not None for s in seqs], dtype=torch.uint8)
