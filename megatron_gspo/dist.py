@@ -35,11 +35,74 @@ DeviceChoice = Literal["auto", "cpu", "cuda"]
 _DEVICE: torch.device | None = None
 
 
+_HELD: dict[tuple[str, int], socket.socket] = {}
+
+
+def hold_port(host: str, port: int = 0) -> socket.socket | None:
+    """Bind `host:port` (0: a port the OS picks) and keep it bound, or None if it is taken.
+
+    The hand-over (no bind-and-close race): an exclusive bind first proves nobody holds the
+    port, then a socket with SO_REUSEADDR takes it and stays bound, not listening. While it is
+    held, an exclusive bind (another job's probe) fails and the OS never hands the port out
+    for a `bind(port 0)`, while the server it is meant for, which binds with SO_REUSEADDR
+    itself (torch's TCPStore, uvicorn/SGLang, http.server, aiohttp), binds and listens on it.
+    """
+    probe = socket.socket()
+    try:
+        probe.bind((host, port))
+    except OSError:
+        probe.close()
+        return None
+    port = int(probe.getsockname()[1])
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    probe.close()
+    try:
+        held.bind((host, port))  # microseconds after the probe: only a reuse binder can race
+    except OSError:
+        held.close()
+        return None
+    return held
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on `host` that stays reserved for this process's server (see `hold_port`)
+    until `release_port`, or until the process exits."""
+    held = hold_port(host, 0)
+    if held is None:
+        raise OSError(f"no free TCP port on {host}")
+    port = int(held.getsockname()[1])
+    _HELD[(host, port)] = held
+    return port
+
+
+def free_ports(host: str, count: int, start: int) -> int:
+    """The first `count` consecutive ports at or above `start` that nobody holds, reserved like
+    `free_port` (engine i of a job listens on base + i); returns the base. Two jobs on one node
+    get distinct ranges: each one's reservations make the other's probes fail."""
+    base = start
+    while base + count <= 65536:
+        held: list[socket.socket] = []
+        for port in range(base, base + count):
+            sock = hold_port(host, port)
+            if sock is None:
+                break
+            held.append(sock)
+        if len(held) == count:
+            for port, sock in zip(range(base, base + count), held, strict=True):
+                _HELD[(host, port)] = sock
+            return base
+        for sock in held:
+            sock.close()
+        base += len(held) + 1
+    raise OSError(f"no {count} consecutive free TCP ports on {host} from {start}")
+
+
+def release_port(host: str, port: int) -> None:
+    """Stop holding a port `free_port`/`free_ports` reserved (its server is up, or gone)."""
+    held = _HELD.pop((host, port), None)
+    if held is not None:
+        held.close()
 
 
 def resolve_device(choice: DeviceChoice = "auto") -> torch.device:

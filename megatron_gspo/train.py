@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -81,10 +82,15 @@ def main(argv: list[str] | None = None) -> None:
             check_resumable(policy.optimizer)
         except PatchError as e:
             raise ConfigError(str(e)) from None
-    rollout = sync = log = evaluator = None
+    rollout = sync = log = evaluator = launched = None
     try:  # whatever fails, engines and reward workers are shut down
         with third_party_stdio(cfg.logging.dir):
-            rollout = make_rollout(cfg) if dist.rank() == 0 else None
+            if cfg.rollout.launch is not None:  # every node's local rank 0 starts its engines
+                from megatron_gspo.engines.nodes import start_node_engines
+
+                r = cfg.rollout
+                launched = start_node_engines(r.launch, r.client, Path(cfg.logging.dir) / "engines")
+            rollout = make_rollout(cfg, launched) if dist.rank() == 0 else None
             evaluator = build_evaluator(cfg, rollout)  # eval.every (rank 0); None when off
         sync = WeightSync(policy.bridge, rollout.engine if rollout else [], cfg.weights)
         start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
@@ -103,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         for part in (log, evaluator, rollout, sync):
             if part is not None:
                 part.close()
+        if rollout is None and launched is not None and launched.servers is not None:
+            launched.servers.shutdown()  # another node's engines (rank 0's close with it)
         if lock is not None:
             lock.release()
     torch.distributed.destroy_process_group()

@@ -11,40 +11,37 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from megatron_gspo.dist import free_port
 from megatron_gspo.engines.client import SGLangClient
 from megatron_gspo.engines.client_config import ClientConfig
-from megatron_gspo.engines.interpreter import sglang_python
-from megatron_gspo.engines.launch import LaunchConfig, ServerGroup, launch
+from megatron_gspo.engines.launch import LaunchConfig, ServerGroup
+from megatron_gspo.engines.nodes import LaunchedEngines, start_node_engines
 
 __all__ = ["connect", "per_engine_clients"]
 
 
 def connect(
-    launch_cfg: LaunchConfig | None, client: ClientConfig, *, log_dir: str | Path
+    launch_cfg: LaunchConfig | None,
+    client: ClientConfig,
+    *,
+    log_dir: str | Path,
+    launched: LaunchedEngines | None = None,
 ) -> tuple[SGLangClient, ServerGroup | None]:
-    """Rank 0: launch the engines `launch_cfg` describes (None: `client.engine_urls` are
-    already serving) and return the client over them with the server group (or None)."""
+    """Rank 0: the client over the job's engines and this process's server group (or None).
+    `launched`: the engines `nodes.start_node_engines` started on every node (train.main);
+    None with `launch_cfg` set: start them here (a one-process job); `launch_cfg` None:
+    `client.engine_urls` are already serving."""
     servers = None
     if launch_cfg is not None:
-        if launch_cfg.base_port == 0:
-            launch_cfg = dataclasses.replace(launch_cfg, base_port=free_port(launch_cfg.host))
-        if launch_cfg.log_dir is None:
-            launch_cfg = dataclasses.replace(launch_cfg, log_dir=str(log_dir))
-        # One key: the engines we start demand the one our client sends.
-        api_key = launch_cfg.api_key or client.api_key
-        launch_cfg = dataclasses.replace(launch_cfg, api_key=api_key)
-        if launch_cfg.backend == "sglang" and launch_cfg.python is None:
-            # preflight has checked on every rank that this resolves
-            launch_cfg = dataclasses.replace(launch_cfg, python=sglang_python())
+        if launched is None:
+            launched = start_node_engines(launch_cfg, client, log_dir)
+        servers = launched.servers
         # device=cpu: ServerGroup adds the CPU engine's env (launch.cpu_engine_env).
-        servers = launch(launch_cfg)
         client = dataclasses.replace(
             client,
-            engine_urls=launch_cfg.engine_urls,
-            router_url=client.router_url or launch_cfg.router_url,
-            engine_tp_sizes=[launch_cfg.tp_size] * launch_cfg.num_engines,
-            api_key=api_key,
+            engine_urls=launched.urls,
+            router_url=client.router_url or launched.router_url,
+            engine_tp_sizes=launched.tp_sizes,
+            api_key=launched.api_key,
         )
     engine = SGLangClient(client)
     if servers is not None:  # engines we launched are restarted when dropped (max_restarts)

@@ -220,8 +220,10 @@ class Rollout:
             self.servers.shutdown()
 
 
-def make_rollout(cfg: Config) -> Rollout:
-    """Rank 0: start (or connect to) the engines, load prompts, tokenizer and rewards."""
+def make_rollout(cfg: Config, launched: Any = None) -> Rollout:
+    """Rank 0: connect to the engines (`launched`: those `engines.nodes.start_node_engines`
+    started on every node; None with `rollout.launch` set: start them here, a one-process
+    job), load prompts, tokenizer and rewards."""
     from transformers import AutoTokenizer
 
     from megatron_gspo.data.prompts import PromptDataset, PromptLoader, engine_context_length
@@ -229,7 +231,9 @@ def make_rollout(cfg: Config) -> Rollout:
     from megatron_gspo.rewards.pool import build_reward_pool
 
     r = cfg.rollout
-    engine, servers = connect(r.launch, r.client, log_dir=Path(cfg.logging.dir) / "engines")
+    engine, servers = connect(
+        r.launch, r.client, log_dir=Path(cfg.logging.dir) / "engines", launched=launched
+    )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
     # Prompts that cannot fit the engine's context with the response budget: dropped here,
     # counted, instead of an HTTP 400 that ends the step that samples one.

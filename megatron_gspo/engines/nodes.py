@@ -1,0 +1,160 @@
+"""Engines the trainer launches (`rollout.launch`): on every node of the job, per-job ports.
+
+    launched = start_node_engines(cfg.rollout.launch, cfg.rollout.client, log_dir)  # every rank
+
+Each node's local rank 0 starts that node's share of the engines (`num_engines / nodes`, on
+the node's own GPUs, as a colocated job places them); the other ranks start nothing. The
+engine URLs are then all-gathered (node order) so rank 0's client reaches every engine, and a
+node whose launch failed makes every rank raise the same error instead of leaving the others
+waiting in a collective.
+
+Ports are per job: engine i of a node listens on base + i, where base is the first run of
+`num_engines` consecutive ports at or above `rollout.launch.base_port` (0: 30000) that no one
+holds; the ports stay reserved (`dist.free_ports`) until the engines answer, so two jobs on
+one node, or anything else asking the OS for a port meanwhile, cannot take them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_gspo import dist
+from megatron_gspo.config_io import ConfigError
+from megatron_gspo.engines.client_config import ClientConfig
+from megatron_gspo.engines.interpreter import sglang_python
+from megatron_gspo.engines.launch import LaunchConfig
+from megatron_gspo.engines.launch import launch as start_servers
+
+DEFAULT_BASE_PORT = 30000
+
+
+@dataclass
+class LaunchedEngines:
+    """What `start_node_engines` returns on every rank."""
+
+    urls: list[str]
+    """Every engine of the job, node by node."""
+    tp_sizes: list[int]
+    api_key: str | None
+    router_url: str | None = None
+    servers: Any = None
+    """This process's `ServerGroup` (each node's local rank 0), else None."""
+    per_node: list[int] = field(default_factory=list)
+    """Engines each node started."""
+
+
+def node_of_this_rank() -> tuple[int, int, bool]:
+    """(node index, number of nodes, whether this is the node's local rank 0), from torchrun's
+    environment (GROUP_RANK, WORLD_SIZE / LOCAL_WORLD_SIZE, LOCAL_RANK)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    node = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+    return node, max(1, world // max(1, local_world)), int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+def _node_address(host: str, nodes: int) -> str:
+    """The address this node's engines bind to and are reached at: `host`, unless the job has
+    several nodes and `host` is a loopback address (rank 0 on another node could not reach
+    it); then the address this node routes to the job's master with."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if nodes == 1 or not loopback:
+        return host
+    from megatron_gspo.weights.transports import routable_address
+
+    return routable_address([os.environ.get("MASTER_ADDR", "")])
+
+
+def node_launch_config(
+    launch: LaunchConfig, client: ClientConfig, log_dir: str | Path, node: int, nodes: int
+) -> LaunchConfig:
+    """This node's `LaunchConfig`: its share of the engines, its address, reserved ports."""
+    if launch.num_engines % nodes:
+        raise ConfigError(
+            f"rollout.launch.num_engines={launch.num_engines} is not a multiple of the job's "
+            f"{nodes} nodes: the trainer starts the same number of engines on every node; "
+            "change rollout.launch.num_engines"
+        )
+    if nodes > 1 and launch.router:
+        raise ConfigError(
+            f"rollout.launch.router=true with engines on {nodes} nodes: the router would see "
+            "one node's engines only; set rollout.launch.router=false (the client balances)"
+        )
+    per_node = launch.num_engines // nodes
+    host = _node_address(launch.host, nodes)
+    start = launch.base_port or DEFAULT_BASE_PORT
+    base = dist.free_ports(host, per_node, start)
+    out = dataclasses.replace(launch, num_engines=per_node, host=host, base_port=base)
+    if out.router:
+        out = dataclasses.replace(out, router_port=dist.free_ports(host, 1, launch.router_port))
+    if out.log_dir is None:  # one directory per node when there are several
+        logs = Path(log_dir) / f"node{node}" if nodes > 1 else Path(log_dir)
+        out = dataclasses.replace(out, log_dir=str(logs))
+    # One key: the engines we start demand the one our client sends.
+    out = dataclasses.replace(out, api_key=launch.api_key or client.api_key)
+    if out.backend == "sglang" and out.python is None:
+        out = dataclasses.replace(out, python=sglang_python())  # preflight checked it resolves
+    return out
+
+
+def _release(launch_cfg: Any) -> None:
+    for port in range(launch_cfg.base_port, launch_cfg.base_port + launch_cfg.num_engines):
+        dist.release_port(launch_cfg.host, port)
+    if launch_cfg.router:
+        dist.release_port(launch_cfg.host, launch_cfg.router_port)
+
+
+def start_node_engines(
+    launch: LaunchConfig,
+    client: ClientConfig,
+    log_dir: str | Path,
+    launch_fn: Callable[[LaunchConfig], Any] = start_servers,
+) -> LaunchedEngines:
+    """Collective: every node's local rank 0 starts its engines (`launch_fn(LaunchConfig)`,
+    default `engines.launch.launch`); every rank returns all of the job's engine URLs."""
+    node, nodes, first = node_of_this_rank()
+    mine: dict[str, Any] = {"node": node, "urls": [], "router": None, "error": None}
+    servers = None
+    local = None
+    if first:
+        try:
+            local = node_launch_config(launch, client, log_dir, node, nodes)
+            try:
+                servers = launch_fn(local)  # waits until every engine can generate
+            finally:
+                _release(local)  # the servers hold their ports now (or failed to)
+            mine |= {"urls": local.engine_urls, "router": local.router_url}
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            mine["error"] = f"{type(e).__name__}: {e}"
+    everyone = [mine]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+    failed = [f"node {m['node']}: {m['error']}" for m in everyone if m["error"]]
+    if failed:
+        if servers is not None:
+            servers.shutdown()
+        err = "; ".join(failed)
+        raise (ConfigError if "ConfigError" in err else RuntimeError)(
+            f"engines did not start: {err}"
+        )
+    launchers = sorted((m for m in everyone if m["urls"]), key=lambda m: m["node"])
+    urls = [u for m in launchers for u in m["urls"]]
+    return LaunchedEngines(
+        urls=urls,
+        tp_sizes=[launch.tp_size] * len(urls),
+        api_key=launch.api_key or client.api_key,
+        router_url=next((m["router"] for m in launchers if m["router"]), None),
+        servers=servers,
+        per_node=[len(m["urls"]) for m in launchers],
+    )

@@ -1,0 +1,68 @@
+"""Trainer-launched engines (issue 20, defect 8): every node starts its own share, each from
+its local rank 0, on ports reserved for the job until the engines hold them; `free_port` no
+longer binds and closes."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from megatron_gspo import dist
+from megatron_gspo.testing.harness import spawn_ranks
+from tests.engines import node_engines_ranks
+
+
+def _exclusive_bind(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_free_port_stays_reserved_until_its_server_takes_it():
+    port = dist.free_port()
+    try:
+        assert not _exclusive_bind(port)  # another job's probe or bind: refused while held
+        with socket.socket() as server:  # the server it was meant for (SO_REUSEADDR, as
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # uvicorn, TCPStore)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+    finally:
+        dist.release_port("127.0.0.1", port)
+    assert _exclusive_bind(port)
+
+
+def test_two_jobs_on_one_node_get_distinct_engine_ports():
+    with socket.socket() as busy:  # something already listens in the range
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        start = busy.getsockname()[1] - 1
+        a = dist.free_ports("127.0.0.1", 3, start)
+        b = dist.free_ports("127.0.0.1", 3, start)
+        try:
+            ports_a, ports_b = set(range(a, a + 3)), set(range(b, b + 3))
+            assert not ports_a & ports_b
+            assert busy.getsockname()[1] not in ports_a | ports_b
+            assert not any(_exclusive_bind(p) for p in ports_a | ports_b)
+        finally:
+            for p in ports_a | ports_b:
+                dist.release_port("127.0.0.1", p)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # ~10-20 s: two spawned ranks
+def test_each_node_starts_its_own_engines(tmp_path):
+    r0, r1 = spawn_ranks(node_engines_ranks.main, 2, 4, str(tmp_path))
+    for node, r in enumerate((r0, r1)):
+        assert len(r["launched"]) == 1 and r["mine"]  # each node's local rank 0 launched
+        got = r["launched"][0]
+        assert got["num_engines"] == 2 and all(got["held_while_starting"])
+        assert got["log_dir"].endswith(f"node{node}")
+        assert r["per_node"] == [2, 2]
+    assert r0["urls"] == r1["urls"] == r0["launched"][0]["urls"] + r1["launched"][0]["urls"]
+    assert len(set(r0["urls"])) == 4  # both "nodes" share this host here: no port twice
+    for r in (r0, r1):  # 5 engines on 2 nodes: refused on every rank, nothing started
+        assert "rollout.launch.num_engines=5" in r["error"] and not r["launched_bad"]
