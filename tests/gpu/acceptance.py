@@ -1,32 +1,46 @@
-"""GPU acceptance: the whole job on one GPU, from the job's own command line, in ~5 minutes.
+"""GPU acceptance: the whole job on every GPU of one machine, from the job's own command line.
 
     trainer=$(bash scripts/gpu_env.sh)/bin/python       # environments: built once, not timed
     engine=$(bash scripts/engine_env.sh)/bin/python
     PYTHONPATH=. "$trainer" tests/gpu/acceptance.py --engine-python "$engine"
 
-What runs (each phase is one `python -m torch.distributed.run ... -m megatron_gspo.train` job
-on GPU 0, which launches a real SGLang 0.5.23 server itself, health-checks it and shuts it down):
-  colocated    3 GSPO steps: a tiny Qwen3-MoE (GPU-sized: hidden 256, head_dim 64) in bf16 on
-               megatron-bridge's Transformer Engine layer spec; the engine shares the GPU
-               (`--enable-memory-saver`: its memory is released during updates), the trainer's
-               state leaves the GPU while the engine generates (megatron/offload.py), weights
-               go by CUDA IPC (weights.transport=tensor).
-  dist_fp8     2 steps: the engine serves a block-FP8 copy of the model (its config carries
-               the quantization_config), weights go FP8 through a process group with the
-               engine (weights.transport=distributed; NCCL when the engine has its own GPU,
-               gloo when it shares the only one: NCCL refuses two ranks on one device).
-               FP8 needs compute capability >= 8.9 (Ada, Hopper, Blackwell); on an older GPU
-               this phase runs a bf16 engine and says so.
+What runs (each phase is one `python -m torch.distributed.run --nproc_per_node N ... -m
+megatron_gspo.train` job, one trainer rank per GPU it is given, NCCL between them; the job
+launches real SGLang 0.5.23 servers itself, health-checks them and shuts them down). With G
+GPUs (`--gpus`, default all that torch sees):
+  colocated    3 GSPO steps on G ranks: a tiny Qwen3-MoE (GPU-sized: hidden 256, head_dim 64,
+               8 experts) in bf16 on megatron-bridge's Transformer Engine layer spec, expert
+               parallel over as many ranks as divide both G and the 8 experts (EP 8 on 8
+               GPUs); G engines, one per GPU, share the GPUs (`--enable-memory-saver`: their
+               memory is released during updates), the trainer's state leaves the GPUs while
+               they generate (megatron/offload.py), weights go by CUDA IPC
+               (weights.transport=tensor) from trainer rank 0 to every engine.
+  dist_fp8     2 steps, the GPUs split: G/2 trainer ranks (EP as above) and G - G/2 engines on
+               GPUs of their own serving a block-FP8 copy of the model (its config carries the
+               quantization_config); weights go FP8 through an NCCL process group with the
+               engines (weights.transport=distributed). With one GPU the engine shares it and
+               the group is gloo (NCCL refuses two ranks on one device). FP8 needs compute
+               capability >= 8.9 (Ada, Hopper, Blackwell); on an older GPU this phase runs a
+               bf16 engine and says so.
 Then one table: per-phase times, weight versions, verification, first-mini-batch mismatch
 (bf16 engine vs bf16 trainer) against BF16_MISMATCH_BOUND, finite metrics, trainer memory
 before/while offloaded; exit 0 only if every check passes.
 
+What one machine cannot cover (needs a multi-node run; see ../shared/notes/gpu-topology.md):
+engines started by each node's local rank 0 on other nodes (rollout/node_engines.py) and rank 0
+reaching them; torchrun's c10d rendezvous placing global rank 0 on another node than the
+first host; a weight-update group whose NCCL ranks span nodes (and CUDA IPC being refused
+across them); inter-node expert all-to-all and pipeline stages over InfiniBand; the recipes'
+real sizes (Qwen3-30B-A3B / 235B-A22B memory, 8k-token responses, engines at TP 2-8) and the
+Slurm scripts that start them.
+
 `--dry-run` (CPU, CI: tests/gpu/test_acceptance_dry_run.py) writes the same inputs and checks
-every command line the run would execute against the parsers that will read it: torchrun's
-(`torch.distributed.run.parse_args`), the trainer's (`megatron_gspo.config.parse_cli`: the full
-config validation; then `preflight`: model directory, dtype, layout, prompts, reward) and, for
-the engine command the job derives from that config (`rollout.launch.engine_command`), SGLang's
-own `prepare_server_args`.
+every command line the run would execute, for 1, 2 and 8 GPUs, against the parsers that will
+read it: torchrun's (`torch.distributed.run.parse_args`), the trainer's
+(`megatron_gspo.config.parse_cli`: the full config validation; then `preflight` at the job's
+world size: model directory, dtype, layout, prompts, reward) and, for every engine command the
+job derives from that config (`rollout.launch.engine_command`), SGLang's own
+`prepare_server_args`.
 """
 
 from __future__ import annotations
@@ -55,6 +69,7 @@ GPU_TINY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=64,  # SGLang's GPU attention kernels want >= 64
+    num_experts=8,  # expert parallel up to 8 ranks (one 8-GPU node)
 )
 BF16_MISMATCH_BOUND = 0.05
 """Max `mismatch/abs_logp_diff` (mean |engine - trainer| per token, first mini-batch, where the
@@ -77,7 +92,14 @@ class Phase:
     sets: dict[str, Any]
     colocated: bool
     checks_mismatch: bool
+    nproc: int = 1
+    """Trainer ranks (torchrun --nproc_per_node): one per GPU the phase trains on."""
     result: dict[str, Any] = field(default_factory=dict)
+
+
+def expert_parallel(ranks: int, experts: int = GPU_TINY["num_experts"]) -> int:
+    """The largest EP that divides both the trainer ranks and the experts."""
+    return max(d for d in range(1, min(ranks, experts) + 1) if ranks % d == 0 and experts % d == 0)
 
 
 def prepare(out: Path) -> dict[str, Path]:
@@ -103,11 +125,11 @@ def prepare(out: Path) -> dict[str, Path]:
 def phases(
     out: Path, inputs: dict[str, Path], engine_python: str, gpus: int, fp8: bool = True
 ) -> list[Phase]:
-    """The two jobs; `fp8=False` (a GPU without FP8 kernels) gives the second a bf16 engine."""
+    """The two jobs on `gpus` GPUs; `fp8=False` (a GPU without FP8 kernels) gives the second
+    bf16 engines."""
     common = {
         "model.hf_path": inputs["model"],
         "model.dtype": "bf16",
-        "parallel.ep": 1,
         "train.device": "cuda",
         "data.train_path": inputs["data"],
         "rl.prompts_per_rollout": 8,
@@ -130,24 +152,31 @@ def phases(
         {
             **common,
             "train.steps": 3,
+            "parallel.ep": expert_parallel(gpus),
+            "rollout.launch.num_engines": gpus,  # one per GPU, next to that GPU's trainer rank
             "rollout.launch.colocated": "true",
             "rollout.launch.mem_fraction_static": 0.4,
             "weights.transport": "tensor",
         },
         colocated=True,
         checks_mismatch=True,
+        nproc=gpus,
     )
-    # Two GPUs: the engine gets GPU 1 (base_gpu_id) and the transport NCCL; one GPU: shared.
+    # Two GPUs or more: the trainer takes the first half, the engines the rest (base_gpu_id)
+    # and the transport NCCL; one GPU: shared, gloo.
     own_gpu = gpus >= 2
+    trainer = gpus // 2 if own_gpu else 1
     dist_fp8 = Phase(
         "dist_fp8",
         2,
         {
             **common,
             "train.steps": 2,
+            "parallel.ep": expert_parallel(trainer),
             "rollout.launch.model_path": inputs["fp8" if fp8 else "model"],
+            "rollout.launch.num_engines": gpus - trainer if own_gpu else 1,
             "rollout.launch.colocated": "false",
-            "rollout.launch.base_gpu_id": 1 if own_gpu else 0,
+            "rollout.launch.base_gpu_id": trainer if own_gpu else 0,
             "rollout.launch.mem_fraction_static": 0.5 if own_gpu else 0.3,
             "weights.transport": "distributed",
             "weights.fp8": str(fp8).lower(),
@@ -155,6 +184,7 @@ def phases(
         },
         colocated=False,
         checks_mismatch=False,  # FP8 engine vs bf16 trainer: reported, not bounded
+        nproc=trainer,
     )
     for p in (colocated, dist_fp8):
         p.sets["logging.dir"] = out / p.name
@@ -163,7 +193,7 @@ def phases(
 
 
 def command(phase: Phase, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(phase.nproc)]
     cmd += ["--master_port", str(port), "-m", "megatron_gspo.train"]
     # --overwrite: a second acceptance run in the same --out replaces the first.
     cmd += ["--config", str(ROOT / "examples/tiny_moe_cpu.yaml"), "--overwrite"]
@@ -188,7 +218,7 @@ def check_command(phase: Phase, cmd: list[str], engines: list[list[str]]) -> lis
     assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
     run = torchrun_args(cmd[3:])
     assert run.module and run.training_script == "megatron_gspo.train", run
-    assert (run.nproc_per_node, run.nnodes) == ("1", "1:1"), run
+    assert (run.nproc_per_node, run.nnodes) == (str(phase.nproc), "1:1"), run
     cfg, cli = parse_cli(run.training_script_args)
     assert cli.overwrite and not cli.resume
     # The trainer's own input checks (model dir, dtype for the device, layout vs world size,
@@ -200,31 +230,37 @@ def check_command(phase: Phase, cmd: list[str], engines: list[list[str]]) -> lis
             logging=dataclasses.replace(cfg.logging, dir=fresh),
             checkpoint=dataclasses.replace(cfg.checkpoint, dir=f"{fresh}/ckpt"),
         )
-        preflight(probe, resume=False, overwrite=False, world_size=int(run.nproc_per_node))
+        preflight(probe, resume=False, overwrite=False, world_size=phase.nproc)
     launch = cfg.rollout.launch
     assert launch is not None and launch.backend == "sglang"
     assert cfg.model.dtype == "bf16" and cfg.train.steps == phase.steps
     assert launch.extra_args == ENGINE_EXTRA, launch.extra_args
     assert launch.colocated == phase.colocated
-    # As the job does (trainer.make_rollout): base_port 0 becomes a free port at launch.
-    engine = engine_command(dataclasses.replace(launch, base_port=free_port(launch.host)), 0)
-    assert engine[:3] == [launch.python, "-m", "sglang.launch_server"], engine[:3]
-    server = prepare_server_args(engine[3:])
-    engines.append(engine[3:])
-    assert server.model_path == launch.model_path and server.dtype == "bfloat16"
-    assert server.enable_memory_saver == phase.colocated
-    assert server.skip_tokenizer_init and server.base_gpu_id == launch.base_gpu_id
+    assert cfg.parallel.ep == expert_parallel(phase.nproc), cfg.parallel
+    # As the job does (rollout/node_engines.py): reserved ports from base_port 0 at launch.
+    base = free_port(launch.host)
+    # The first and the last engine: the others differ from them only in port and GPU.
+    for i in sorted({0, launch.num_engines - 1}):
+        engine = engine_command(dataclasses.replace(launch, base_port=base), i)
+        assert engine[:3] == [launch.python, "-m", "sglang.launch_server"], engine[:3]
+        server = prepare_server_args(engine[3:])
+        engines.append(engine[3:])
+        assert server.model_path == launch.model_path and server.dtype == "bfloat16"
+        assert server.enable_memory_saver == phase.colocated
+        assert server.skip_tokenizer_init
+        assert server.base_gpu_id == launch.base_gpu_id + i * launch.gpus_per_engine
     if cfg.weights.fp8:
         qcfg = json.loads((Path(server.model_path) / "config.json").read_text())
         assert qcfg["quantization_config"]["weight_block_size"] == [128, 128], qcfg
     return [
         f"[dry-run] {phase.name}: torchrun ok ({run.nproc_per_node} proc, "
-        f"-m {run.training_script})",
+        f"-m {run.training_script}, ep={cfg.parallel.ep}, {launch.num_engines} engines)",
         f"[dry-run] {phase.name}: trainer config + preflight ok "
         f"({len(run.training_script_args)} args, "
         f"transport={cfg.weights.transport}, fp8={cfg.weights.fp8}, "
         f"backend={cfg.weights.backend})",
-        f"[dry-run] {phase.name}: sglang.launch_server ok ({' '.join(engine[3:])})",
+        f"[dry-run] {phase.name}: sglang.launch_server ok x{launch.num_engines} "
+        f"({' '.join(engine[3:])})",
     ]
 
 
@@ -361,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         print("[acceptance] GPU below sm_89: the dist_fp8 phase runs a bf16 engine (FP8 skipped)")
     ps = phases(out, inputs, engine_python, max(gpus, 1), fp8=fp8)
     if args.dry_run:
-        # Both placements: the engine sharing GPU 0 (gloo transport) and on its own GPU (NCCL).
-        variants = [gpus] if args.gpus is not None else [1, 2]
+        # One GPU (shared, gloo transport), two (engine on its own GPU, NCCL), a full node.
+        variants = [gpus] if args.gpus is not None else [1, 2, 8]
         engines: list[list[str]] = []
         for n in variants:
             for i, phase in enumerate(phases(out, inputs, engine_python, n)):

@@ -39,7 +39,7 @@ def out(tmp_path_factory):
 def test_dry_run_checks_every_command(acc, out, capsys):
     assert acc.main(["--dry-run", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    for gpus in (1, 2):
+    for gpus in (1, 2, 8):
         for phase in ("colocated", "dist_fp8"):
             for parser in ("torchrun", "trainer config + preflight", "sglang.launch_server"):
                 line = f"{phase}: {parser} ok"
@@ -49,11 +49,15 @@ def test_dry_run_checks_every_command(acc, out, capsys):
     assert re.search(r"dist_fp8: trainer config \+ preflight ok .*backend=nccl.*\[2 GPU\]", printed)
     assert re.search(r"dist_fp8: sglang.launch_server ok .*--base-gpu-id 1 .*\[2 GPU\]", printed)
     assert re.search(r"colocated: sglang.launch_server ok .*--enable-memory-saver", printed)
+    # A full node: every GPU a trainer rank (EP 8) next to its engine; split 4 + 4 for dist.
+    assert re.search(r"colocated: torchrun ok \(8 proc, .*ep=8, 8 engines\) \[8 GPU\]", printed)
+    assert re.search(r"dist_fp8: torchrun ok \(4 proc, .*ep=4, 4 engines\) \[8 GPU\]", printed)
+    assert re.search(r"dist_fp8: sglang.launch_server ok x4 .*--base-gpu-id 7 .*\[8 GPU\]", printed)
     assert (out / "model_fp8/config.json").exists()
     # With the engine venv (scripts/test.sh exports it, and then requires it) its own SGLang
     # parses the engine commands too.
     if os.environ.get("MGSPO_ENGINE_PYTHON") or os.environ.get("MGSPO_REQUIRE_SGLANG"):
-        assert "its SGLang parses all 4 engine commands" in printed
+        assert "its SGLang parses all 9 engine commands" in printed  # first+last: 1+1, 2+1, 2+2
     else:
         assert "engine interpreter not given" in printed
 
