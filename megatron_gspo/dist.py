@@ -24,8 +24,10 @@ including those waits, so it must exceed the longest rollout (torch's default is
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -103,6 +105,27 @@ def release_port(host: str, port: int) -> None:
     held = _HELD.pop((host, port), None)
     if held is not None:
         held.close()
+
+
+def routable_address(peers: Sequence[str]) -> str:
+    """This host's address as the `peers` reach it: the source address of the route to them.
+
+    A remote peer's route wins over a loopback one (an engine on another node cannot reach
+    127.0.0.1, while a local engine reaches every local address). Without peers, or when no
+    route is found, the fully qualified host name, which the cluster's resolver maps to the
+    node.
+    """
+    found: list[str] = []
+    for host in peers:
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)  # UDP connect sends nothing: it only selects the route
+                found.append(str(s.getsockname()[0]))
+        except OSError:
+            continue
+    remote = [a for a in found if not ipaddress.ip_address(a).is_loopback]
+    return (remote or found or [socket.getfqdn()])[0]
 
 
 def resolve_device(choice: DeviceChoice = "auto") -> torch.device:

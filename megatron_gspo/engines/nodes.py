@@ -70,9 +70,7 @@ def _node_address(host: str, nodes: int) -> str:
         loopback = host == "localhost"
     if nodes == 1 or not loopback:
         return host
-    from megatron_gspo.weights.transports import routable_address
-
-    return routable_address([os.environ.get("MASTER_ADDR", "")])
+    return dist.routable_address([os.environ.get("MASTER_ADDR", "")])
 
 
 def node_launch_config(

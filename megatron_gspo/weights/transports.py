@@ -22,9 +22,7 @@ Each transport runs on the sender rank only and talks to engines only through th
 from __future__ import annotations
 
 import abc
-import ipaddress
 import shutil
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from typing import Any
 import torch
 
 from megatron_gspo import dist
-from megatron_gspo.dist import free_port
+from megatron_gspo.dist import free_port, routable_address
 from megatron_gspo.engines.protocols import WeightReceiver
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.group import flatten_for_broadcast
@@ -115,27 +113,6 @@ def group_world_size(engine: WeightReceiver) -> int:
 def engine_hosts(engine: WeightReceiver) -> list[str]:
     """Host names of an engine pool's servers (empty when it does not know them)."""
     return engine.engine_hosts()
-
-
-def routable_address(peers: Sequence[str]) -> str:
-    """This host's address as the `peers` reach it: the source address of the route to them.
-
-    A remote peer's route wins over a loopback one (an engine on another node cannot reach
-    127.0.0.1, while a local engine reaches every local address). Without peers, or when no
-    route is found, the fully qualified host name, which the cluster's resolver maps to the
-    node.
-    """
-    found: list[str] = []
-    for host in peers:
-        try:
-            family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect(sockaddr)  # UDP connect sends nothing: it only selects the route
-                found.append(str(s.getsockname()[0]))
-        except OSError:
-            continue
-    remote = [a for a in found if not ipaddress.ip_address(a).is_loopback]
-    return (remote or found or [socket.getfqdn()])[0]
 
 
 class DistributedTransport(Transport):
