@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     rollout = sync = log = evaluator = launched = None
     try:  # whatever fails, engines and reward workers are shut down
         with third_party_stdio(cfg.logging.dir):
-            if cfg.rollout.launch is not None:  # every node's local rank 0 starts its engines
-                from megatron_gspo.engines.nodes import start_node_engines
+            if (launch := cfg.rollout.launch) is not None:  # each node's local rank 0 starts
+                from megatron_gspo.engines.nodes import start_node_engines  # its engines
 
-                r = cfg.rollout
-                launched = start_node_engines(r.launch, r.client, Path(cfg.logging.dir) / "engines")
+                logs = Path(cfg.logging.dir) / "engines"
+                launched = start_node_engines(launch, cfg.rollout.client, logs)
             rollout = make_rollout(cfg, launched) if dist.rank() == 0 else None
             evaluator = build_evaluator(cfg, rollout)  # eval.every (rank 0); None when off
         sync = WeightSync(policy.bridge, rollout.engine if rollout else [], cfg.weights)

@@ -134,7 +134,7 @@ def start_node_engines(
             mine |= {"urls": local.engine_urls, "router": local.router_url}
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             mine["error"] = f"{type(e).__name__}: {e}"
-    everyone = [mine]
+    everyone: list[Any] = [mine]
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         everyone = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, mine)
