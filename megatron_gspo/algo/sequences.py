@@ -32,7 +32,7 @@ class TrainSequence:
     """1 = the token counts in the loss; None = all response tokens count."""
     rollout_logp: Sequence[float] | Tensor | None = None
     """Engine log-probs when `old_logp` was recomputed (truncated importance correction)."""
-    ref_logp: Sequence[float] | None = None
+    ref_logp: Sequence[float] | Tensor | None = None
     """Reference-model log-probs (loss.kl_coef > 0), filled by the policy before the update."""
     reward: float | None = None
     """The sequence's reward and its group (an id shared by the group's members): what

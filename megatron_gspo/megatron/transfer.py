@@ -39,7 +39,8 @@ __all__ = [
 ]
 
 _INT_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
-_OPTIONAL = ("loss_mask", "rollout_logp")
+_OPTIONAL = ("loss_mask", "rollout_logp", "ref_logp")
+_SCALARS = ("reward", "group")  # optional per-sequence numbers
 
 
 def _ints(values: array) -> Tensor:
@@ -77,8 +78,9 @@ def pack_sequences(seqs: Sequence[TrainSequence]) -> dict[str, Tensor]:
 
     seq_id [S], prompt_len [S], response_len [S], prompt_ids [P], response_ids [R],
     old_logp [R] float64, advantage [S] or [R] float64 (`adv_per_token` [1] says which),
-    and per optional field f in (loss_mask, rollout_logp): has_f [S] (0/1) and f [sum of the
-    response lengths of the sequences that have it].
+    per optional field f in (loss_mask, rollout_logp, ref_logp): has_f [S] (0/1) and f [sum
+    of the response lengths of the sequences that have it]; reward [S] float64 and group [S]
+    with has_reward / has_group [S].
     """
     per_token = bool(seqs) and not isinstance(seqs[0].advantage, float | int)
     out = {
@@ -96,8 +98,11 @@ def pack_sequences(seqs: Sequence[TrainSequence]) -> dict[str, Tensor]:
         ),
         "loss_mask": _ints(_flat(seqs, "loss_mask")),
         "rollout_logp": _floats(_flat(seqs, "rollout_logp", "d")),
+        "ref_logp": _floats(_flat(seqs, "ref_logp", "d")),
+        "reward": _floats(array("d", [float(s.reward or 0.0) for s in seqs])),
+        "group": _ints(array("q", [int(s.group or 0) for s in seqs])),
     }
-    for f in _OPTIONAL:
+    for f in (*_OPTIONAL, *_SCALARS):
         out[f"has_{f}"] = torch.tensor([getattr(s, f) is not None for s in seqs], dtype=torch.uint8)
     return out
 
@@ -122,6 +127,10 @@ def unpack_sequences(t: dict[str, Tensor]) -> list[TrainSequence]:
         has = t[f"has_{f}"].tolist()
         parts = iter(_split(t[f], [n for n, h in zip(rlen, has, strict=True) if h]))
         optional[f] = [next(parts) if h else None for h in has]
+    scalars: dict[str, list[Any]] = {}
+    for f in _SCALARS:
+        has = t[f"has_{f}"].tolist()
+        scalars[f] = [v if h else None for v, h in zip(t[f].tolist(), has, strict=True)]
     return [
         TrainSequence(
             seq_id=sid,
@@ -131,6 +140,9 @@ def unpack_sequences(t: dict[str, Tensor]) -> list[TrainSequence]:
             advantage=adv[i],
             loss_mask=optional["loss_mask"][i],
             rollout_logp=optional["rollout_logp"][i],
+            ref_logp=optional["ref_logp"][i],
+            reward=scalars["reward"][i],
+            group=scalars["group"][i],
         )
         for i, sid in enumerate(t["seq_id"].tolist())
     ]

@@ -45,6 +45,7 @@ def test_received_sequences_pack_into_the_same_micro_batch():
     seqs = random_sequences(9, seed=4)
     same = [s for s in seqs if (s.loss_mask is None) == (seqs[0].loss_mask is None)]
     same = [s for s in same if (s.rollout_logp is None) == (same[0].rollout_logp is None)]
+    same = [s for s in same if (s.ref_logp is None) == (same[0].ref_logp is None)]
     back = unpack_sequences(pack_sequences(same))
     want, got = pack(same, multiple=4), pack(back, multiple=4)
     for name, value in vars(want).items():

@@ -30,6 +30,9 @@ def random_sequences(n: int, seed: int, *, vocab: int = 151_936) -> list[TrainSe
                 advantage=rng.gauss(0.0, 1.0),
                 loss_mask=[rng.randint(0, 1) for _ in range(r)] if i % 3 else None,
                 rollout_logp=[-rng.random() for _ in range(r)] if i % 2 else None,
+                ref_logp=[-rng.random() for _ in range(r)] if i % 4 else None,
+                reward=rng.random() if i % 5 else None,
+                group=i // 3 if i % 5 else None,
             )
         )
     return out
