@@ -127,7 +127,7 @@ def test_training_loop_frees_caches_then_resumes_engines_then_pushes(monkeypatch
     sync = SimpleNamespace(push=push)
     log = SimpleNamespace(log=lambda step, m: None)
     stop = SimpleNamespace(agreed=lambda: False)
-    train._loop(cfg, policy, rollout, sync, log, 0, stop)
+    train._loop(cfg, policy, rollout, sync, log, 0, stop, lambda step: {})
     step = calls[calls.index("release_memory") :]
     assert step == [
         "release_memory", "update", "release_cache", "barrier", "resume_memory", "before_push",
