@@ -100,6 +100,8 @@ def check_resume_model(checkpoint: Path, hf_path: str) -> None:
     from megatron_gspo.weights.convert import HF_CONFIG_DIR, META_FILE
 
     saved_file = checkpoint / HF_CONFIG_DIR / "config.json"
+    if not saved_file.exists():  # not written by the trainer: its manifest check says more
+        return
     try:
         saved = json.loads(saved_file.read_text(encoding="utf-8"))
         source = json.loads((checkpoint / META_FILE).read_text()).get("source", "?")
