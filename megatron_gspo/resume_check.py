@@ -1,4 +1,4 @@
-"""Preflight of what a resume and a checkpoint need, beyond the layout (`checkpoint_guard`).
+"""Preflight of a resume and of checkpoint writes, beyond the layout (`checkpoint.py`).
 
 Run by `preflight` on every rank before anything starts (no megatron-core), each check ends
 the job with one `ConfigError` line (exit code 2) naming the key or the files to change:

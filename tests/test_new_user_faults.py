@@ -3,7 +3,7 @@
 docs/reliability.md, "New-user faults (issue 25)", lists each case with its test; the
 end-to-end cases (a run that resumes with another learning rate onto a full disk, an engine
 serving another model, rewards that all fail, the README's conversion command) are in
-tests/trainer/test_new_user_e2e.py.
+tests/train/test_new_user_e2e.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from megatron_gspo.weights.checksum import WeightIntegrityError
 from megatron_gspo.weights.sglang_names import sglang_checksums
 from megatron_gspo.weights.sync import WeightSyncError, verify_engines
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 HF = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",

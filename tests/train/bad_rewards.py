@@ -1,4 +1,4 @@
-"""A user reward function that never returns a usable reward (tests/trainer/test_new_user_e2e.py):
+"""A user reward function that never returns a usable reward (tests/train/test_new_user_e2e.py):
 NaN, None, a non-numeric string or a list, by the response's length."""
 
 from __future__ import annotations

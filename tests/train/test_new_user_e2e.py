@@ -33,9 +33,9 @@ from typing import Any
 
 import pytest
 
-from megatron_gspo.checkpoint_guard import verify
+from megatron_gspo.checkpoint import verify
+from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.dist import free_port
-from megatron_gspo.testing.tiny import save_tiny_hf_checkpoint
 from tools import make_tiny_toy
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -52,8 +52,8 @@ def _launch(tmp: Path, ranks: int, *sets: str, resume: bool = False) -> dict[str
         "checkpoint.dir": f"{tmp}/ckpt",
         "checkpoint.save_every": 0,
         "parallel.ep": ranks,
-        "gspo.prompts_per_rollout": 4,
-        "gspo.group_size": 4,
+        "rl.prompts_per_rollout": 4,
+        "rl.group_size": 4,
         "logging.tensorboard": "false",
         "logging.progress": "false",
     }
@@ -70,7 +70,10 @@ def _launch(tmp: Path, ranks: int, *sets: str, resume: bool = False) -> dict[str
     log = tmp / f"launch_{len(list(tmp.glob('launch_*')))}.log"
     with log.open("w") as out:
         proc = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=out, timeout=600)
-    return {"rc": proc.returncode, "out": log.read_text()}
+    out = log.read_text()
+    # torchrun itself exits 1 when a worker fails; the ranks' own code is in its report
+    codes = [int(c) for c in re.findall(r"failed \(exitcode: (\d+)\)", out)]
+    return {"rc": codes[0] if codes else proc.returncode, "out": out}
 
 
 def _engine(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
@@ -78,7 +81,8 @@ def _engine(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     import urllib.request
 
     port = free_port()
-    cmd = [sys.executable, "-m", "megatron_gspo.rollout.embedded", "--model-path", str(model)]
+    cmd = [sys.executable, "-m", "megatron_gspo.engines.embedded.server"]
+    cmd += ["--model-path", str(model)]
     with log.open("w") as out:
         proc = subprocess.Popen(
             [*cmd, "--port", str(port)], cwd=ROOT, env=ENV, stdout=out, stderr=out
@@ -116,7 +120,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     a = _launch(
         tmp,
         2,
-        "reward.kind=tests.trainer.bad_rewards:invalid",
+        "reward.kind=tests.train.bad_rewards:invalid",
         "train.steps=4",
         "train.max_failed_reward_steps=2",
     )
