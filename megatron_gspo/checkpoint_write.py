@@ -68,6 +68,25 @@ def _write_failure(e: BaseException) -> bool:
     return any(c.__name__ in _WRITE_ERRORS for c in type(e).__mro__)
 
 
+def _full_disk(root: Path, why: str) -> str:
+    """`why`, prefixed with "No space left on device" when the file system of `root` has less
+    free space than the last checkpoint takes (1 MiB when there is none): the cause of a
+    failed write that torch's writers do not name."""
+    if "[Errno" in why:
+        return why
+    try:
+        free = shutil.disk_usage(root).free
+        latest = root / "latest"
+        last = root / latest.read_text().strip() if latest.is_file() else None
+        need = sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) if last else 1 << 20
+    except OSError:
+        return why
+    if free >= max(need, 1 << 20):
+        return why
+    mib = f"{free / 2**20:.1f} MiB free, a checkpoint takes {need / 2**20:.1f} MiB"
+    return f"No space left on device: {mib}; {why}"
+
+
 class WriteState:
     """The outcome of one save on this rank: `phase` records a failure, `agree` shares it."""
 
@@ -98,9 +117,12 @@ class WriteState:
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if not failed:
             return
+        # An errno names the cause best; torch's writers often report a full disk only as
+        # "unexpected pos 704 vs 598" (the OSError is lost on the way between ranks).
+        rank, why = next(((r, e) for r, e in failed if "[Errno" in e), failed[0])
+        why = _full_disk(self.root, why)
         if dist.rank() == 0:  # free what the partial checkpoint took (a full disk)
             shutil.rmtree(self.tmp, ignore_errors=True)
-        rank, why = failed[0]
         latest = self.root / "latest"
         kept = latest.read_text().strip() if latest.is_file() else None
         after = (

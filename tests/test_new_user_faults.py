@@ -241,6 +241,27 @@ def test_a_failed_save_is_one_line_naming_dir_cause_and_the_kept_checkpoint(
     assert describe(ValueError("a\nb")) == "ValueError: a"
 
 
+def test_a_full_disk_is_named_when_the_writer_does_not_say_so(tmp_path: Path, monkeypatch) -> None:
+    """torch's writers report a full disk as "unexpected pos 704 vs 598" (seen on a 1 MB
+    tmpfs; the OSError is lost between ranks): the free space names the cause."""
+    from collections import namedtuple
+
+    from megatron_gspo import checkpoint_write
+
+    usage = namedtuple("usage", "total used free")
+    root = tmp_path / "ckpt"
+    (root / "step_000002").mkdir(parents=True)
+    (root / "step_000002" / "shard").write_bytes(b"x" * (3 << 20))
+    (root / "latest").write_text("step_000002")
+    why = "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+    monkeypatch.setattr(checkpoint_write.shutil, "disk_usage", lambda p: usage(9, 9, 1 << 20))
+    assert checkpoint_write._full_disk(root, why) == (
+        f"No space left on device: 1.0 MiB free, a checkpoint takes 3.0 MiB; {why}"
+    )
+    monkeypatch.setattr(checkpoint_write.shutil, "disk_usage", lambda p: usage(9, 0, 1 << 30))
+    assert checkpoint_write._full_disk(root, why) == why
+
+
 # ---- 5: an HF directory lacking a tensor ------------------------------------------------
 def test_model_dir_lacking_a_tensor_is_one_line(tmp_path: Path) -> None:
     """Case 5: megatron-bridge's KeyError for a tensor its safetensors lack (its text, from

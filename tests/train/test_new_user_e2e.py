@@ -202,7 +202,8 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(runs) -> None:
 def test_an_engine_serving_another_model_is_refused_before_step_1(runs) -> None:
     c, tmp = runs["c"], runs["tmp"]
     assert c["rc"] == 2, c["out"][-4000:]
-    errors = [ln for ln in c["out"].splitlines() if ln.startswith("error: EngineModelMismatch")]
+    mismatch = "error: the rollout engines serve another model than the trainer: "
+    errors = [ln for ln in c["out"].splitlines() if ln.startswith(mismatch)]
     assert len(errors) == 1, c["out"][-4000:]
     assert f"{runs['engine']} serves {runs['three']}" in errors[0], errors[0]
     assert f"model.hf_path={tmp}/toy/model" in errors[0]
@@ -216,9 +217,14 @@ def test_the_readme_conversion_command_runs_as_written(runs) -> None:
     root in an environment without PYTHONPATH, as after `bash scripts/main.sh`."""
     tmp = runs["tmp"]
     readme = (ROOT / "README.md").read_text()
-    found = re.search(r"^ {4}(.*tools/convert_megatron_to_hf\.py.*(?:\\\n.*)*)$", readme, re.M)
-    assert found, "README: no conversion command"
-    command = found.group(1).replace("\\\n", " ")
+    lines = readme.splitlines()
+    code = [i for i, ln in enumerate(lines) if ln.startswith("    ") and "tools/convert_meg" in ln]
+    (start,) = code
+    parts = [lines[start]]
+    while parts[-1].endswith("\\"):  # a command continued on the next line
+        parts[-1] = parts[-1][:-1]
+        parts.append(lines[start + len(parts)])
+    command = " ".join(p.strip() for p in parts)
     command = command.replace("runs/tiny_moe_cpu/ckpt/step_000060", f"{tmp}/ckpt/step_000002")
     command = command.replace("hf_trained", f"{tmp}/hf_trained")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
