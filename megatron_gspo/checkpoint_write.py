@@ -35,11 +35,14 @@ def describe(e: BaseException) -> str:
     (`[Errno 28] No space left on device: '<file>'`), else the first line of the message."""
     seen: set[int] = set()
     stack: list[BaseException] = [e]
+    inner: BaseException | None = None  # the first error that is not a wrapper's
     while stack:
         cur = stack.pop()
         if id(cur) in seen:
             continue
         seen.add(id(cur))
+        if inner is None and not any(c.__name__ in _WRITE_ERRORS for c in type(cur).__mro__):
+            inner = cur
         if isinstance(cur, OSError) and cur.errno is not None:
             where = f": {cur.filename}" if cur.filename else ""
             return f"[Errno {cur.errno}] {cur.strerror}{where}"
@@ -52,8 +55,9 @@ def describe(e: BaseException) -> str:
         for nxt in (cur.__cause__, cur.__context__):
             if nxt is not None:
                 stack.append(nxt)
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {(text[0] if text else '')[:200]}"
+    cause = inner or e
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {(text[0] if text else '')[:200]}"
 
 
 # torch.distributed.checkpoint's CheckpointException derives from BaseException; megatron-core

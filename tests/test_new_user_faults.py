@@ -239,6 +239,10 @@ def test_a_failed_save_is_one_line_naming_dir_cause_and_the_kept_checkpoint(
     assert not tmp.exists() and exit_code(got.value) == 5
     assert "\n" not in text
     assert describe(ValueError("a\nb")) == "ValueError: a"
+    # what a full disk looks like between ranks: the wrapper's inner error, not the wrapper
+    pos = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    wrapped = CheckpointException("CheckpointException ranks:dict_keys([0])", {0: (pos, None)})
+    assert describe(wrapped) == f"RuntimeError: {pos}"
 
 
 def test_a_full_disk_is_named_when_the_writer_does_not_say_so(tmp_path: Path, monkeypatch) -> None:

@@ -193,7 +193,8 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(runs) -> None:
     disk = f"{runs['tmp']}/disk/ckpt"
     assert f"{disk}: cannot write the checkpoint of step 3" in errors[0], errors[0]
     assert "No space left on device" in errors[0] and "still names step_000002" in errors[0]
-    assert OUR_FRAMES not in b["out"] and "CheckpointException" not in b["out"], b["out"][-4000:]
+    assert OUR_FRAMES not in b["out"], b["out"][-4000:]
+    assert "torch.distributed.checkpoint.api.CheckpointException" not in b["out"]  # traceback
     # the previous checkpoint is whole, still `latest`; the partial one was removed
     assert b["kept_verified"] and b["latest"] == "step_000002"
     assert b["left"] == ["latest", "step_000002"], b["left"]
