@@ -133,7 +133,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
         )
         b["kept_verified"] = verify(disk / "ckpt" / "step_000002") is None
         b["latest"] = (disk / "ckpt" / "latest").read_text().strip()
-        b["left"] = sorted(p.name for p in (disk / "ckpt").iterdir())
+        b["left"] = sorted(p.name for p in (disk / "ckpt").iterdir() if p.name[0] != ".")
         b["full"] = full
     finally:
         if full:
