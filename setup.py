@@ -36,5 +36,12 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.4", "apex"],
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "ruff>=0.6"],
     },
-    entry_points={"console_scripts": ["megatron-gspo-train=megatron_gspo.train:cli"]},
+    # megatron_gspo/entry.py: each installs the one-line Ctrl-C handler before importing torch
+    entry_points={
+        "console_scripts": [
+            "megatron-gspo-train=megatron_gspo.entry:train",
+            "megatron-gspo-convert-to-hf=megatron_gspo.entry:convert_to_hf",
+            "megatron-gspo-convert-from-hf=megatron_gspo.entry:convert_from_hf",
+        ]
+    },
 )

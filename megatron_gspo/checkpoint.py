@@ -36,7 +36,7 @@ import torch
 
 from megatron_gspo import faults
 from megatron_gspo.config_io import ConfigError, require
-from megatron_gspo.dist import barrier, rank
+from megatron_gspo.dist import rank
 from megatron_gspo.layout import Layout
 
 if TYPE_CHECKING:
@@ -321,34 +321,46 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
     root = Path(_checkpoint_dir(policy))
     final = root / step_dir_name(step)
     tmp = final.with_name(final.name + ".tmp")
-    if rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
+    from megatron_gspo.checkpoint_write import WriteState
     from megatron_gspo.megatron.checkpoint import save_model_and_optimizer
+    from megatron_gspo.resume_check import RUN_CONFIG
     from megatron_gspo.weights.convert import write_source_info
 
-    save_model_and_optimizer(policy.model, policy.optimizer, tmp)
-    # hf_config/ + metadata: tools/convert_megatron_to_hf.py turns this step into a HF model
-    write_source_info(tmp, policy.cfg.model.hf_path, policy.bridge, policy.model, policy.layout)
-    from megatron_gspo.megatron.rng import rng_state
+    # Each phase's write error is shared at its end (`agree`, in place of a barrier): a full
+    # or read-only disk ends every rank with one CheckpointWriteError (checkpoint_write.py).
+    w = WriteState(root, step, tmp)
+    with w.phase():
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            # The resolved config: a resume compares it (resume_check.resume_config_changes)
+            (tmp / RUN_CONFIG).write_text(json.dumps(policy.cfg.to_dict(), default=str) + "\n")
+    w.agree()
+    with w.phase():
+        save_model_and_optimizer(policy.model, policy.optimizer, tmp)
+        # hf_config/ + metadata: tools/convert_megatron_to_hf.py turns this step into a HF model
+        write_source_info(tmp, policy.cfg.model.hf_path, policy.bridge, policy.model, policy.layout)
+        from megatron_gspo.megatron.rng import rng_state
 
-    # torch, Python, CUDA and megatron-core's TP tracker generators (megatron/rng.py)
-    state = {"step": step, **rng_state(), "policy": policy.state_dict()}
-    torch.save(state, tmp / f"trainer_rank{rank()}.pt")
-    if rollout is not None:
-        torch.save(rollout.state_dict(), tmp / "rollout.pt")
-    faults.point("checkpoint", step)
-    barrier()
-    write_manifest(tmp)  # collective; only a complete directory gets its final name
-    if rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        (root / LATEST).write_text(final.name)
-        keep = policy.cfg.checkpoint.keep_last
-        for p in step_dirs(root)[:-keep] if keep else []:
-            shutil.rmtree(p, ignore_errors=True)
-    barrier()
+        # torch, Python, CUDA and megatron-core's TP tracker generators (megatron/rng.py)
+        state = {"step": step, **rng_state(), "policy": policy.state_dict()}
+        torch.save(state, tmp / f"trainer_rank{rank()}.pt")
+        if rollout is not None:
+            torch.save(rollout.state_dict(), tmp / "rollout.pt")
+        faults.point("checkpoint", step)
+    w.agree()
+    with w.phase():
+        write_manifest(tmp)  # collective; only a complete directory gets its final name
+    w.agree()
+    with w.phase():
+        if rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            (root / LATEST).write_text(final.name)
+            keep = policy.cfg.checkpoint.keep_last
+            for p in step_dirs(root)[:-keep] if keep else []:
+                shutil.rmtree(p, ignore_errors=True)
+    w.agree()
     return final
 
 

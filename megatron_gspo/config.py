@@ -362,6 +362,11 @@ class TrainConfig:
     max_bad_steps: int = 3
     """Stop after this many consecutive rollout steps whose loss or gradient norm was not
     finite (each such optimizer step is skipped): write a checkpoint and exit non-zero."""
+    max_failed_reward_steps: int = 3
+    """Stop after this many consecutive rollout steps in which every reward call failed
+    (raised, timed out, or returned NaN / None / a non-number: each scores 0, so such steps
+    train on nothing): write a checkpoint and exit with code 3 naming the first errors.
+    0 = never stop for this."""
     routing_flip_every: int = 1
     """Measure `moe/routing_flip_rate` (share of (token, MoE layer) whose top-k experts changed
     between the rollout policy and the updated one) every N steps: two forward passes over each
@@ -385,6 +390,11 @@ class TrainConfig:
             max_bad_steps=self.max_bad_steps,
             dist_timeout_s=self.dist_timeout_s,
             stop_grace_s=self.stop_grace_s,
+        )
+        _require(
+            self.max_failed_reward_steps >= 0,
+            f"train.max_failed_reward_steps={self.max_failed_reward_steps} must be >= 0 "
+            "(0 = off); change train.max_failed_reward_steps",
         )
         _require(
             self.routing_flip_every >= 0,

@@ -18,14 +18,19 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from megatron_gspo.checkpoint import check_resume_layout
+from megatron_gspo.checkpoint import check_resume_layout, latest_checkpoint
 from megatron_gspo.config import Config
 from megatron_gspo.config_io import ConfigError, require
 from megatron_gspo.data.formats import load_prompt_records
 from megatron_gspo.engines.interpreter import sglang_python
+from megatron_gspo.resume_check import (
+    check_checkpoint_dir_writable,
+    check_resume_model,
+    resume_config_changes,
+)
 from megatron_gspo.run_dir import check_run_paths, previous_run_files
 
-__all__ = ["check_run_dir", "preflight", "read_hf_config"]
+__all__ = ["check_resume", "check_run_dir", "preflight", "read_hf_config"]
 
 
 def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) -> None:
@@ -43,8 +48,10 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
         _check_weights(Path(cfg.model.hf_path))
     _check_dtype(cfg)
     cfg.parallel.validate(world_size, hf_config)
+    check_checkpoint_dir_writable(cfg.checkpoint.dir)
     if resume:
         check_resume_layout(cfg.checkpoint.dir, cfg.parallel, world_size)
+        check_resume(cfg)
     for path, key in ((cfg.data.train_path, "data.train_path"), (cfg.eval.path, "eval.path")):
         if path is not None:  # the held-out set (eval.path) is read like the training set
             load_prompt_records(
@@ -60,6 +67,16 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
         _check_module(cfg.rollout.env, "rollout.env")
     _check_engine_python(cfg)
     _check_topology(cfg, world_size)
+
+
+def check_resume(cfg: Config) -> list[str]:
+    """--resume: the checkpoint `latest` names was trained from this model, and no key its
+    state is bound to changed; returns the changed keys (`key: old -> new`), which apply from
+    the resumed step (the trainer prints them)."""
+    if cfg.checkpoint.dir is None or (path := latest_checkpoint(cfg.checkpoint.dir)) is None:
+        return []
+    check_resume_model(path, cfg.model.hf_path)
+    return resume_config_changes(path, cfg.to_dict())
 
 
 def check_run_dir(cfg: Config, *, resume: bool, overwrite: bool) -> None:

@@ -7,6 +7,11 @@ weights to the engines -> log -> checkpoint. Algorithm choice lives in the confi
 
 from __future__ import annotations
 
+from megatron_gspo.interrupt import quiet_ctrl_c
+
+if __name__ == "__main__":  # Ctrl-C inside the imports below: one line (the console script's
+    quiet_ctrl_c("megatron_gspo.train")  # entry does the same: megatron_gspo/entry.py)
+
 import os
 import sys
 import time
@@ -24,13 +29,13 @@ from megatron_gspo.console import (
 )
 from megatron_gspo.engines.protocols import NoEnginesLeft
 from megatron_gspo.metrics_log import MetricsLogger
-from megatron_gspo.preflight import preflight
+from megatron_gspo.preflight import check_resume, preflight
 from megatron_gspo.rollout.evaluation import build_evaluator
 from megatron_gspo.run_dir import RunLock, clear_previous_run
 from megatron_gspo.stop import StopSignals
-from megatron_gspo.weights.checksum import WeightIntegrityError
+from megatron_gspo.user_errors import build_policy, exit_code, first_push
 from megatron_gspo.weights.colocated import resume_engines
-from megatron_gspo.weights.sync import WeightSync, WeightSyncError
+from megatron_gspo.weights.sync import WeightSync
 
 if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
     from megatron_gspo.megatron.policy import Policy
@@ -39,6 +44,10 @@ if TYPE_CHECKING:  # imported in main(), after third-party output is routed to t
 
 class TrainingDiverged(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient (train.max_bad_steps)."""
+
+
+class RewardsFailing(TrainingDiverged):
+    """Every reward call failed in train.max_failed_reward_steps consecutive steps."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,9 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     # Library chatter (import-time tracebacks, deprecations, loading bars) goes to
     # <logging.dir>/third_party.log; the console keeps our progress bar and messages.
+    changed = check_resume(cfg) if cfg.checkpoint.resume else []  # refused keys: preflight
     route_third_party_output(cfg.logging.dir)
     from megatron_gspo.checkpoint import load_checkpoint
-    from megatron_gspo.megatron.policy import Policy
     from megatron_gspo.rollout.experience import make_rollout
 
     # SIGTERM / Ctrl-C from here on: a checkpoint at the next step boundary, every rank gone
@@ -73,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         if (path := latest_checkpoint(cfg.checkpoint.dir)) is not None:
             verify(path)
     with third_party_stdio(cfg.logging.dir):
-        policy = Policy.build(cfg)
+        policy = build_policy(cfg)  # weights that do not fit config.json: one line
     if cfg.checkpoint.dir:  # before any engine starts: a checkpoint we could not resume exactly
         from megatron_gspo.patches import PatchError
         from megatron_gspo.patches.optimizer import check_resumable
@@ -96,6 +105,13 @@ def main(argv: list[str] | None = None) -> None:
         start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
         if args.overwrite and dist.rank() == 0:  # only now that the new run has started
             clear_previous_run(cfg)
+        if start and changed and dist.rank() == 0:
+            print(
+                f"[train] resumed at step {start} with a changed config, applied from step "
+                f"{start + 1} on: {'; '.join(changed)}",
+                file=sys.stderr,
+                flush=True,
+            )
         log = MetricsLogger.from_config(
             cfg.logging,
             total_steps=cfg.train.steps,
@@ -132,10 +148,13 @@ def _loop(
     colocated_job = bool(cfg.rollout.launch and cfg.rollout.launch.colocated)  # every rank
     colocated = bool(rollout) and colocated_job
     push = _pusher(policy, rollout, sync)
-    push()  # the engines serve exactly the trainer's weights from step 0
+    # The engines serve exactly the trainer's weights from step 0; a verified push that fails
+    # here means they serve another model (user_errors.first_push: one line naming both).
+    first_push(push, cfg, [rollout.engine] if rollout else [])
     if start == 0 and (held_out := evaluate(0)):  # the held-out curve starts untrained
         log.log(0, held_out)
     bad = 0  # consecutive steps with a skipped (non-finite) update
+    no_reward = 0  # consecutive steps in which every reward call failed
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         offload_trainer(cfg, policy)  # colocated: trainer state off the devices while engines run
@@ -164,9 +183,12 @@ def _loop(
         metrics |= evaluate(step + 1)  # eval.every: held-out prompts on the pushed weights
         log.log(step + 1, metrics)
         bad = bad + 1 if metrics["train/skipped_updates"] else 0
+        no_reward = no_reward + 1 if metrics.get("reward/failed_frac", 0.0) >= 1.0 else 0
+        rewards_gone = 0 < cfg.train.max_failed_reward_steps <= no_reward
         every = cfg.checkpoint.save_every
         stopping = stop.agreed()  # collective: a signal on any rank stops every rank here
         last = stopping or bad >= cfg.train.max_bad_steps or step + 1 == cfg.train.steps
+        last = last or rewards_gone
         if cfg.checkpoint.dir and (last or (every and (step + 1) % every == 0)):
             from megatron_gspo.checkpoint import save_checkpoint
 
@@ -177,6 +199,15 @@ def _loop(
                 f"gradient norm and were skipped (train.max_bad_steps={cfg.train.max_bad_steps});"
                 f" {_saved(cfg, step + 1)}. Lower optim.lr, check the data and "
                 "rewards, or resume from an earlier checkpoint."
+            )
+        if rewards_gone:
+            errors = "; ".join(rollout.reward_errors[:2]) if rollout else ""
+            raise RewardsFailing(
+                f"every reward call failed in {no_reward} consecutive steps (up to step "
+                f"{step + 1}; train.max_failed_reward_steps="
+                f"{cfg.train.max_failed_reward_steps}): each scored 0, so nothing was learned; "
+                f"{_saved(cfg, step + 1)}. Fix reward.kind ({cfg.reward.kind})"
+                + (f"; first errors: {errors}" if errors else "")
             )
         if stopping:
             why = stop.requested or "stop requested on another rank"
@@ -285,12 +316,21 @@ def cli() -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         raise SystemExit(3 if isinstance(e, TrainingDiverged) else 4) from None
-    except (WeightSyncError, WeightIntegrityError) as e:  # every rank raises it alike: one line
-        if dist.rank() == 0:
-            print(f"error: weight sync: {e}", file=sys.stderr, flush=True)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        raise SystemExit(5) from None
+    except Exception as e:  # the other documented kinds (user_errors.EXIT_CODES): one line
+        if (code := exit_code(e)) is None:
+            raise
+        _one_line_exit(e, code)
+
+
+def _one_line_exit(e: BaseException, code: int) -> NoReturn:
+    """Rank 0 prints `e` as one line (every rank raises it alike); exit with `code`."""
+    _hold_stop_signals()
+    if dist.rank() == 0:
+        text = " ".join(str(e).split())
+        print(f"error: {type(e).__name__}: {text}", file=sys.stderr, flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    raise SystemExit(code) from None
 
 
 if __name__ == "__main__":

@@ -170,3 +170,15 @@ def test_console_entry_point_help(installed: dict[str, Path]) -> None:
 def test_python_m_train_help(installed: dict[str, Path]) -> None:
     out = _run(installed, [sys.executable, "-m", f"{PKG}.train", "--help"], timeout=120)
     assert "--config" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("name", ["megatron-gspo-convert-to-hf", "megatron-gspo-convert-from-hf"])
+def test_conversion_console_scripts_help(installed: dict[str, Path], name: str) -> None:
+    """The conversion tools ship in the wheel as console scripts (issue 25: the README's
+    `python tools/...` needed the checkout on PYTHONPATH, and nothing was installed)."""
+    target = _console_script(installed["site"], name)
+    module, func = target.split(":")
+    launcher = f"import sys; sys.argv[0] = {name!r}; from {module} import {func}; "
+    launcher += f"sys.exit({func}())"
+    out = _run(installed, [sys.executable, "-c", launcher, "--help"], timeout=120)
+    assert f"usage: {name}" in out and "-o" in out, out[-3000:]

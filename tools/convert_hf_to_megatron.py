@@ -6,6 +6,17 @@ Runs on CPU (gloo) or GPU (nccl); plain `python` runs one rank. The logic lives 
 `megatron_gspo.weights.convert`.
 """
 
+if __name__ == "__main__":  # run as a script: this checkout's package, Ctrl-C as one line
+    import sys
+    from pathlib import Path
+
+    _root = str(Path(__file__).resolve().parents[1])
+    if _root not in sys.path:
+        sys.path.insert(0, _root)
+    from megatron_gspo.interrupt import quiet_ctrl_c
+
+    quiet_ctrl_c(Path(__file__).name)
+
 import sys
 
 from megatron_gspo.weights.convert import cli

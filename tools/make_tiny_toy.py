@@ -6,6 +6,17 @@ prompt dataset. Everything is generated locally (nothing is downloaded).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a script: this checkout's package, Ctrl-C as one line
+    import sys
+    from pathlib import Path
+
+    _root = str(Path(__file__).resolve().parents[1])
+    if _root not in sys.path:
+        sys.path.insert(0, _root)
+    from megatron_gspo.interrupt import quiet_ctrl_c
+
+    quiet_ctrl_c(Path(__file__).name)
+
 import argparse
 import json
 from pathlib import Path

@@ -616,6 +616,11 @@ class SGLangClient:
         res = self._control("/model_info", method="GET", retries=2)
         return {u: json.loads(raw)["weight_version"] for u, (_, raw) in res.items()}
 
+    def model_paths(self) -> dict[str, str]:
+        """Each engine's `model_path` (its `/model_info`): what it was started from."""
+        res = self._control("/model_info", method="GET", retries=2)
+        return {u: str(json.loads(raw).get("model_path")) for u, (_, raw) in res.items()}
+
     def weights_checksum(self) -> dict[str, dict[str, Any]]:
         res = self._control("/weights_checker", {"action": "checksum"})
         return {u: json.loads(raw) for u, (_, raw) in res.items()}

@@ -129,6 +129,52 @@ def save_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, direc
     torch.save(hooks.adam_steps(optimizer), Path(directory) / f"adam_steps_rank{rank}.pt")
 
 
+def _saved_param_groups(state: Any) -> list[dict[str, Any]]:
+    """Every param-group dict of a loaded optimizer state, in the order of `chained`."""
+    found: list[dict[str, Any]] = []
+    if isinstance(state, dict):
+        groups = state.get("param_groups")
+        if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
+            return list(groups)
+        for value in state.values():
+            found += _saved_param_groups(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            found += _saved_param_groups(value)
+    return found
+
+
+# Set per group by megatron-core from the parameter's kind (expert, bias/norm), not from the
+# config: they must agree for two groups to be the same group.
+_STRUCTURAL = ("is_expert_parallel", "is_decoupled_lr", "lr_mult", "wd_mult")
+
+
+def adopt_current_param_groups(optimizer: Any, saved_state: Any) -> None:
+    """Resume with changed optimizer settings (optim.lr, min_lr, weight_decay...): the saved
+    param groups take this run's values of the keys megatron-core identifies groups by
+    (`param_group_identifier_keys`: max_lr, min_lr, start_wd, end_wd...), in place.
+
+    Without this, the distributed optimizer's `load_state_dict` pairs current and saved groups
+    by those values and fails with a `KeyError` of the tuple when any differs, and the plain
+    optimizer takes the saved groups whole, so the scheduler would keep the old `max_lr`. The
+    groups pair by position (same model, same layout: preflight checks both), checked by their
+    structural flags; the new values apply from the resumed step on (the scheduler sets each
+    group's lr from them when its state is loaded)."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    current = [g for opt in chained(optimizer) for g in opt.optimizer.param_groups]
+    saved = _saved_param_groups(saved_state)
+    if len(saved) != len(current):
+        return  # another structure: leave megatron-core's own matching (and error) to it
+    for old, new in zip(saved, current, strict=True):
+        if any(old.get(k) != new.get(k) for k in _STRUCTURAL if k in old and k in new):
+            return
+    for old, new in zip(saved, current, strict=True):
+        for key in param_group_identifier_keys:
+            if key in new and key not in _STRUCTURAL:
+                old[key] = new[key]
+
+
 def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, directory: Path) -> None:
     """Collective: restore what `save_model_and_optimizer` wrote, in place."""
     from megatron.core import dist_checkpointing
@@ -143,6 +189,7 @@ def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, direc
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, True), str(directory))
     for m, sd in zip(model, _chunk_states(loaded, len(model)), strict=True):
         _unwrap(m).load_state_dict(sd)
+    adopt_current_param_groups(optimizer, loaded["optimizer"])
     with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
         optimizer.load_state_dict(loaded["optimizer"])
     # Re-link the optimizer's main params with the restored model params, as megatron-core's

@@ -45,6 +45,8 @@ class Rollout:
     envs: Any = None
     """rollout.env: the `EnvPool` of the env workers (closed with the rollout)."""
     _reward_batches: list[Any] = field(default_factory=list)
+    reward_errors: list[str] = field(default_factory=list)
+    """The first reward errors of the last step (for the message of a stop)."""
     driver: RolloutDriver = field(init=False)
 
     def __post_init__(self) -> None:
@@ -177,14 +179,18 @@ class Rollout:
         )
         if (report := step.report()) is not None:
             print(f"[step rollout] {report}", file=sys.stderr, flush=True)
+        # Every reward call failed: the step trains on nothing (train.max_failed_reward_steps)
+        calls = len(step.rewards)
+        failed = {"reward/failed_frac": (step.failures + step.timeouts) / calls if calls else 0.0}
+        self.reward_errors = step.errors
         if self.envs is None:
-            return {}
+            return failed
         from megatron_gspo.rollout.multiturn import episode_metrics
 
         env_metrics, report = self.envs.take_report()
         if report is not None:
             print(f"[step rollout] {report}", file=sys.stderr, flush=True)
-        return {**env_metrics, **episode_metrics(samples)}
+        return {**failed, **env_metrics, **episode_metrics(samples)}
 
     def _sequence(self, s: Sample, advantage: float, reward: float, group: int) -> TrainSequence:
         mask = [int(m) for m in s.logprob_mask]

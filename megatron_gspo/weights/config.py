@@ -33,7 +33,8 @@ class WeightSyncConfig:
     fp8_check: bool = True
     """Dequantise every FP8 weight on the sender and check the e4m3 error bound per block."""
     verify_every: int = 1
-    """Compare per-tensor checksums with the engines every N syncs (0 = never)."""
+    """Compare per-tensor checksums with the engines every N syncs and on the first (an
+    engine serving another model is refused before step 1); 0 = never."""
     verify_names: Literal["all", "common"] = "all"
     """all: every sent tensor must be reported by the engine, under its HF name or, for a real
     SGLang server, under SGLang's fused parameter name; common: only names the engine reports

@@ -142,7 +142,23 @@ def verify_engines(
                         raise WeightIntegrityError(
                             f"engine {where} reports no checksum under any sent name"
                         )
+                else:
+                    unwritten_parameters(expected, held, where)
                 compare_checksums(expected, held, where)
+
+
+def unwritten_parameters(sent: dict[str, str], held: dict[str, str], engine_id: str) -> None:
+    """Raise `WeightIntegrityError` when the engine holds parameters the push did not write
+    (another model: an extra layer, expert or head keeps its own weights while every sent
+    tensor matches). Only weights count: a real server also reports buffers (rotary caches),
+    which no checkpoint holds."""
+    extra = sorted(n for n in held if n not in sent and n.endswith((".weight", ".bias")))
+    if extra:
+        more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
+        raise WeightIntegrityError(
+            f"engine {engine_id} holds {len(extra)} parameters the push did not write: "
+            f"{', '.join(extra[:3])}{more}; it serves another model than the trainer"
+        )
 
 
 def _with_last(buckets: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
@@ -174,6 +190,7 @@ class WeightSync:
         self.sender = is_sender(self.config.sender_rank)
         self.transport: Transport | None = self._make_transport() if self.sender else None
         self._ready = False
+        self._verified_once = False  # the first push is always verified (another model?)
         self.local_stats = StreamStats()
         """What this rank's last export received (`push` returns the sender's stats)."""
 
@@ -217,7 +234,9 @@ class WeightSync:
         self.version += 1
         version = str(self.version)
         report = SyncReport(version=self.version)
-        verify = cfg.verify_every > 0 and self.version % cfg.verify_every == 0
+        due = self.version % cfg.verify_every == 0 if cfg.verify_every else False
+        # The first push is always verified: an engine serving another model must not train.
+        verify = cfg.verify_every > 0 and (due or not self._verified_once)
         sent_sums = self._checksums() if verify else None
         on_tensor = sent_sums.add if sent_sums is not None else None
         error: BaseException | None = None
@@ -271,7 +290,9 @@ class WeightSync:
             self.transport.abort()
         report.seconds = time.perf_counter() - start
         self.local_stats = report.stats
-        return self._agree(report, error)
+        outcome = self._agree(report, error)
+        self._verified_once = self._verified_once or verify
+        return outcome
 
     def _checksums(self) -> EngineChecksums:
         tps = engine_tp_sizes(self.engines) if self.sender else []
