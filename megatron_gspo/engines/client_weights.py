@@ -1,0 +1,159 @@
+"""The weight-receiver half of `SGLangClient`: weight-update sessions, the three transports'
+calls, versions, checksums (the `engines.protocols.WeightReceiver` protocol), as a mixin over
+the client's control plane (`_control`, `_in_thread`, `pool`, `config`)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import urllib.parse
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron_gspo.engines import wire as proto
+from megatron_gspo.engines.protocols import weight_update_session
+
+if TYPE_CHECKING:
+    from megatron_gspo.engines.client_config import ClientConfig
+    from megatron_gspo.engines.pool import EnginePool
+
+__all__ = ["WeightCalls"]
+
+
+class WeightCalls:
+    """`WeightReceiver` over SGLang's HTTP control routes (mixed into `SGLangClient`)."""
+
+    config: ClientConfig
+    pool: EnginePool
+
+    if TYPE_CHECKING:  # the client's control plane (SGLangClient)
+
+        def _control(self, route: str, body: Any = None, **kw: Any) -> Any: ...
+
+        def _in_thread(self, route: str, bodies: dict[str, dict[str, Any]]) -> Future[None]: ...
+
+    def set_weight_version(self, weight_version: str) -> None:
+        # abort_all_requests defaults to True in SGLang: a version stamp must not kill rollouts.
+        body = {"new_version": str(weight_version), "abort_all_requests": False}
+        self._control("/update_weight_version", body)
+
+    def begin_weight_update(self) -> None:
+        self._control("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._control("/end_weight_update", {})
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        # One flattened copy for all engines, one payload per TP rank of each engine (SGLang's
+        # rank r reads entry r: an engine given fewer entries than ranks fails its update).
+        bucket = proto.flatten_bucket(named_tensors)
+        bodies = {
+            url: {
+                "serialized_named_tensors": proto.bucket_payloads(bucket, tp),
+                "load_format": "flattened_bucket",
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+            }
+            for url, tp in zip(self.config.engine_urls, self.config.engine_tp_sizes, strict=True)
+            if url in self.pool.require_targets()
+        }
+        # The payloads are handles onto `bucket`'s memory: keep it alive until every engine
+        # answered (result() below), as SGLang requires.
+        self._in_thread("/update_weights_from_tensor", bodies).result()
+        del bucket
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> Future[None]:
+        world = 1 + sum(self.config.engine_tp_sizes)
+        offsets = itertools.accumulate([1] + self.config.engine_tp_sizes[:-1])
+        bodies = {
+            url: {
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": off,
+                "world_size": world,
+                "group_name": group_name,
+                "backend": backend,
+            }
+            for url, off in zip(self.config.engine_urls, offsets)
+        }
+        return self._in_thread("/init_weights_update_group", bodies)
+
+    def engine_hosts(self) -> list[str]:
+        """Host names of the engines' servers (from `engine_urls`)."""
+        hosts = (urllib.parse.urlsplit(u).hostname for u in self.config.engine_urls)
+        return [h for h in hosts if h]
+
+    def weight_update_session(self, weight_version: str | None = None) -> Any:
+        """`protocols.weight_update_session` on this client (a context manager)."""
+        return weight_update_session(self, weight_version)
+
+    @property
+    def weight_update_world_size(self) -> int:
+        """World size of the weight-update group (trainer + every engine rank)."""
+        return 1 + sum(self.config.engine_tp_sizes)
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype | str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        flattened_bucket: bool = True,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> Future[None]:
+        body = {
+            "names": list(names),
+            "dtypes": [proto.dtype_name(d) for d in dtypes],
+            "shapes": [list(map(int, s)) for s in shapes],
+            "group_name": group_name,
+            "load_format": "flattened_bucket" if flattened_bucket else None,
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+        }
+        return self._in_thread(
+            "/update_weights_from_distributed", {u: body for u in self.config.engine_urls}
+        )
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self._control("/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weights_from_disk(self, path: str, *, weight_version: str | None = None) -> None:
+        body = {"model_path": str(path), "weight_version": weight_version}
+        self._control("/update_weights_from_disk", body)
+
+    def weight_version(self) -> dict[str, str]:
+        res = self._control("/model_info", method="GET", retries=2)
+        return {u: json.loads(raw)["weight_version"] for u, (_, raw) in res.items()}
+
+    def model_paths(self) -> dict[str, str]:
+        """Each engine's `model_path` (its `/model_info`): what it was started from."""
+        res = self._control("/model_info", method="GET", retries=2)
+        return {u: str(json.loads(raw).get("model_path")) for u, (_, raw) in res.items()}
+
+    def weights_checksum(self) -> dict[str, dict[str, Any]]:
+        res = self._control("/weights_checker", {"action": "checksum"})
+        return {u: json.loads(raw) for u, (_, raw) in res.items()}
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, Any]:
+        """SGLang's `/get_weights_by_name` on every engine (fp32 nested lists, truncated)."""
+        body = {"name": name, "truncate_size": truncate_size}
+        res = self._control("/get_weights_by_name", body)
+        return {u: json.loads(raw) for u, (_, raw) in res.items()}
