@@ -117,7 +117,18 @@ class Sample:
     logprob_mask: list[bool] = dataclasses.field(default_factory=list)
     """False where the engine log-prob was not finite (never train on those tokens)."""
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Engine metadata kept for debugging (rid, prompt_tokens, e2e_latency, matched stop...)."""
+    """Metadata for debugging and metrics only (rid, prompt_tokens, e2e_latency, multi-turn
+    `turns`); nothing decides control flow on it: that is the typed fields below."""
+    chunks: int = 1
+    """Requests this response took (> 1: continued across partial rollouts)."""
+    stalled: bool = False
+    """The engine ended a chunk with `length` before its budget (its context is full): the
+    response is complete as it is."""
+    env_reward: float | None = None
+    """Multi-turn: the environment's last reward (None: scored by `reward.kind`)."""
+    failed: str | None = None
+    """Multi-turn: why the episode failed ("rejected": an engine turn the client rejected;
+    "env: ...": the environment failed); a failed sample is never trained on."""
     token_versions: list[int] = dataclasses.field(default_factory=list)
     """Weight version that sampled each response token (filled by the rollout scheduler; a
     response continued after a weight update mixes versions). Empty: not tracked."""

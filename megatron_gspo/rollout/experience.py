@@ -86,12 +86,12 @@ class Rollout:
     def _score(self, record: Any, samples: list[Sample]) -> tuple[list[float], dict[str, float]]:
         """One group's rewards: an episode's env reward wins; `reward.kind` scores the rest."""
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-        todo = [i for i, s in enumerate(samples) if s.meta.get("env_reward") is None]
+        todo = [i for i, s in enumerate(samples) if s.env_reward is None]
         k = len(todo)
         scored = self.rewards.score(
             [record.prompt] * k, [texts[i] for i in todo], [record.answer] * k
         )
-        values: list[float] = [s.meta.get("env_reward") or 0.0 for s in samples]
+        values: list[float] = [s.env_reward or 0.0 for s in samples]
         for i, r in zip(todo, scored.rewards, strict=True):
             values[i] = r
         self._reward_batches.append(scored)

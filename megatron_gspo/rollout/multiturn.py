@@ -15,14 +15,14 @@ after it (model and env tokens interleaved); `logprobs` are the engine's on mode
 on env tokens; `logprob_mask` is True only on model tokens with a finite engine log-prob, so env
 tokens are context but never in the loss (the trainer's `loss_mask` is this mask).
 `meta["turns"]` lists each turn as {"kind": "model"|"env", "start", "end"} (offsets into
-`response_ids`), `meta["env_reward"]` the env's last reward (None: score with `reward.kind`).
+`response_ids`), `Sample.env_reward` the env's last reward (None: score with `reward.kind`).
 
 Run by the rollout scheduler (`scheduler.TURN_CONTEXT`), an episode waits before each model
 turn while a weight push pauses generation, and ends as aborted when the fill stops. Each
 response token carries the weight version of the turn that sampled it (`token_versions`; env
 tokens that of the model turn before them, or of the first one), so an episode that spans a
 weight push is measured by its oldest turn. An episode whose environment failed, or whose
-engine turn the client rejected, is returned marked (`meta["failed"]`: "env: ..." or
+engine turn the client rejected, is returned marked (`Sample.failed`: "env: ..." or
 "rejected"); the scheduler leaves it out of the group and counts it, it is never trained.
 
 Ids are built incrementally and never re-tokenised: each engine turn receives exactly
@@ -137,7 +137,7 @@ class MultiTurn:
         prompt_index: int,
     ) -> list[Sample]:
         """`n` episodes for one prompt, concurrently, sorted by sample index; failed ones are
-        marked `meta["failed"]` (the scheduler leaves them out and counts them)."""
+        marked `Sample.failed` (the scheduler leaves them out and counts them)."""
         return list(
             await asyncio.gather(
                 *(self.episode(record, prompt_ids, sampling, prompt_index, j) for j in range(n))
@@ -157,7 +157,9 @@ class MultiTurn:
         logprobs: list[float] = []
         mask: list[bool] = []
         turns: list[dict[str, Any]] = []
-        meta: dict[str, Any] = {"turns": turns, "env_reward": None, "env_error": None}
+        meta: dict[str, Any] = {"turns": turns, "env_error": None}
+        env_reward: float | None = None
+        failed: str | None = None
         finish: Any = "length"
         last: Sample | None = None
         sched = TURN_CONTEXT.get()
@@ -194,7 +196,7 @@ class MultiTurn:
                     break
                 result = await client.agenerate([prompt + resp], sp, n=1)
                 if not result.samples:  # the engine's answer was rejected (ids vs log-probs)
-                    meta["env_error"], meta["failed"] = "engine turn rejected", "rejected"
+                    meta["env_error"], failed = "engine turn rejected", "rejected"
                     break
                 last = result.samples[0]
                 turns.append(
@@ -217,7 +219,7 @@ class MultiTurn:
                 text = self.tokenizer.decode(last.response_ids, skip_special_tokens=True)
                 obs, reward, done = await self.envs.step(ep, text)
                 if reward is not None:
-                    meta["env_reward"] = float(reward)
+                    env_reward = float(reward)
                 if done:
                     finish = "stop"
                     break
@@ -226,12 +228,12 @@ class MultiTurn:
                 if obs and not add_env(self.codec.encode(obs, last.response_ids)):
                     break
         except EnvError as e:  # counted and reported by the pool; the episode ends here
-            meta["env_error"], meta["failed"] = str(e), f"env: {e}"
+            meta["env_error"], failed = str(e), f"env: {e}"
         finally:
             if ep is not None:
                 await self.envs.close_episode(ep)
         if last is None and finish != "abort":  # reset failed, or the first turn was rejected
-            meta.setdefault("failed", "env: no model turn")
+            failed = failed or "env: no model turn"
         meta["num_model_turns"] = sum(t["kind"] == "model" for t in turns)
         meta["num_env_turns"] = sum(t["kind"] == "env" and t["start"] > 0 for t in turns)
         return Sample(
@@ -247,6 +249,8 @@ class MultiTurn:
             sample_index=sample_index,
             meta=meta,
             token_versions=token_versions(turns, len(resp)),
+            env_reward=env_reward,
+            failed=failed,
         )
 
 
@@ -287,5 +291,5 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "env/turns_mean": sum(s.meta.get("num_model_turns", 0) for s in samples) / k,
         "env/tool_call_rate": sum(s.meta.get("num_env_turns", 0) > 0 for s in samples) / k,
         "env/env_token_frac": env_tokens / max(1, tokens),
-        "env/reward_from_env_frac": sum(s.meta.get("env_reward") is not None for s in samples) / k,
+        "env/reward_from_env_frac": sum(s.env_reward is not None for s in samples) / k,
     }

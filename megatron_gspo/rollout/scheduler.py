@@ -15,7 +15,7 @@ and returns as soon as `prompts` groups are complete and kept:
   without filling its batch raises `RolloutStarved` (e.g. every group of a too easy data set
   has equal rewards).
 * short groups: a sample the client rejected (ids vs log-probs, `rejected`) or an episode that
-  failed (`failed`: an environment error, see `Sample.meta["failed"]`) is left out of its group,
+  failed (`failed`: an environment error, see `Sample.failed`) is left out of its group,
   never trained with a made-up reward; a kept group that is short is marked (`Group.rejected`,
   `Group.failed`) and counted (`rollout/groups_rejected`, `rollout/groups_failed`). A group
   left with no sample at all is `empty`: its prompt goes back to the queue (tried again in a
@@ -138,7 +138,7 @@ class Group:
     rejected: int = 0
     """Samples the client rejected (ids vs log-probs): left out, the group is short."""
     failed: int = 0
-    """Episodes that failed (`Sample.meta["failed"]`, or missing from a custom group_fn's
+    """Episodes that failed (`Sample.failed`, or missing from a custom group_fn's
     answer): left out, the group is short."""
     rejects: Counter = dataclasses.field(default_factory=Counter)
     """Sample index -> continuations rejected in a row."""
@@ -175,7 +175,7 @@ class Batch:
             "rollout/staleness_mean": sum(stale) / len(stale) if stale else 0.0,
             "rollout/staleness_max": float(max(stale, default=0)),
             "rollout/continued_samples": float(
-                sum(s.meta.get("chunks", 1) > 1 for g in self.groups for s in g.samples)
+                sum(s.chunks > 1 for g in self.groups for s in g.samples)
             ),
         }
         return out | self.reward_metrics
@@ -190,7 +190,7 @@ def sample_done(s: Sample, max_new_tokens: int) -> bool:
     if s.finish_reason == "stop":
         return True
     if s.finish_reason == "length":
-        return len(s.response_ids) >= max_new_tokens or bool(s.meta.get("stalled"))
+        return len(s.response_ids) >= max_new_tokens or s.stalled
     return False
 
 
@@ -209,8 +209,8 @@ def extend_sample(base: Sample, more: Sample, version: int) -> Sample:
         truncated=more.truncated,
         weight_version=more.weight_version,
         engine_id=more.engine_id,
-        meta=base.meta
-        | {"chunks": base.meta.get("chunks", 1) + 1, "stalled": more.meta.get("stalled")},
+        chunks=base.chunks + 1,
+        stalled=more.stalled,
     )
 
 
@@ -494,7 +494,7 @@ class GroupScheduler:
         except ValueError:
             version = self.version
         if s.finish_reason == "length" and len(s.response_ids) < requested:
-            s.meta["stalled"] = True
+            s.stalled = True
         return version
 
     async def _first_chunk(self, g: Group) -> list[Sample]:
@@ -508,8 +508,8 @@ class GroupScheduler:
             finally:
                 TURN_CONTEXT.reset(token)
             # failed episodes are left out (never trained with a made-up reward), and counted
-            samples = [s for s in got if not s.meta.get("failed")]
-            g.rejected = sum(s.meta.get("failed") == "rejected" for s in got)
+            samples = [s for s in got if not s.failed]
+            g.rejected = sum(s.failed == "rejected" for s in got)
             g.failed = max(0, n - len(samples) - g.rejected)
         else:
             prefix = f"{self._run}-g{g.uid}-c{g.chunks}"

@@ -216,7 +216,7 @@ def test_env_runs_in_a_worker_process():
         pids = set(ro.envs.worker_pids)
     finally:
         ro.close()
-    seen = {int(s.meta["env_reward"]) for s in samples}
+    seen = {int(s.env_reward) for s in samples}
     assert seen <= pids and os.getpid() not in pids and len(pids) == 2
     assert len(seen) == 2  # episodes spread over both workers
     with pytest.raises(ConfigError, match="has no attribute 'Nope'"):

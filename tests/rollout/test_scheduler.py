@@ -145,7 +145,7 @@ def test_partial_rollouts_continue_exactly_across_weight_versions():
         check_sample_against_engine(engine, s)
         assert s.token_versions == sorted(s.token_versions)
     assert any(len(set(s.token_versions)) > 1 for s in samples)  # some span a weight update
-    assert any(s.meta.get("chunks", 1) > 1 for s in samples)
+    assert any(s.chunks > 1 for s in samples)
     carried = sum(b.counts["carried"] for b in batches)
     continued = sum(b.counts["continued"] for b in batches)
     assert carried > 0 and continued > 0
@@ -310,7 +310,7 @@ def test_sequence_log_ratio_of_a_continued_response_covers_its_model_tokens():
     engine = FakeEngine(stop_token=None)
     sched = make(engine, max_new=7, oversample=2.0, partial_tokens=2, max_staleness=3)
     batches = _run_fills(sched, 3, engine)
-    s = next(s for b in batches for g in b.groups for s in g.samples if s.meta.get("chunks", 1) > 2)
+    s = next(s for b in batches for g in b.groups for s in g.samples if s.chunks > 2)
     s.logprob_mask[3] = False  # one invalid engine log-prob in a later chunk
     seq = Rollout._sequence(types.SimpleNamespace(next_seq_id=0), s, 1.0, 0.0, 0)
     mb = pack([seq], multiple=1)

@@ -135,7 +135,7 @@ def _episode(prompt_ids, j, *, failed: str | None = None) -> Sample:
         engine_id="fake",
         prompt_index=0,
         sample_index=j,
-        meta={"failed": failed} if failed else {},
+        failed=failed or None,
     )
 
 
@@ -154,7 +154,7 @@ def test_failed_episodes_are_left_out_and_counted():
     (batch,) = _run_fills(sched, 1, engine)
     assert 1 not in _ids(batch.groups)
     assert [r.index for r in sched.queue.front][:1] == [1]  # not consumed
-    assert all(not s.meta.get("failed") for g in batch.groups for s in g.samples)
+    assert all(not s.failed for g in batch.groups for s in g.samples)
     m = batch.metrics()
     assert m["rollout/samples_failed"] == G + 1 and m["rollout/groups_failed"] == 1
     assert m["rollout/groups_empty"] == 1 and m["rollout/groups_dropped"] == 0
