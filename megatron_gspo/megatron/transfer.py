@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from megatron_gspo.algo.sequences import TrainSequence
+from megatron_gspo.dist import device as job_device
 
 __all__ = [
     "broadcast_sequences",
@@ -191,9 +192,12 @@ def broadcast_sequences(
     layout, nbytes, extra = header[0]
     if layout is None:
         return None, extra
-    if buf is None:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-    torch.distributed.broadcast(buf, src=src)
+    # The collective runs on the job's device (NCCL takes device tensors only); the receivers'
+    # views stay on the host, where packing reads them.
+    dev = job_device()
+    wire = buf.to(dev) if buf is not None else torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    torch.distributed.broadcast(wire, src=src)
+    buf = wire.cpu()
     if me == src:  # the sender keeps its own objects (no rebuild)
         return list(seqs or []), extra
     return unpack_sequences(_from_buffer(layout, buf)), extra
@@ -209,18 +213,19 @@ def gather_logprob_rows(rows: Tensor, *, duplicate: bool = False) -> Tensor:
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return rows
     world = torch.distributed.get_world_size()
-    size = torch.tensor([rows.shape[0]], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dev = job_device()  # the collectives run on the job's device (NCCL: device tensors only)
+    size = torch.tensor([rows.shape[0]], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
     torch.distributed.all_gather(sizes, size)
     counts = [int(s.item()) for s in sizes]
     longest = max(counts)
     if longest == 0:
         return rows
-    padded = torch.zeros(longest, 3, dtype=torch.float64)
-    padded[: rows.shape[0]] = rows
-    parts = [torch.empty(longest, 3, dtype=torch.float64) for _ in range(world)]
+    padded = torch.zeros(longest, 3, dtype=torch.float64, device=dev)
+    padded[: rows.shape[0]] = rows.to(dev)
+    parts = [torch.empty(longest, 3, dtype=torch.float64, device=dev) for _ in range(world)]
     torch.distributed.all_gather(parts, padded)
-    return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
+    return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]).cpu()
 
 
 def logprobs_by_sequence(rows: Tensor) -> dict[int, Tensor]:
