@@ -87,7 +87,10 @@ def engine_rank_checksums(info: dict[str, Any], engine_id: str = "") -> list[dic
 
     def tp_rank(i: int) -> int:
         r = ranks[i]
-        return int(r.get("tp_rank", (r.get("parallelism_info") or {}).get("tp_rank", i)))
+        info = r.get("parallelism_info") or {}
+        if isinstance(info, list):  # one entry per role (target / draft): the target's
+            info = next((p for p in info if p.get("role", "target") == "target"), {})
+        return int(r.get("tp_rank", info.get("tp_rank", i)))
 
     order = sorted(range(len(ranks)), key=tp_rank)
     got = [tp_rank(i) for i in order]
