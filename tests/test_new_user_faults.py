@@ -95,9 +95,10 @@ class _Engine:
 
 
 def _sent() -> Any:
-    from megatron_gspo.weights.sglang_names import SGLangChecksums
+    """What the sender computes for TP-1 engines (`WeightSync._checksums`)."""
+    from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
 
-    acc = SGLangChecksums()
+    acc = EngineChecksums([EngineLayout(1, 1, 1, 1, 1)])
     for i in range(2):
         acc.add(f"model.layers.{i}.mlp.gate.weight", torch.full((4, 8), float(i)))
     acc.add("model.norm.weight", torch.ones(8))
@@ -119,7 +120,7 @@ def test_engine_holding_parameters_the_push_did_not_write_fails_verification() -
     fused_sent = _sent()
     for n, t in named:
         fused_sent.add(n, t)
-    held = {**fused_sent.result(), "model.layers.2.self_attn.qkv_proj.weight": "1" * 16}
+    held = {**fused_sent.ranks(1)[0], "model.layers.2.self_attn.qkv_proj.weight": "1" * 16}
     held["model.rotary_emb.cos_sin_cache"] = "2" * 16  # a buffer: not a parameter we send
     assert "model.layers.0.self_attn.qkv_proj.weight" in fused
     with pytest.raises(WeightIntegrityError, match="layers.2.self_attn.qkv_proj"):
