@@ -15,8 +15,8 @@ import sys
 import time
 from typing import Any
 
-from megatron_gspo import trainer
 from megatron_gspo.engines.client import SGLangClient
+from megatron_gspo.rollout import experience as trainer
 from megatron_gspo.weights.sync import WeightSync
 
 _collect, _push, _request = trainer.Rollout.next_batch, WeightSync.push, SGLangClient._request
