@@ -300,7 +300,7 @@ def dataclass_replace(s: Sample, **kw) -> Sample:
 
 
 def test_sequence_log_ratio_of_a_continued_response_covers_its_model_tokens():
-    """A continued sample -> TrainSequence (rollout.experience.Rollout._sequence) -> packed micro-batch ->
+    """A continued sample -> TrainSequence (`Rollout._sequence`) -> packed micro-batch ->
     gspo_loss: the sequence log-ratio is the float64 mean of (new - old) over exactly the
     response tokens with a valid engine log-prob, from both chunks."""
     from megatron_gspo.algo.losses import PolicyLossConfig, PolicyLossInputs, gspo_loss
