@@ -73,22 +73,25 @@ def _node_address(host: str, nodes: int) -> str:
     return dist.routable_address([os.environ.get("MASTER_ADDR", "")])
 
 
+def engines_on_node(num_engines: int, node: int, nodes: int) -> int:
+    """Node `node`'s share of `num_engines` over `nodes` nodes: as even as it goes, the first
+    nodes taking one more (1 engine on 2 nodes: node 0 starts it, node 1 none)."""
+    return num_engines // nodes + (1 if node < num_engines % nodes else 0)
+
+
 def node_launch_config(
     launch: LaunchConfig, client: ClientConfig, log_dir: str | Path, node: int, nodes: int
-) -> LaunchConfig:
-    """This node's `LaunchConfig`: its share of the engines, its address, reserved ports."""
-    if launch.num_engines % nodes:
-        raise ConfigError(
-            f"rollout.launch.num_engines={launch.num_engines} is not a multiple of the job's "
-            f"{nodes} nodes: the trainer starts the same number of engines on every node; "
-            "change rollout.launch.num_engines"
-        )
+) -> LaunchConfig | None:
+    """This node's `LaunchConfig`: its share of the engines (`engines_on_node`), its address,
+    reserved ports; None when this node starts no engine."""
     if nodes > 1 and launch.router:
         raise ConfigError(
             f"rollout.launch.router=true with engines on {nodes} nodes: the router would see "
             "one node's engines only; set rollout.launch.router=false (the client balances)"
         )
-    per_node = launch.num_engines // nodes
+    per_node = engines_on_node(launch.num_engines, node, nodes)
+    if per_node == 0:
+        return None
     host = _node_address(launch.host, nodes)
     start = launch.base_port or DEFAULT_BASE_PORT
     base = dist.free_ports(host, per_node, start)
@@ -127,11 +130,12 @@ def start_node_engines(
     if first:
         try:
             local = node_launch_config(launch, client, log_dir, node, nodes)
-            try:
-                servers = launch_fn(local)  # waits until every engine can generate
-            finally:
-                _release(local)  # the servers hold their ports now (or failed to)
-            mine |= {"urls": local.engine_urls, "router": local.router_url}
+            if local is not None:
+                try:
+                    servers = launch_fn(local)  # waits until every engine can generate
+                finally:
+                    _release(local)  # the servers hold their ports now (or failed to)
+                mine |= {"urls": local.engine_urls, "router": local.router_url}
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             mine["error"] = f"{type(e).__name__}: {e}"
     everyone: list[Any] = [mine]

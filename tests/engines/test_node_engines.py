@@ -64,5 +64,16 @@ def test_each_node_starts_its_own_engines(tmp_path):
         assert r["per_node"] == [2, 2]
     assert r0["urls"] == r1["urls"] == r0["launched"][0]["urls"] + r1["launched"][0]["urls"]
     assert len(set(r0["urls"])) == 4  # both "nodes" share this host here: no port twice
-    for r in (r0, r1):  # 5 engines on 2 nodes: refused on every rank, nothing started
-        assert "rollout.launch.num_engines=5" in r["error"] and not r["launched_bad"]
+    # 5 engines on 2 nodes: node 0 starts 3, node 1 starts 2; every rank sees all 5, in order
+    assert r0["uneven_launched"] == [3] and r1["uneven_launched"] == [2]
+    assert r0["uneven_per_node"] == r1["uneven_per_node"] == [3, 2]
+    assert r0["uneven_urls"] == r1["uneven_urls"] and len(set(r0["uneven_urls"])) == 5
+
+
+def test_engines_split_over_nodes_as_evenly_as_they_go():
+    from megatron_gspo.engines.nodes import engines_on_node
+
+    for n, nodes in [(1, 2), (4, 2), (5, 2), (3, 4), (7, 3)]:
+        shares = [engines_on_node(n, i, nodes) for i in range(nodes)]
+        assert sum(shares) == n and max(shares) - min(shares) <= 1
+        assert shares == sorted(shares, reverse=True)  # the first nodes take the extra
