@@ -142,17 +142,21 @@ def _share(items: list[str]) -> list[str]:
     return items[rank::world]
 
 
-def required_files(world_size: int) -> list[str]:
+FRESH_OPTIMIZER = "optimizer_fresh"
+"""Marks a checkpoint written before any optimizer step: the model alone is its state (no
+optimizer state, no `adam_steps_rank*.pt`); `megatron/checkpoint.py` writes and reads it."""
+
+
+def required_files(world_size: int, directory: str | Path | None = None) -> list[str]:
     """The files every checkpoint of a `world_size`-rank job has (megatron-core's torch_dist
-    writer gives each rank at least the shard file `__<rank>_0.distcp`)."""
+    writer gives each rank at least the shard file `__<rank>_0.distcp`); the Adam-step side
+    files unless `directory` is marked as written before any optimizer step."""
     from megatron_gspo.weights.convert import HF_CONFIG_DIR, META_FILE
 
     shared = [".metadata", "metadata.json", META_FILE, f"{HF_CONFIG_DIR}/config.json", "rollout.pt"]
-    per_rank = [
-        name
-        for r in range(world_size)
-        for name in (f"__{r}_0.distcp", f"trainer_rank{r}.pt", f"adam_steps_rank{r}.pt")
-    ]
+    fresh = directory is not None and (Path(directory) / FRESH_OPTIMIZER).exists()
+    names = ("__{r}_0.distcp", "trainer_rank{r}.pt") + (() if fresh else ("adam_steps_rank{r}.pt",))
+    per_rank = [name.format(r=r) for r in range(world_size) for name in names]
     return sorted(shared + per_rank)
 
 
@@ -176,7 +180,7 @@ def write_manifest(directory: str | Path) -> None:
     for part in _gather(mine):
         entries.update(part)
     world = _world_size()
-    missing = [name for name in required_files(world) if name not in entries]
+    missing = [name for name in required_files(world, directory) if name not in entries]
     if missing:  # the same verdict on every rank: each has every rank's entries
         raise RuntimeError(
             f"{directory}: the checkpoint lacks {', '.join(missing[:4])}"
@@ -244,7 +248,7 @@ def _unlisted(directory: Path, files: dict[str, Any]) -> list[tuple[str, str]]:
         world = 1  # META_FILE itself is then reported as not listed or damaged
     return [
         (name, "not in the checkpoint's manifest: the checkpoint is incomplete")
-        for name in required_files(world)
+        for name in required_files(world, directory)
         if name not in files
     ]
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.checkpoint import FRESH_OPTIMIZER
 from megatron_gspo.patches.optimizer import chained, resume_hooks
 from megatron_gspo.stop import die_with_parent
 
@@ -73,7 +74,7 @@ def _sharded_state(model: list[torch.nn.Module], optimizer: Any, is_loading: boo
     return {**model_sd, "optimizer": optim}
 
 
-_FRESH_OPTIMIZER = "optimizer_fresh"
+_FRESH_OPTIMIZER = FRESH_OPTIMIZER  # checkpoint.py owns the layout
 
 
 def _has_stepped(optimizer: Any) -> bool:

@@ -111,7 +111,7 @@ def test_training_loop_frees_caches_then_resumes_engines_then_pushes(monkeypatch
     launch = SimpleNamespace(colocated=True, offload_trainer=False)
     cfg = SimpleNamespace(
         rollout=SimpleNamespace(launch=launch),
-        train=SimpleNamespace(steps=1, max_bad_steps=3),
+        train=SimpleNamespace(steps=1, max_bad_steps=3, max_failed_reward_steps=0),
         checkpoint=SimpleNamespace(dir=None, save_every=0, export_hf_at_end=False),
     )
 
