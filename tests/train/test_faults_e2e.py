@@ -162,8 +162,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("i", range(len(CHAIN)), ids=[c[0] or "finish" for c in CHAIN])
-def test_each_fault_ends_the_job_in_time_leaving_nothing(runs, i: int) -> None:
+def test_each_fault_ends_the_job_in_time_leaving_nothing(request, runs, i: int) -> None:
     fault, latest, lines, rc = CHAIN[i]
+    if fault.startswith("sigkill-launcher"):
+        # Known gap (docs/reliability.md M5): in this chain both ranks see SIGINT while their
+        # parent still looks alive, then a second one, and stop without a checkpoint; alone
+        # (a parent SIGKILLed under StopSignals) the launcher's death is recognised.
+        request.node.add_marker(
+            pytest.mark.xfail(strict=True, reason="killed torchrun: SIGINT twice in the chain")
+        )
     got = runs["chain"][i]
     tail = got["output"][-4000:]
     assert not got["timed_out"], f"{fault}: still running after {BOUND_S} s\n{tail}"
