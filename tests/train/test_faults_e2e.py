@@ -168,8 +168,9 @@ def test_each_fault_ends_the_job_in_time_leaving_nothing(request, runs, i: int) 
         # Known gap (docs/reliability.md M5): in this chain both ranks see SIGINT while their
         # parent still looks alive, then a second one, and stop without a checkpoint; alone
         # (a parent SIGKILLed under StopSignals) the launcher's death is recognised.
+        # Not strict: the cause is not known, and one pass must not turn the suite red.
         request.node.add_marker(
-            pytest.mark.xfail(strict=True, reason="killed torchrun: SIGINT twice in the chain")
+            pytest.mark.xfail(strict=False, reason="killed torchrun: SIGINT twice in the chain")
         )
     got = runs["chain"][i]
     tail = got["output"][-4000:]
