@@ -151,6 +151,7 @@ def _wait_answering(client: SGLangClient, url: str, timeout: float = 180.0) -> N
         time.sleep(0.5)
 
 
+@pytest.mark.slow  # 12-25 s: engine restarts and a full weight sync
 def test_sync_goes_on_without_a_dead_engine_and_the_restarted_one_gets_the_weights(
     group, weights_b, capfd
 ):
@@ -192,6 +193,7 @@ def test_sync_goes_on_without_a_dead_engine_and_the_restarted_one_gets_the_weigh
     assert group.restart_engine(url0, "test") is False
 
 
+@pytest.mark.slow  # 12-25 s: engine restarts and a full weight sync
 def test_hung_engine_is_dropped_then_rejoins_with_the_weights(group, weights_b):
     """SIGSTOP: generation times out on it and goes elsewhere; the sync drops it after
     control_timeout_s; after SIGCONT it answers its probe, joins the next sync and serves

@@ -39,7 +39,7 @@ from megatron_gspo.weights.stream import Bucket
 from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
 from megatron_gspo.weights.transports import DistributedTransport, TensorTransport
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # two-host groups: ~10-20 s each
 
 ROOT = Path(__file__).resolve().parents[2]
 JOIN_TIMEOUT_S = 15.0
