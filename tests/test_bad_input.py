@@ -326,7 +326,7 @@ def test_previous_run_is_refused_without_resume_or_overwrite(tmp_path: Path) -> 
     assert (ckpt / "latest").exists()
 
 
-# --overwrite: tests/run_safety/test_run_dir.py (nothing is deleted before the run has started)
+# --overwrite: tests/test_run_dir.py (nothing is deleted before the run has started)
 
 
 def test_resumed_metrics_do_not_repeat_steps(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from megatron_gspo.checkpoint import required_files, write_manifest
 from megatron_gspo.layout import Layout
 from megatron_gspo.weights.convert import META_FILE
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _env() -> dict[str, str]:

@@ -20,7 +20,7 @@ from megatron_gspo.preflight import preflight
 from megatron_gspo.run_dir import LOCK_NAME, RunLock, clear_previous_run
 from tests.test_bad_input import _base, _write
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(tmp: Path, **sections: dict):

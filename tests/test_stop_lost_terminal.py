@@ -22,7 +22,7 @@ import pytest
 from megatron_gspo import stop as stop_mod
 from megatron_gspo.stop import StopSignals
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 INT, TERM, HUP = signal.SIGINT, signal.SIGTERM, signal.SIGHUP
 
 # A stand-in rank: steps that print to the console until a stop is requested, then the
