@@ -43,12 +43,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_gspo.algo.softmax_rows import all_reduce_rows as _all_reduce
+from megatron_gspo.algo.softmax_rows import finish_rows, neg_softmax_grad_
+
 __all__ = ["fused_lm_head_logprobs"]
-
-
-def _all_reduce(x: Tensor, op: Any, group: dist.ProcessGroup | None) -> None:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
 
 
 def _spans(n: int, step: int) -> list[slice]:
@@ -117,11 +115,11 @@ class _FusedLMHead(torch.autograd.Function):
             parts = [s * f, tgt] + ([(a + d * s) * f] if with_entropy else [])
             stats = torch.stack(parts)
             _all_reduce(stats, dist.ReduceOp.SUM, group)
-            log_se = stats[0].log()
-            lse[rows] = g_m + log_se
-            logp[rows] = stats[1] - lse[rows]
-            if with_entropy:
-                entropy[rows] = log_se - stats[2] / stats[0]
+            lse[rows], logp[rows], ent = finish_rows(
+                stats, g_m, target_shifted=False, with_entropy=with_entropy
+            )
+            if ent is not None:
+                entropy[rows] = ent
         ctx.save_for_backward(hidden, weight, local, owned, lse, entropy)
         ctx.group = group
         ctx.cfg = (inv_t, chunk_size, vocab_chunk, with_entropy, reduce_grad_hidden)
@@ -156,15 +154,8 @@ class _FusedLMHead(torch.autograd.Function):
                 h = hidden[rows]
                 # log p of the block, in place in the recomputed logits.
                 logq = (h @ w.T).to(dtype).mul_(inv_t).sub_(lse[rows, None])
-                g = g_lp[rows, None]
-                if g_h is not None:
-                    p = logq.exp()
-                    # -p (g_lp + g_H (log p + H)), built in the log p buffer.
-                    coef = logq.add_(entropy[rows, None]).mul_(g_h[rows, None])
-                    grad = p.mul_(coef.add_(g)).neg_()
-                    del coef, p
-                else:
-                    grad = logq.exp_().mul_(-g)
+                gh_rows = g_h[rows, None] if g_h is not None else None
+                grad = neg_softmax_grad_(logq, g_lp[rows, None], gh_rows, entropy[rows, None])
                 loc = local[rows] - vc.start
                 hit = owned[rows] & (loc >= 0) & (loc < w.shape[0])
                 src = torch.where(hit, g_lp[rows], 0.0).unsqueeze(1)

@@ -36,16 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_gspo.algo.softmax_rows import all_reduce_rows as _all_reduce
+from megatron_gspo.algo.softmax_rows import finish_rows, neg_softmax_grad_
+
 __all__ = ["vocab_parallel_logprobs"]
 
 
 def _compute_dtype(logits: Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
-def _all_reduce(x: Tensor, op: Any, group: dist.ProcessGroup | None) -> None:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -88,11 +86,11 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             del x
             # One SUM all-reduce for sum-exp, the (owner-only) target logit and sum p*z.
             _all_reduce(stats, dist.ReduceOp.SUM, group)
-            log_se = stats[0].log()
-            logp[rows] = stats[1] - log_se
-            lse[rows] = row_max + log_se
-            if with_entropy:
-                entropy[rows] = log_se - stats[2] / stats[0]
+            lse[rows], logp[rows], ent = finish_rows(
+                stats, row_max, target_shifted=True, with_entropy=with_entropy
+            )
+            if ent is not None:
+                entropy[rows] = ent
         ctx.save_for_backward(logits, local, owned, lse, entropy)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
@@ -119,15 +117,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         for start in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(start, min(logits.shape[0], start + ctx.chunk_size))
             logq = logits[rows].to(dtype, copy=True).mul_(inv_t).sub_(lse[rows, None])  # log p
-            g = g_lp[rows, None]
-            if grad_entropy is not None:
-                p = logq.exp()
-                # -p * (g_lp + g_H (log p + H)), built in place in the log p buffer.
-                coef = logq.add_(entropy[rows, None]).mul_(grad_entropy[rows, None].to(dtype))
-                grad = p.mul_(coef.add_(g)).neg_()
-                del coef, p
-            else:
-                grad = logq.exp_().mul_(-g)
+            g_h = grad_entropy[rows, None].to(dtype) if grad_entropy is not None else None
+            grad = neg_softmax_grad_(logq, g_lp[rows, None], g_h, entropy[rows, None])
             # onehot(target) * g_lp, on the shard that owns the target column only.
             src = torch.where(owned[rows], g_lp[rows], 0).unsqueeze(1)
             grad.scatter_add_(1, local[rows, None], src)
