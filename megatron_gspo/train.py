@@ -81,24 +81,28 @@ def main(argv: list[str] | None = None) -> None:
 
         if (path := latest_checkpoint(cfg.checkpoint.dir)) is not None:
             verify(path)
-    with third_party_stdio(cfg.logging.dir):
-        policy = build_policy(cfg)  # weights that do not fit config.json: one line
-    if cfg.checkpoint.dir:  # before any engine starts: a checkpoint we could not resume exactly
-        from megatron_gspo.patches import PatchError
-        from megatron_gspo.patches.optimizer import check_resumable
-
-        try:
-            check_resumable(policy.optimizer)
-        except PatchError as e:
-            raise ConfigError(str(e)) from None
+    # Engines that do not share the trainer's devices start now and import / load while the
+    # model is built; colocated ones after it (they size their memory from what is left).
+    launch = cfg.rollout.launch
+    pending = None
+    if launch is not None and not launch.colocated:
+        pending = _begin_engines(cfg)
     rollout = sync = log = evaluator = launched = None
     try:  # whatever fails, engines and reward workers are shut down
         with third_party_stdio(cfg.logging.dir):
-            if (launch := cfg.rollout.launch) is not None:  # each node's local rank 0 starts
-                from megatron_gspo.engines.nodes import start_node_engines  # its engines
+            policy = build_policy(cfg)  # weights that do not fit config.json: one line
+        if cfg.checkpoint.dir:  # before any engine serves: a checkpoint we could not resume
+            from megatron_gspo.patches import PatchError
+            from megatron_gspo.patches.optimizer import check_resumable
 
-                logs = Path(cfg.logging.dir) / "engines"
-                launched = start_node_engines(launch, cfg.rollout.client, logs)
+            try:
+                check_resumable(policy.optimizer)
+            except PatchError as e:
+                raise ConfigError(str(e)) from None
+        with third_party_stdio(cfg.logging.dir):
+            if launch is not None:  # each node's local rank 0 starts its engines
+                pending = pending or _begin_engines(cfg)
+                launched, pending = pending.wait(), None
             rollout = make_rollout(cfg, launched) if dist.rank() == 0 else None
             evaluator = build_evaluator(cfg, rollout)  # eval.every (rank 0); None when off
         sync = WeightSync(policy.bridge, rollout.engine if rollout else [], cfg.weights)
@@ -127,9 +131,19 @@ def main(argv: list[str] | None = None) -> None:
                 part.close()
         if rollout is None and launched is not None and launched.servers is not None:
             launched.servers.shutdown()  # another node's engines (rank 0's close with it)
+        if pending is not None:  # the start failed before the engines were waited for
+            pending.shutdown()
         if lock is not None:
             lock.release()
     torch.distributed.destroy_process_group()
+
+
+def _begin_engines(cfg: Config) -> Any:
+    from megatron_gspo.engines.nodes import begin_node_engines
+
+    assert cfg.rollout.launch is not None
+    logs = Path(cfg.logging.dir) / "engines"
+    return begin_node_engines(cfg.rollout.launch, cfg.rollout.client, logs)
 
 
 def _loop(

@@ -283,14 +283,21 @@ class ServerGroup:
         return self._spawn(engine_command(self.cfg, i), f"engine{i}", cpu_engine=cpu)
 
     def start(self, *, wait: bool = True) -> ServerGroup:
-        """Spawn the engines (and router); by default wait until all are healthy."""
+        """Spawn the engines; by default wait until they can generate (`wait_ready`: the
+        router, when configured, starts then). `wait=False` returns at once, so the caller can
+        build its model while the engines import and load theirs; call `wait_ready` after."""
         for i in range(self.cfg.num_engines):
             self.engines.append(self._spawn_engine(i))
         if wait:
-            self.wait_healthy(self.cfg.engine_urls)
-        if self.cfg.router:
-            self.start_router(wait=wait)
+            self.wait_ready()
         return self
+
+    def wait_ready(self) -> None:
+        """Wait until every engine can generate, then start the router (when configured) in
+        front of them and wait until it sees them all healthy."""
+        self.wait_healthy(self.cfg.engine_urls)
+        if self.cfg.router and self.router is None:
+            self.start_router(wait=True)
 
     def start_router(self, worker_urls: Sequence[str] | None = None, *, wait: bool = True) -> str:
         """Spawn `sglang-router` in front of `worker_urls` (default: this group's engines)."""
@@ -411,6 +418,9 @@ def _killpg(p: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def launch(cfg: LaunchConfig, *, env: dict[str, str] | None = None) -> ServerGroup:
-    """Start the servers of `cfg` and wait until they can generate."""
-    return ServerGroup(cfg, env=env).start()
+def launch(
+    cfg: LaunchConfig, *, env: dict[str, str] | None = None, wait: bool = True
+) -> ServerGroup:
+    """Start the servers of `cfg`; by default wait until they can generate (else the caller
+    calls `ServerGroup.wait_ready`)."""
+    return ServerGroup(cfg, env=env).start(wait=wait)

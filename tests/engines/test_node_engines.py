@@ -77,3 +77,48 @@ def test_engines_split_over_nodes_as_evenly_as_they_go():
         shares = [engines_on_node(n, i, nodes) for i in range(nodes)]
         assert sum(shares) == n and max(shares) - min(shares) <= 1
         assert shares == sorted(shares, reverse=True)  # the first nodes take the extra
+
+
+class _Spawned:
+    """A node's engines as `begin_node_engines` sees them: spawned at once, ready later."""
+
+    def __init__(self, events: list[str], fail: str | None) -> None:
+        self.events, self.fail = events, fail
+        events.append("spawned")
+
+    def wait_ready(self) -> None:
+        self.events.append("waited")
+        if self.fail:
+            raise RuntimeError(self.fail)
+
+    def shutdown(self) -> None:
+        self.events.append("shut down")
+
+
+@pytest.mark.parametrize("fail", [None, "rollout process ['python'] exited with 1"])
+def test_engines_start_before_the_model_is_built_and_fail_as_one(tmp_path, monkeypatch, fail):
+    """`begin_node_engines` spawns and returns (the trainer builds its model meanwhile), the
+    job's ports stay reserved until `wait`, which waits for readiness; an engine that dies
+    while starting is one error naming the node, its engines shut down, ports released."""
+    from megatron_gspo.engines.client_config import ClientConfig
+    from megatron_gspo.engines.launch import LaunchConfig
+    from megatron_gspo.engines.nodes import begin_node_engines
+
+    for k in ("GROUP_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    events: list[str] = []
+    launch = LaunchConfig(backend="embedded", num_engines=2, base_port=0)
+    pending = begin_node_engines(
+        launch, ClientConfig(), tmp_path, launch_fn=lambda cfg: _Spawned(events, fail)
+    )
+    assert events == ["spawned"]  # not waited for yet
+    ports = [int(u.rsplit(":", 1)[1]) for u in pending.local.engine_urls]
+    assert not any(_exclusive_bind(p) for p in ports)  # still reserved for the engines
+    if fail is None:
+        launched = pending.wait()
+        assert events == ["spawned", "waited"] and launched.urls == pending.local.engine_urls
+    else:
+        with pytest.raises(RuntimeError, match=r"engines did not start: node 0: RuntimeError: "):
+            pending.wait()
+        assert events == ["spawned", "waited", "shut down"]
+    assert all(_exclusive_bind(p) for p in ports)  # released either way
