@@ -6,6 +6,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,7 +52,48 @@ def greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-class FaultyProxy:
+class ThreadedApp:
+    """An aiohttp app served on a loopback port from a thread of this process (until `stop`).
+    Subclasses build the app and call `serve(app)`; handlers may await `self._release`, which
+    `stop` sets."""
+
+    def serve(self, app: Any) -> None:
+        import asyncio
+        import threading
+
+        from aiohttp import web
+
+        from megatron_gspo.dist import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._runner = web.AppRunner(app)
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._release = asyncio.Event()
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+            self._loop.run_until_complete(site.start())
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        ready.wait(10)
+
+    def stop(self) -> None:
+        import asyncio
+
+        self._loop.call_soon_threadsafe(self._release.set)
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+class FaultyProxy(ThreadedApp):
     """A loopback HTTP server in front of a real engine that spoils its `/generate` answers.
 
     `mode`: "ok" (forward), "5xx" (HTTP 503), "text" (200 with a non-JSON body), "shape"
@@ -61,20 +103,14 @@ class FaultyProxy:
     """
 
     def __init__(self, upstream: str, mode: str = "ok") -> None:
-        import asyncio
         import json
-        import threading
 
         import aiohttp
         from aiohttp import web
 
-        from megatron_gspo.dist import free_port
-
         self.mode, self.hits = mode, 0
         self.aborts: list[dict] = []
         self.hang_aborts = False
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
 
         async def forward(request: web.Request) -> tuple[int, bytes]:
             body = await request.read()
@@ -116,30 +152,7 @@ class FaultyProxy:
         app = web.Application()
         app.router.add_post("/generate", generate)
         app.router.add_route("*", "/{tail:.*}", other)
-        self._runner = web.AppRunner(app)
-        self._loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def serve() -> None:
-            asyncio.set_event_loop(self._loop)
-            self._release = asyncio.Event()
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", self.port)
-            self._loop.run_until_complete(site.start())
-            ready.set()
-            self._loop.run_forever()
-
-        self._thread = threading.Thread(target=serve, daemon=True)
-        self._thread.start()
-        ready.wait(10)
-
-    def stop(self) -> None:
-        import asyncio
-
-        self._loop.call_soon_threadsafe(self._release.set)
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self.serve(app)
 
 
 class HFBridge:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 
 import pytest
@@ -15,6 +13,7 @@ from megatron_gspo.engines.client import ClientConfig, SGLangClient
 from megatron_gspo.engines.embedded.server import free_port
 from megatron_gspo.engines.protocols import EngineError
 from megatron_gspo.engines.types import SamplingParams
+from tests.engines.helpers import ThreadedApp
 
 pytestmark = pytest.mark.timeout(240)  # a hung server must fail, not stall CI
 
@@ -79,15 +78,13 @@ def test_every_request_the_client_sends_passes_sglang_validation(
     assert n_gen == 2 + 1 + 1  # 4 entries / 3 per request, then one request each
 
 
-class FakeEngine:
+class FakeEngine(ThreadedApp):
     """A loopback HTTP server answering `/generate` with a fixed status (and counting)."""
 
     def __init__(self, status: int, message: str) -> None:
         from aiohttp import web
 
         self.hits = 0
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
 
         async def handler(request):
             self.hits += 1
@@ -95,27 +92,7 @@ class FakeEngine:
 
         app = web.Application()
         app.router.add_post("/generate", handler)
-        self._runner = web.AppRunner(app)
-        self._loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def serve():
-            asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", self.port)
-            self._loop.run_until_complete(site.start())
-            ready.set()
-            self._loop.run_forever()
-
-        self._thread = threading.Thread(target=serve, daemon=True)
-        self._thread.start()
-        ready.wait(10)
-
-    def stop(self) -> None:
-        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
-        fut.result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self.serve(app)
 
 
 @pytest.fixture
