@@ -168,6 +168,8 @@ VALIDATION = [
     ),
     (["loss.log_ratio_clamp=0"], "loss.log_ratio_clamp=0.0 must be > 0"),
     (["loss.tis_cap=0"], "loss.tis_cap=0.0 must be > 0"),
+    (["loss.seq_mismatch_mask=[1.001,1.002]"], "change loss.seq_mismatch_mask"),
+    (["loss.token_mismatch_mask=[0.5]"], "change loss.token_mismatch_mask"),
     (["rollout.launch=null"], "set exactly one of rollout.launch"),
     (["rollout.client.engine_urls=[http://a:1]"], "set exactly one of rollout.launch"),
     (
@@ -225,6 +227,8 @@ def test_valid_edge_cases_pass():
     cfg("rollout.top_k=-1", "rollout.top_p=1.0", "checkpoint.dir=/c", "checkpoint.resume=true")
     cfg("loss.eps_low=0", "loss.eps_high=0")  # allowed by the loss: a zero-width band
     cfg("rl.pi_old=recompute", "loss.tis_mode=token", "loss.kind=grpo")
+    c = cfg("loss.seq_mismatch_mask=[0.999, 1.002]", "loss.token_mismatch_mask=[0.5, 2]")
+    assert c.loss.seq_mismatch_mask == [0.999, 1.002] and c.loss.token_mismatch_mask == [0.5, 2.0]
     cfg("parallel.tp=2", "parallel.ep=2")  # sequence parallelism turns itself on
     c = cfg("weights.transport=disk", "logging.dir=/runs/x")
     assert c.weights.disk_dir == "/runs/x/weights" and c.rollout.launch.model_path == "/m"

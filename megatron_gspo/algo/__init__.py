@@ -20,6 +20,11 @@ from megatron_gspo.algo.losses import (
     identity_seq_sum,
     policy_loss,
 )
+from megatron_gspo.algo.mismatch import (
+    mismatch_keep_mask,
+    sequence_mismatch_keep,
+    token_mismatch_keep,
+)
 from megatron_gspo.algo.regularizers import (
     aggregation_weights,
     kl_estimate,
@@ -42,12 +47,15 @@ __all__ = [
     "gspo_token_loss",
     "identity_seq_sum",
     "kl_estimate",
+    "mismatch_keep_mask",
     "overlong_penalty",
     "policy_loss",
     "regularized_loss",
     "sequence_kl",
+    "sequence_mismatch_keep",
     "tis_sequence_weights",
     "tis_token_weights",
     "token_advantages",
+    "token_mismatch_keep",
     "vocab_parallel_logprobs",
 ]

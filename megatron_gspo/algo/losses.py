@@ -62,10 +62,12 @@ CONTEXT-PARALLEL RANK, so both sum and count scale by the CP size and the ratio 
     policy/entropy                   per token (only with entropy)
     policy/response_length           per sequence |y_i|
     tis/weight, tis/clip_frac        TIS weight and how often the cap bit (tis_mode != "none")
+    loss/seq|token_mismatch_masked   left out by loss.seq|token_mismatch_mask (algo/mismatch.py)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +77,7 @@ import torch
 from torch import Tensor
 
 from megatron_gspo.algo.correction import tis_sequence_weights, tis_token_weights
+from megatron_gspo.algo.mismatch import check_mismatch_bounds, mismatch_masks
 from megatron_gspo.config_io import require
 
 __all__ = [
@@ -149,6 +152,17 @@ class PolicyLossConfig:
     mask_truncated: bool = False
     """DAPO's overlong filtering: truncated responses (no stop token) are left out of the loss
     (their group's advantages are computed with them); counted in loss/truncated_masked."""
+    seq_mismatch_mask: list[float] | None = None
+    """[low, high] or null (off): leave a sequence out of the policy loss when its engine vs
+    trainer geometric-mean ratio exp(mean_t(logp_trainer - logp_engine)) leaves [low, high]
+    (algo/mismatch.py; NeMo-RL's MoE recipe: [0.999, 1.002]). logp_trainer is the trainer's at
+    the rollout weights: free with rl.pi_old=recompute or one mini-batch; with rl.pi_old=engine
+    the later mini-batches cost one extra trainer forward of their sequences per rollout
+    ((n-1)/n of one forward, time/mismatch_logp_s). Counted in loss/seq_mismatch_masked."""
+    token_mismatch_mask: list[float] | None = None
+    """[low, high] or null (off): IcePop-style, leave a response token out of the policy loss
+    when exp(logp_trainer - logp_engine) leaves [low, high] (same logp_trainer and cost as
+    loss.seq_mismatch_mask). Counted in loss/token_mismatch_masked."""
 
     def __post_init__(self) -> None:
         # Messages name the `loss.*` config keys: this class is that config section.
@@ -196,6 +210,8 @@ class PolicyLossConfig:
             "loss.kl_in_reward / loss.ref_offload act on the reference model, which only "
             "loss.kl_coef > 0 builds; set loss.kl_coef or leave them false",
         )
+        check_mismatch_bounds("loss.seq_mismatch_mask", self.seq_mismatch_mask)
+        check_mismatch_bounds("loss.token_mismatch_mask", self.token_mismatch_mask)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -228,12 +244,17 @@ class PolicyLossInputs:
     """[T] log pi_ref of the reference model (the KL term and kl/mean; constant)."""
     advantages_per_token: bool | None = None
     """Whether `advantages` is [T]; None infers it from the shape (an error when S == T)."""
+    trainer_old_logp: Tensor | None = None
+    """[T] the trainer's log-probs at the rollout weights, for the mismatch masks when no other
+    field holds them. None: `old_logp` if `rollout_logp` is given (pi_old recomputed), else the
+    current `logp`, detached: exact on the first update after the rollout only."""
 
     def __post_init__(self) -> None:
         t = self.logp.shape
         if self.logp.dim() != 1:
             raise ValueError(f"logp must be 1-D [T], got {tuple(t)}")
-        for name in ("old_logp", "seq_index", "mask", "rollout_logp", "entropy", "ref_logp"):
+        for name in ("old_logp", "seq_index", "mask", "rollout_logp", "entropy", "ref_logp",
+                     "trainer_old_logp"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value.shape != t:
                 raise ValueError(f"{name} must have shape [T]={tuple(t)}, got {value.shape}")
@@ -552,5 +573,18 @@ def policy_loss(
 
     Returns (loss: scalar, this micro-batch's share of the global mean over sequences;
     metrics: name -> float32 [sum, count]).
+
+    With loss.seq_mismatch_mask / loss.token_mismatch_mask the loss sees only the kept tokens
+    (a masked sequence: none; it still counts in `denominator`), while the metrics that describe
+    the rollout (mismatch/*, policy/entropy, policy/response_length) stay over every token.
     """
-    return POLICY_LOSSES[cfg.kind](batch, cfg, denominator=denominator, seq_sum=seq_sum)
+    fn = POLICY_LOSSES[cfg.kind]
+    if cfg.seq_mismatch_mask is None and cfg.token_mismatch_mask is None:
+        return fn(batch, cfg, denominator=denominator, seq_sum=seq_sum)
+    keep, extra = mismatch_masks(batch, cfg, seq_sum)
+    loss, metrics = fn(
+        dataclasses.replace(batch, mask=keep), cfg, denominator=denominator, seq_sum=seq_sum
+    )
+    whole = _common_metrics(batch, _sequence_stats(batch, cfg, seq_sum, grad=False), cfg)
+    rollout = ("mismatch/", "policy/entropy", "policy/response_length")
+    return loss, metrics | {k: v for k, v in whole.items() if k.startswith(rollout)} | extra

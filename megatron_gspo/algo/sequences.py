@@ -32,6 +32,9 @@ class TrainSequence:
     """1 = the token counts in the loss; None = all response tokens count."""
     rollout_logp: Sequence[float] | Tensor | None = None
     """Engine log-probs when `old_logp` was recomputed (truncated importance correction)."""
+    trainer_old_logp: Sequence[float] | Tensor | None = None
+    """The trainer's log-probs at the rollout weights when pi_old is the engine's and a
+    mismatch mask needs them (loss.seq_mismatch_mask), filled by the policy before the update."""
     ref_logp: Sequence[float] | Tensor | None = None
     """Reference-model log-probs (loss.kl_coef > 0), filled by the policy before the update."""
     reward: float | None = None
@@ -43,7 +46,7 @@ class TrainSequence:
         r = len(self.response_ids)
         if len(self.prompt_ids) == 0:  # a tensor has no truth value
             raise ValueError(f"sequence {self.seq_id}: empty prompt")
-        for name in ("old_logp", "loss_mask", "rollout_logp", "ref_logp"):
+        for name in ("old_logp", "loss_mask", "rollout_logp", "ref_logp", "trainer_old_logp"):
             v = getattr(self, name)
             if v is not None and len(v) != r:
                 raise ValueError(

@@ -36,6 +36,7 @@ class PackedMicroBatch:
     old_logp: Tensor  # [T]
     rollout_logp: Tensor | None  # [T]
     ref_logp: Tensor | None  # [T] reference-model log-probs (KL), or None
+    trainer_old_logp: Tensor | None  # [T] trainer's at the rollout weights (mismatch masks)
     mask: Tensor  # [T] float 0/1
     valid: Tensor  # [T] bool, a real token (prompt or response), not padding
     seq_index: Tensor  # [T] long, 0..S-1
@@ -104,7 +105,7 @@ def pack(
         ]
     per_token_adv = not isinstance(seqs[0].advantage, float | int)
     cols: dict[str, list[Tensor]] = {
-        k: [] for k in "ids pos labels old roll ref mask valid sidx tpos adv".split()
+        k: [] for k in "ids pos labels old roll ref trn mask valid sidx tpos adv".split()
     }
     lengths = []
     for i, s in enumerate(seqs):
@@ -117,13 +118,15 @@ def pack(
         labels = torch.full((n,), PAD_ID, dtype=torch.long)
         labels[: s.length - 1] = ids[1 : s.length]
         span = slice(p - 1, p - 1 + r)  # positions that predict the response tokens
-        old, roll, ref, mask, adv = (torch.zeros(n) for _ in range(5))
+        old, roll, ref, trn, mask, adv = (torch.zeros(n) for _ in range(6))
         tpos = torch.full((n,), -1, dtype=torch.long)
         old[span] = _as(s.old_logp, torch.float32)
         if s.rollout_logp is not None:
             roll[span] = _as(s.rollout_logp, torch.float32)
         if s.ref_logp is not None:
             ref[span] = _as(s.ref_logp, torch.float32)
+        if s.trainer_old_logp is not None:
+            trn[span] = _as(s.trainer_old_logp, torch.float32)
         mask[span] = _as(s.loss_mask, torch.float32) if s.loss_mask is not None else 1.0
         tpos[span] = torch.arange(r)
         if per_token_adv:
@@ -135,6 +138,7 @@ def pack(
         cols["old"].append(old[keep])
         cols["roll"].append(roll[keep])
         cols["ref"].append(ref[keep])
+        cols["trn"].append(trn[keep])
         cols["mask"].append(mask[keep])
         real = s.length if s.seq_id >= 0 else 0  # a padding micro-batch's token is not real
         cols["valid"].append((torch.arange(n) < real)[keep])
@@ -155,6 +159,7 @@ def pack(
         old_logp=torch.cat(cols["old"]),
         rollout_logp=torch.cat(cols["roll"]) if seqs[0].rollout_logp is not None else None,
         ref_logp=torch.cat(cols["ref"]) if seqs[0].ref_logp is not None else None,
+        trainer_old_logp=torch.cat(cols["trn"]) if seqs[0].trainer_old_logp is not None else None,
         mask=torch.cat(cols["mask"]),
         valid=torch.cat(cols["valid"]),
         seq_index=torch.cat(cols["sidx"]),

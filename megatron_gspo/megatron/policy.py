@@ -16,10 +16,13 @@ Metric names say what they measure:
                         first_mb/kl/mean is 0 up to rounding at step 1 (policy == reference)
     kl/reward_penalty   loss.kl_in_reward: mean kl_coef * sum_t KL_t(pi_old || pi_ref) taken off
                         the rewards before the advantages were recomputed
+    time/mismatch_logp_s  loss.*_mismatch_mask with rl.pi_old=engine: the extra forward that
+                        gives the later mini-batches the trainer's log-probs at rollout weights
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,10 +110,13 @@ class Policy:
                 # tensors stay tensors: no Python float per token (megatron/transfer.py)
                 s.rollout_logp, s.old_logp = s.old_logp, fresh[s.seq_id]
         reward_kl = self._reference_logprobs(seqs) if seqs else {}
+        n = cfg.rl.mini_batches_per_rollout
+        masks = cfg.loss.seq_mismatch_mask or cfg.loss.token_mismatch_mask
+        if masks and cfg.rl.pi_old == "engine":
+            reward_kl |= self._trainer_old_logprobs(seqs, n)
         step_cfg = mstep.StepConfig(
             loss=cfg.loss, temperature=temperature, fused_lm_head=cfg.model.fused_lm_head
         )
-        n = cfg.rl.mini_batches_per_rollout
         every = cfg.train.routing_flip_every
         before = probe = None
         if seqs and every and step % every == 0 and RoutingRecorder(self.model).routers:
@@ -133,6 +139,25 @@ class Policy:
             after = routing_snapshot(self.model, probe)
             out |= routing_flip_rate(before, after, probe, sequence_parallel=self.layout.sp)
         return out
+
+    def _trainer_old_logprobs(self, seqs: list[TrainSequence], n: int) -> dict[str, float]:
+        """The mismatch masks with pi_old from the engine need the trainer's log-probs at the
+        rollout weights. The first mini-batch's are its current log-probs (the loss takes them
+        there); mini-batches 2..n (the sequences j % n != 0, see `update`) get them from one
+        forward before the first update: (n-1)/n of a pi_old recompute, timed."""
+        later = [s for j, s in enumerate(seqs) if j % n]
+        if not later:
+            return {}
+        t0 = time.perf_counter()
+        fresh = mstep.compute_logprobs(
+            self.model,
+            self.plan(later),
+            temperature=self.cfg.rollout.temperature,
+            fused_lm_head=self.cfg.model.fused_lm_head,
+        )
+        for s in later:
+            s.trainer_old_logp = fresh[s.seq_id]
+        return {"time/mismatch_logp_s": time.perf_counter() - t0}
 
     def _reference_logprobs(self, seqs: list[TrainSequence]) -> dict[str, float]:
         """loss.kl_coef > 0: log pi_ref of every training token onto the sequences (one

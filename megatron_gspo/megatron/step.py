@@ -129,6 +129,7 @@ def _policy_loss(mb: PackedMicroBatch, cfg: StepConfig, output: ModelOutput) -> 
         mask=mb.mask,
         num_seqs=mb.num_seqs,
         rollout_logp=mb.rollout_logp,
+        trainer_old_logp=mb.trainer_old_logp,
         entropy=entropy,
         # A padding micro-batch (no sequence, nothing masked in) has no reference log-probs.
         ref_logp=mb.ref_logp

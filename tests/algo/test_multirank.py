@@ -24,6 +24,12 @@ from .reference import reference_logprobs
 
 WORLD = 2
 VALID = [("gspo", "sequence"), ("gspo", "none"), ("gspo_token", "token"), ("grpo", "sequence")]
+# The mismatch masks: the sequence mask's ratio is a full-sequence mean (the CP all-reduce).
+MASKED = [
+    ("gspo", dict(seq_mismatch_mask=[0.9, 1.1], token_mismatch_mask=[0.7, 1.4])),
+    ("gspo_token", dict(seq_mismatch_mask=[0.9, 1.1])),
+    ("grpo", dict(token_mismatch_mask=[0.7, 1.4], tis_mode="sequence")),
+]
 
 
 def _check_tensor_parallel(rank: int) -> None:
@@ -65,9 +71,12 @@ def _check_context_parallel(rank: int) -> None:
         [1e-6, 1e-2, 0.3, 1e-5, 2e-2, 1.0],
         rollout_noise=0.3,
     )
-    for kind, tis in VALID:
-        cfg = PolicyLossConfig(kind=kind, tis_mode=tis)
+    for kind, kw in [(k, dict(tis_mode=t)) for k, t in VALID] + MASKED:
+        cfg = PolicyLossConfig(kind=kind, **kw)  # type: ignore[arg-type]
         whole, whole_metrics, whole_grads = run_packed(seqs, cfg, 10.0)
+        for k in ("loss/seq_mismatch_masked", "loss/token_mismatch_masked"):
+            if k in whole_metrics:  # the masks must leave out some, not all
+                assert 0 < whole_metrics[k][0] < whole_metrics[k][1], (kind, k)
         # Each rank holds every other token of each sequence (rank 1 gets nothing of seq 0).
         p = pack(seqs, gen=torch.Generator().manual_seed(rank), keep=lambda i, t: t % 2 == rank)
         loss, metrics = policy_loss(

@@ -1,11 +1,12 @@
 """The KL loss term (reference model offloaded between uses), the entropy bonus, token-mean
-aggregation and DAPO overlong shaping end to end through `megatron_gspo.train` (1 CPU rank,
-embedded engine, 2 steps of the tiny toy).
+aggregation, DAPO overlong shaping and the engine/trainer mismatch masks end to end through
+`megatron_gspo.train` (1 CPU rank, embedded engine, 2 steps of the tiny toy).
 
 Checks: the new metrics appear every step and are finite; the KL against the reference model is
 0 on the first mini-batch of step 1 (the reference is a copy of the initial policy) and grows
 once the policy has moved; the overlong penalty is applied (the toy's 4-token cap with a
-3-token buffer penalises most responses).
+3-token buffer penalises most responses); the mismatch masks' fractions are logged every step,
+and with pi_old from the engine and 4 mini-batches the extra trainer forward ran and was timed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ SETS = {
     "loss.entropy_coef": 0.01,
     "loss.aggregation": "token_mean",
     "reward.overlong_buffer": 3,
+    # NeMo-RL's MoE band for the sequence mask; a token band far tighter than the policy's
+    # movement between mini-batches (~0.1 per token here) but far wider than the fp32 embedded
+    # engine's mismatch (< 1e-6 per token).
+    "loss.seq_mismatch_mask": "[0.999,1.002]",
+    "loss.token_mismatch_mask": "[0.9999,1.0001]",
 }
 
 
@@ -76,6 +82,9 @@ def test_new_metrics_are_logged_and_finite(metrics) -> None:
             "policy/entropy",
             "reward/overlong_penalty",
             "reward/overlong_frac",
+            "loss/seq_mismatch_masked",
+            "loss/token_mismatch_masked",
+            "time/mismatch_logp_s",
             "loss",
             "grad_norm",
         ):
@@ -83,6 +92,12 @@ def test_new_metrics_are_logged_and_finite(metrics) -> None:
         assert m["train/skipped_updates"] == 0
         assert m["entropy/loss"] == pytest.approx(m["policy/entropy"], rel=1e-4)  # token mean
         assert m["reward/overlong_penalty"] <= 0 and 0 <= m["reward/overlong_frac"] <= 1
+        # The fp32 embedded engine agrees with the trainer to < 1e-6 per token, so the trainer's
+        # log-probs at the rollout weights leave nothing out of these bands; the current
+        # policy's on mini-batches 2..4 (no extra forward) or misaligned ones would leave most
+        # tokens out (checked once: 0.75 of the sequences).
+        assert m["loss/seq_mismatch_masked"] == 0 and m["loss/token_mismatch_masked"] == 0
+        assert m["time/mismatch_logp_s"] > 0
 
 
 def test_kl_is_zero_before_the_first_update_and_grows_after(metrics) -> None:
