@@ -28,8 +28,8 @@ MYPY_PATHS=(megatron_gspo/algo megatron_gspo/config.py megatron_gspo/config_io.p
 if [ "$quick" = 1 ]; then
   set -- -m "not slow and not multirank" "$@"
 fi
-# --durations: the 15 slowest tests, to keep the suite's time in view
-"$venv/bin/python" -m pytest -p no:cacheprovider --durations=15 "$@"
+# --durations: the 40 slowest tests, to keep the suite's time in view
+"$venv/bin/python" -m pytest -p no:cacheprovider --durations=40 "$@"
 rc=$?
 tier=$([ "$quick" = 1 ] && echo "quick tier" || echo "suite")
 echo "[test] $tier wall time: $(( $(date +%s) - start )) s on $(nproc) cores"
