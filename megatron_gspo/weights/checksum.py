@@ -3,8 +3,11 @@
 The checksum is the one SGLang's `/weights_checker` computes per tensor (sha256 of the raw
 bytes, first 8 bytes), taken from `megatron_gspo.engines.wire` so that the trainer
 and every engine implementing `RolloutEngine.weights_checksum()` agree bit for bit. It is
-computed on the host (a device->host copy on GPU) and costs about one memcpy plus sha256 per
-byte, which is why `WeightSyncConfig.verify_every` can thin it out.
+computed on the host, because SGLang hashes with sha256 on its side and a device has no sha256:
+`WeightSync` feeds it one bucket at a time on its send thread, while the next bucket is
+exported (`host_views`: one device->host copy per bucket on GPU, none on CPU). It costs about
+one sha256 per byte sent on each side, which is why `WeightSyncConfig.verify_every` thins it
+out (docs/performance.md has the measured cost).
 
 Engines report checksums of what they HOLD, in the dtype they hold it: the embedded engine
 under HF names, a real SGLang server under its own fused parameter names (q/k/v, gate/up,
@@ -18,10 +21,30 @@ from collections.abc import Iterable
 import torch
 
 from megatron_gspo.engines.wire import tensor_checksum
+from megatron_gspo.weights.group import flatten_for_broadcast
 
 
 class WeightIntegrityError(RuntimeError):
     """A tensor the engine holds differs from the one the trainer sent (the name is in the text)."""
+
+
+def host_views(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A bucket's tensors readable on the host, bitwise as they are: host tensors unchanged;
+    device tensors through ONE device->host copy of the bucket flattened as on the wire
+    (`group.flatten_for_broadcast`), viewed back per tensor (not one copy per tensor)."""
+    if all(t.device.type == "cpu" for _, t in named):
+        return list(named)
+    return _flat_views(named)
+
+
+def _flat_views(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    flat = flatten_for_broadcast(list(named)).cpu()
+    out, offset = [], 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        out.append((name, flat[offset : offset + n].view(t.dtype).view(t.shape)))
+        offset += n
+    return out
 
 
 def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

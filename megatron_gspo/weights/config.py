@@ -35,6 +35,10 @@ class WeightSyncConfig:
     verify_every: int = 1
     """Compare per-tensor checksums with the engines every N syncs and on the first (an
     engine serving another model is refused before step 1); 0 = never."""
+    overlap: bool = True
+    """Double buffering on the sender: checksum and send each bucket on a worker thread while
+    the next one is exported (`weights.pipeline`); holds up to 3 buckets at once. False:
+    export, checksum and send one after the other (the order and bytes sent are the same)."""
     verify_names: Literal["all", "common"] = "all"
     """all: every sent tensor must be reported by the engine, under its HF name or, for a real
     SGLang server, under SGLang's fused parameter name; common: only names the engine reports

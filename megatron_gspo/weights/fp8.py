@@ -134,6 +134,32 @@ def check_dequantised(
     return worst
 
 
+def error_ratio_max(
+    name: str, x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
+) -> torch.Tensor:
+    """`max(block_error_ratio(x, q, scale_inv))` as a 0-d fp32 tensor on x's device, with no
+    host synchronisation (a bucket's worth is read at once by `check_ratios`); raises only on a
+    wrong scale shape, which is known without reading the device."""
+    expected = scale_shape(x.shape, block)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"{name}: scale shape {tuple(scale_inv.shape)} != {expected}")
+    return block_error_ratio(x, q, scale_inv, block).amax()
+
+
+def check_ratios(named: list[tuple[str, torch.Tensor]]) -> float:
+    """Raise naming the worst tensor if any of the 0-d ratios of `error_ratio_max` exceeds 1
+    (or is NaN); return the worst. One device->host read for the whole list (a bucket)."""
+    if not named:
+        return 0.0
+    stacked = torch.stack([r.float() for _, r in named])
+    worst, where = torch.stack([stacked.max(), stacked.argmax().float()]).tolist()
+    if not worst <= 1.0:
+        raise ValueError(
+            f"{named[int(where)][0]}: FP8 dequantisation error {worst:.3f}x the e4m3 bound"
+        )
+    return float(worst)
+
+
 def quantisation_config(block: int = BLOCK, not_converted: list[str] | None = None) -> dict:
     """The `quantization_config` of an FP8 block checkpoint's config.json (SGLang reads it)."""
     cfg: dict = {

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from megatron_gspo.weights import fp8 as fp8_lib
+from megatron_gspo.weights.checksum import host_views
 from megatron_gspo.weights.sglang_names import SGLangChecksums
 
 VOCAB_PADDING = 64
@@ -175,6 +176,11 @@ class EngineChecksums:
                 part = engine_shard(name, tensor, r, self.layouts[tp])
                 if part is not None:
                     acc.add(*part)
+
+    def add_bucket(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """`add` every tensor of a bucket, in order, from one host copy of it (`host_views`)."""
+        for name, tensor in host_views(named):
+            self.add(name, tensor)
 
     def ranks(self, tp_size: int) -> list[dict[str, str]]:
         """Per TP rank, `{sglang_name: checksum}` as a TP `tp_size` engine reports it."""

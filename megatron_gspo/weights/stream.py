@@ -28,7 +28,8 @@ TP gather); that is cheap next to the experts of a MoE model.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,14 @@ class StreamStats:
     """max over blocks of |deq - x| / e4m3 bound (<= 1 by construction; checked if asked)."""
     error: str | None = None
     """Why the sender stopped converting (e.g. an FP8 bound violation naming the tensor)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall seconds per phase on this rank: export (waiting on the bridge: gathers, merges),
+    convert (cast / quantise / FP8 bound check), and, filled by `WeightSync.push` on the
+    sender, checksum and send (on the send thread, overlapping export), drain (waiting for
+    the last send), finish, verify. Overlapped phases add up to more than the push's wall."""
+
+    def add_seconds(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
 
 def is_sender(sender_rank: int = 0) -> bool:
@@ -120,8 +129,14 @@ def convert_for_send(
     use_fp8: bool,
     fp8_check: bool,
     stats: StreamStats,
+    ratios: list[tuple[str, torch.Tensor]] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Cast to the rollout dtype, or quantise a decoder linear weight to block FP8 + scale."""
+    """Cast to the rollout dtype, or quantise a decoder linear weight to block FP8 + scale.
+
+    fp8_check: the worst e4m3 error ratio of the weight is appended to `ratios` as a 0-d
+    device tensor (no host sync; `iter_buckets` reads a bucket's worth at once); without
+    `ratios` it is checked here (one host read per weight).
+    """
     if not use_fp8:
         return [(name, tensor if dtype is None else tensor.to(dtype))]
     if not fp8.is_quantised_name(name, tensor):
@@ -129,9 +144,27 @@ def convert_for_send(
     q, s = fp8.quantise_blockwise(tensor)
     stats.fp8_tensors += 1
     if fp8_check:
-        worst = fp8.check_dequantised(name, tensor, q, s)
-        stats.fp8_worst_error_ratio = max(stats.fp8_worst_error_ratio, worst)
+        ratio = (name, fp8.error_ratio_max(name, tensor, q, s))
+        if ratios is None:
+            worst = fp8.check_ratios([ratio])
+            stats.fp8_worst_error_ratio = max(stats.fp8_worst_error_ratio, worst)
+        else:
+            ratios.append(ratio)
     return [(name, q), (fp8.scale_name(name), s)]
+
+
+def _checked(ratios: list[tuple[str, torch.Tensor]], stats: StreamStats) -> bool:
+    """Read the pending FP8 bound ratios once (one host sync per bucket); False and
+    `stats.error` set when one is out of bound."""
+    try:
+        worst = fp8.check_ratios(ratios)
+    except ValueError as e:
+        stats.error = f"{type(e).__name__}: {e}"
+        return False
+    finally:
+        ratios.clear()
+    stats.fp8_worst_error_ratio = max(stats.fp8_worst_error_ratio, worst)
+    return True
 
 
 def iter_buckets(
@@ -143,25 +176,40 @@ def iter_buckets(
     use_fp8: bool = False,
     fp8_check: bool = False,
     stats: StreamStats | None = None,
-    on_tensor: Callable[[str, torch.Tensor], None] | None = None,
 ) -> Iterator[Bucket]:
     """Group a tensor stream into buckets of at most `bucket_bytes` (one bigger tensor gets a
     bucket of its own). With `keep=False` (non-sender ranks) the stream is only drained.
 
     dtype: cast every tensor to this dtype before sending (None = as exported);
-    use_fp8: decoder linear weights become e4m3 + `_scale_inv`, the rest `dtype` or bf16.
-    on_tensor: called with every tensor as sent (e.g. to checksum it).
+    use_fp8: decoder linear weights become e4m3 + `_scale_inv`, the rest `dtype` or bf16;
+    fp8_check: the e4m3 bound of every quantised weight is computed on its device and read
+    once per bucket, before the bucket is yielded (a bucket out of bound is never sent).
     """
     stats = stats if stats is not None else StreamStats()
     bucket = Bucket()
-    for name, tensor in tensors:
+    ratios: list[tuple[str, torch.Tensor]] = []
+    it = iter(tensors)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            name, tensor = next(it)
+        except StopIteration:
+            break
+        t1 = time.perf_counter()
+        stats.add_seconds("export", t1 - t0)
         stats.tensors_seen += 1
         if not keep:
             continue
         stats.bytes_exported += tensor.numel() * tensor.element_size()
         try:
             converted = convert_for_send(
-                name, tensor, dtype=dtype, use_fp8=use_fp8, fp8_check=fp8_check, stats=stats
+                name,
+                tensor,
+                dtype=dtype,
+                use_fp8=use_fp8,
+                fp8_check=fp8_check,
+                stats=stats,
+                ratios=ratios,
             )
         except Exception as e:  # noqa: BLE001 - recorded; the caller fails the step
             # Stop keeping but keep draining: the other ranks are inside the same collectives.
@@ -169,6 +217,7 @@ def iter_buckets(
             keep = False
             bucket = Bucket()
             continue
+        stats.add_seconds("convert", time.perf_counter() - t1)
         for sent_name, sent in converted:
             size = sent.numel() * sent.element_size()
             # SGLang's receiving `FlattenedTensorBucket.empty` rejects a tensor whose byte
@@ -176,15 +225,17 @@ def iter_buckets(
             # scale), so such a tensor opens a new bucket.
             misaligned = bucket.nbytes % sent.element_size() != 0
             if bucket.tensors and (bucket.nbytes + size > bucket_bytes or misaligned):
+                if not _checked(ratios, stats):
+                    keep = False
+                    bucket = Bucket()
+                    break
                 stats.buckets += 1
                 yield bucket
                 bucket = Bucket(index=bucket.index + 1)
             bucket.add(sent_name, sent)
             stats.tensors += 1
             stats.bytes_sent += size
-            if on_tensor is not None:
-                on_tensor(sent_name, sent)
-    if bucket.tensors:
+    if keep and bucket.tensors and _checked(ratios, stats):
         stats.buckets += 1
         yield bucket
 

@@ -43,6 +43,7 @@ from megatron_gspo.weights import fp8 as fp8_lib
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
 from megatron_gspo.weights.config import WeightSyncConfig
+from megatron_gspo.weights.pipeline import SendPipeline
 from megatron_gspo.weights.sglang_names import reported_in_sglang_naming
 from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights.stream import Bucket, StreamStats, is_sender, model_buckets
@@ -240,8 +241,7 @@ class WeightSync:
         due = self.version % cfg.verify_every == 0 if cfg.verify_every else False
         # The first push is always verified: an engine serving another model must not train.
         verify = cfg.verify_every > 0 and (due or not self._verified_once)
-        sent_sums = self._checksums() if verify else None
-        on_tensor = sent_sums.add if sent_sums is not None else None
+        sent_sums = self._checksums() if verify and self.sender else None
         error: BaseException | None = None
         start = time.perf_counter()
         try:
@@ -255,6 +255,8 @@ class WeightSync:
                 self.transport.begin(version)
         except BaseException as e:  # noqa: BLE001 - reported on every rank below
             error = e
+        stats = report.stats
+        stats.add_seconds("begin", time.perf_counter() - start)
         buckets = model_buckets(
             self.bridge,
             model,
@@ -265,24 +267,31 @@ class WeightSync:
             use_fp8=cfg.fp8,
             fp8_check=cfg.fp8_check,
             experts_to_first=cfg.experts_to_first,
-            stats=report.stats,
-            on_tensor=on_tensor,
+            stats=stats,
         )
+        # Checksums and sends run on a worker thread while the next bucket is exported here.
+        pipe = None
+        if self.sender and error is None and self.transport is not None:
+            pipe = SendPipeline(self.transport, sums=sent_sums, stats=stats, overlap=cfg.overlap)
         for bucket, last in _with_last(buckets):
-            if error is not None:
-                continue  # keep iterating: the other ranks are inside the same collectives
-            try:
-                self.transport.send(bucket, version=version, last=last)
-            except BaseException as e:  # noqa: BLE001
-                error = e
-        if error is None and report.stats.error is not None:
-            error = WeightSyncError(f"export stopped: {report.stats.error}")
+            if pipe is not None:
+                pipe.submit(bucket, version=version, last=last)
+            # else keep iterating: the other ranks are inside the same collectives
+        if pipe is not None:
+            pipe.close()
+            error = pipe.error
+        if error is None and stats.error is not None:
+            error = WeightSyncError(f"export stopped: {stats.error}")
         if self.sender and error is None:
             try:
+                t0 = time.perf_counter()
                 self.transport.finish(version)
+                t1 = time.perf_counter()
+                stats.add_seconds("finish", t1 - t0)
                 if sent_sums is not None:
                     self._verify(sent_sums)
                     report.verified = True
+                    stats.add_seconds("verify", time.perf_counter() - t1)
                 if cfg.check_version:
                     self._check_version(version)
                 for engine in self.engines:

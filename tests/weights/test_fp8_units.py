@@ -108,13 +108,17 @@ def test_checksum_mismatch_names_the_tensor() -> None:
 
 
 def test_conversion_error_drains_the_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failed FP8 conversion on the sender must not stop the iteration (the other ranks are
-    in the same gathers): the stream is drained and the error recorded with the tensor."""
+    """An FP8 bound violation on the sender must not stop the iteration (the other ranks are
+    in the same gathers): the stream is drained, the error names the tensor, and the bucket
+    holding it is never yielded (the per-bucket check runs before the bucket leaves)."""
+    bad_name = "model.layers.2.self_attn.q_proj.weight"
+    real = fp8.error_ratio_max
 
-    def bad(name: str, *args, **kwargs) -> float:
-        raise ValueError(f"{name}: FP8 dequantisation error 2.000x the e4m3 bound in block (0, 0)")
+    def ratio(name: str, *args, **kwargs) -> torch.Tensor:
+        r = real(name, *args, **kwargs)
+        return r + 1.5 if name == bad_name else r
 
-    monkeypatch.setattr(fp8, "check_dequantised", bad)
+    monkeypatch.setattr(fp8, "error_ratio_max", ratio)
     consumed = []
 
     def source():
@@ -123,6 +127,39 @@ def test_conversion_error_drains_the_stream(monkeypatch: pytest.MonkeyPatch) -> 
             yield f"model.layers.{i}.self_attn.q_proj.weight", torch.randn(8, 8)
 
     stats = StreamStats()
-    list(iter_buckets(source(), use_fp8=True, fp8_check=True, stats=stats))
+    sent = [
+        n
+        for b in iter_buckets(source(), use_fp8=True, fp8_check=True, stats=stats, bucket_bytes=70)
+        for n in b.names
+    ]
     assert consumed == [0, 1, 2, 3] and stats.tensors_seen == 4
-    assert stats.error is not None and "model.layers.0.self_attn.q_proj.weight" in stats.error
+    assert stats.error is not None and bad_name in stats.error
+    assert bad_name not in sent and "model.layers.0.self_attn.q_proj.weight" in sent
+
+
+def test_fp8_bound_is_read_once_per_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The e4m3 bound check reads the device once per bucket (not once per weight), and the
+    worst ratio it reports equals the per-weight check of each weight (`check_dequantised`)."""
+    calls = []
+    real = fp8.check_ratios
+
+    def counting(named):
+        calls.append([n for n, _ in named])
+        return real(named)
+
+    monkeypatch.setattr(fp8, "check_ratios", counting)
+    g = torch.Generator().manual_seed(0)
+    weights = [
+        (f"model.layers.{i}.mlp.experts.0.up_proj.weight", torch.randn(128, 128, generator=g))
+        for i in range(6)
+    ]
+    stats = StreamStats()
+    # ~2 quantised weights (16 KiB e4m3 + 4 B scale each) per bucket.
+    buckets = list(
+        iter_buckets(iter(weights), use_fp8=True, fp8_check=True, stats=stats, bucket_bytes=40000)
+    )
+    assert stats.error is None and 1 < len(buckets) < len(weights)
+    assert len(calls) == len(buckets)
+    assert sorted(n for c in calls for n in c) == sorted(n for n, _ in weights)
+    expected = max(fp8.check_dequantised(n, x, *fp8.quantise_blockwise(x)) for n, x in weights)
+    assert stats.fp8_worst_error_ratio == expected
