@@ -1,21 +1,31 @@
-"""Weight sync throughput on CPU (export + transport) against a plain memcpy, plus an estimate for
-Qwen3-30B-A3B.
+"""Weight sync on CPU, phase by phase, against a memcpy of the same bytes in the same run, plus
+a projection for Qwen3-30B-A3B and Qwen3-235B-A22B (docs/performance.md).
 
-    python benchmarks/weight_sync.py                      # 2 gloo ranks, EP=2, ~90 MB fp32 MoE
-    python benchmarks/weight_sync.py --layout tp2 --hidden 768
+    python benchmarks/weight_sync.py                       # small: ~100 MB fp32 MoE, EP=2
+    python benchmarks/weight_sync.py --layout tp2
+    python benchmarks/weight_sync.py --size 2gb            # >= 2 GB (needs an idle machine)
 
-Measured on rank 0 (the sender) of a 2-rank job, on a Qwen3-MoE-shaped model built locally:
-  export      drain `bridge.export_hf_weights` (TP/EP all-gathers, PP broadcasts), keep nothing
-  export->r0  the same with experts gathered to EP rank 0 only (what the sync uses)
-  tensor      export + buckets -> engine (SGLang FlattenedTensorBucket + serializer, decoded by
-              SGLang's allow-list unpickler in a fake engine), no checksums
-  tensor+sum  the same with per-tensor sha256 checksums on both sides (integrity check)
-  tensor fp8  export + block FP8 quantise (+ bound check) + tensor transport
-  distributed export + gloo broadcast of flattened buckets to a receiver process running
-              SGLang's own group/receive code
-  disk        export + safetensors shards + config, engine reloads them
-  memcpy      one `dst.copy_(src)` of the same number of bytes as sent (the baseline)
-GB/s = bytes sent / wall time; "x memcpy" = that rate / the memcpy rate of the same run.
+Two gloo ranks build a Qwen3-MoE-shaped model locally; rank 0 (the sender) pushes it to an
+in-process engine that decodes every payload exactly as SGLang's server does (its allow-list
+unpickler on `FlattenedTensorBucket` payloads; SGLang's own group code in a receiver process
+for `distributed`; safetensors for `disk`) and times its side. Rows:
+
+  export       drain `bridge.export_hf_weights` (TP/EP all-gathers, PP broadcasts), keep nothing
+  export->r0   the same with experts gathered to EP rank 0 only (what the sync uses)
+  tensor       export + buckets -> engine, no verification, export and send overlapped
+  tensor seq   the same with `weights.overlap=false` (export, then send, bucket after bucket)
+  tensor+ver   tensor with verification (sender sha256 per bucket on the send thread, engine
+               hashes what it holds, compare)
+  tensor fp8   export + block FP8 quantise (+ per-bucket e4m3 bound check) + tensor
+  distributed  export + gloo broadcast of flattened buckets to a receiver process
+  disk         export + safetensors shards + config, engine reloads them
+
+Phase columns (seconds on the sender; overlapped phases add up to more than `wall`):
+  export   waiting on the bridge (gathers, merges)      convert  cast / quantise / FP8 check
+  cksum    sender sha256 (send thread)                  ser      build the SGLang payload
+  load     engine side: decode + store / read files     xfer     send - ser - load (rest of the
+  drain    waiting for the last send                             transport: broadcast, writes)
+  fin      end session / write config / reload          verify   engine hash + compare
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +48,12 @@ from megatron_gspo.testing.harness import spawn_ranks  # noqa: E402
 from megatron_gspo.weights import fp8  # noqa: E402
 
 LAYOUTS = {"ep2": dict(ep=2), "tp2": dict(tp=2), "pp2": dict(pp=2)}
+SIZES = {  # hidden, layers, experts, moe_intermediate (fp32 bytes ~ 4 x params)
+    "small": dict(hidden=512, layers=4, experts=8, moe=256),  # ~0.1 GB
+    "medium": dict(hidden=1024, layers=4, experts=8, moe=512),  # same tensor count, ~4x bytes
+    "2gb": dict(hidden=1024, layers=6, experts=64, moe=512),  # ~2.5 GB
+}
+PHASES = ("export", "convert", "checksum", "ser", "load", "xfer", "drain", "finish", "verify")
 
 
 def _memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
@@ -50,7 +67,46 @@ def _memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
     return nbytes / 1e9 / best
 
 
+def _timing_engine(name: str) -> Any:
+    """`FakeEngine` (one TP rank) that times its own side: payload build, decode, checksums."""
+    from megatron_gspo.engines.wire import deserialize_named_tensors, serialize_flattened_bucket
+    from tests.weights.fake_engine import FakeEngine
+
+    class TimingEngine(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__(name, tp_size=1)
+            self.seconds: dict[str, float] = {}
+
+        def _add(self, phase: str, t0: float) -> float:
+            t = time.perf_counter()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + t - t0
+            return t
+
+        def update_weights_from_tensor(self, named, *, weight_version=None, flush_cache=True):
+            self._need_session("update_weights_from_tensor")
+            t = time.perf_counter()
+            payloads, _keep = serialize_flattened_bucket(list(named), tp_size=1)
+            t = self._add("ser", t)
+            self._store(deserialize_named_tensors(payloads[0]))
+            self._add("load", t)
+            self._set_version(weight_version)
+
+        def update_weights_from_disk(self, path, *, weight_version=None):
+            t = time.perf_counter()
+            super().update_weights_from_disk(path, weight_version=weight_version)
+            self._add("load", t)
+
+        def weights_checksum(self):
+            t = time.perf_counter()
+            out = super().weights_checksum()
+            self._add("engine_hash", t)
+            return out
+
+    return TimingEngine()
+
+
 def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: float) -> Any:
+    torch.set_num_threads(1)  # two ranks on a shared 2-core machine
     from megatron_gspo.megatron.model import (
         Layout,
         build_model,
@@ -61,13 +117,12 @@ def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: fl
     )
     from megatron_gspo.weights.stream import hf_tensors
     from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
-    from tests.weights.fake_engine import FakeEngine
 
     quiet_megatron()
     bridge = load_bridge(hf_dir)
     init_megatron(Layout(**layout))
     model = build_model(make_provider(bridge, Layout(**layout)), load_from=bridge)
-    rows: dict[str, tuple[float, int, int]] = {}
+    rows: dict[str, dict[str, Any]] = {}
 
     # Warm-up pass (first-call costs of the bridge, allocator), then the measured export.
     for _ in bridge.export_hf_weights(model, cpu=True, show_progress=False):
@@ -75,30 +130,51 @@ def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: fl
     for label, to_first in (("export", False), ("export->r0", True)):
         torch.distributed.barrier()
         t = time.perf_counter()
-        nbytes = 0
+        nbytes = ntensors = 0
         for _, tensor in hf_tensors(bridge, model, cpu=True, experts_to_first=to_first):
             nbytes += tensor.numel() * tensor.element_size()
-        rows[label] = (time.perf_counter() - t, nbytes, 0)
+            ntensors += 1
+        wall = time.perf_counter() - t
+        rows[label] = dict(wall=wall, bytes=nbytes, buckets=0, tensors=ntensors, phases={})
 
     cases = {
         "tensor": dict(transport="tensor", verify_every=0),
-        "tensor+sum": dict(transport="tensor", verify_every=1),
+        "tensor seq": dict(transport="tensor", verify_every=0, overlap=False),
+        "tensor+ver": dict(transport="tensor", verify_every=1),
         "tensor fp8": dict(transport="tensor", fp8=True, verify_every=0),
         "distributed": dict(transport="distributed", verify_every=0),
         "disk": dict(transport="disk", disk_dir=str(Path(tmp) / "disk"), verify_every=0),
     }
     for name, cfg in cases.items():
-        engines = [FakeEngine(name)] if rank == 0 else []
-        sync = WeightSync(bridge, engines, WeightSyncConfig(bucket_mb=mb, **cfg))
+        engine = _timing_engine(name) if rank == 0 else None
+        sync = WeightSync(bridge, [engine] if engine else [], WeightSyncConfig(bucket_mb=mb, **cfg))
         sync.push(model)  # warm-up (and group setup for the distributed transport)
+        if engine is not None:
+            engine.seconds.clear()
         torch.distributed.barrier()
         t = time.perf_counter()
         report = sync.push(model)
-        rows[name] = (time.perf_counter() - t, report.stats.bytes_sent, report.stats.buckets)
+        wall = time.perf_counter() - t
         sync.close()
+        if engine is None:
+            continue
+        phases = dict(report.stats.seconds)
+        phases.update(engine.seconds)
+        if name == "distributed":  # the receiver process decodes while the broadcast runs
+            phases.setdefault("load", 0.0)
+        phases["xfer"] = max(
+            0.0, phases.get("send", 0.0) - phases.get("ser", 0.0) - phases.get("load", 0.0)
+        )
+        rows[name] = dict(
+            wall=wall,
+            bytes=report.stats.bytes_sent,
+            buckets=report.stats.buckets,
+            tensors=report.stats.tensors,
+            phases=phases,
+        )
     if rank != 0:
         return None
-    return {"rows": rows, "memcpy": _memcpy_gbps(rows["tensor"][1])}
+    return {"rows": rows, "memcpy": _memcpy_gbps(rows["tensor"]["bytes"])}
 
 
 def qwen3_moe_hf_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -133,16 +209,24 @@ def qwen3_moe_hf_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-QWEN3_30B_A3B = dict(  # config.json of Qwen/Qwen3-30B-A3B
-    vocab_size=151936, hidden_size=2048, head_dim=128, num_attention_heads=32,
-    num_key_value_heads=4, moe_intermediate_size=768, num_hidden_layers=48, num_experts=128,
-)  # fmt: skip
+QWEN3 = {
+    "Qwen3-30B-A3B": dict(  # config.json of Qwen/Qwen3-30B-A3B
+        vocab_size=151936, hidden_size=2048, head_dim=128, num_attention_heads=32,
+        num_key_value_heads=4, moe_intermediate_size=768, num_hidden_layers=48, num_experts=128,
+    ),
+    "Qwen3-235B-A22B": dict(  # config.json of Qwen/Qwen3-235B-A22B
+        vocab_size=151936, hidden_size=4096, head_dim=128, num_attention_heads=64,
+        num_key_value_heads=4, moe_intermediate_size=1536, num_hidden_layers=94, num_experts=128,
+    ),
+}  # fmt: skip
 
 
-def estimate(bucket_bytes: int, use_fp8: bool) -> tuple[int, int, int]:
-    """(tensors sent, bytes, buckets) for Qwen3-30B-A3B in bf16 or block FP8."""
+def estimate(cfg: dict, bucket_bytes: int, use_fp8: bool) -> dict[str, int]:
+    """Tensors exported, tensors / bytes sent and buckets for a Qwen3-MoE in bf16 or block FP8,
+    plus the export's collectives per rank (one per HF tensor; the bridge gathers per tensor)."""
+    shapes = qwen3_moe_hf_shapes(cfg)
     sizes = []
-    for name, shape in qwen3_moe_hf_shapes(QWEN3_30B_A3B):
+    for name, shape in shapes:
         n = math.prod(shape)
         if use_fp8 and fp8.is_quantised_name(name) and len(shape) == 2:
             sizes += [n, 4 * math.prod(fp8.scale_shape(shape))]
@@ -153,67 +237,97 @@ def estimate(bucket_bytes: int, use_fp8: bool) -> tuple[int, int, int]:
         if cur and cur + s > bucket_bytes:
             buckets, cur = buckets + 1, 0
         cur += s
-    return len(sizes), sum(sizes), buckets + (cur > 0)
+    experts = sum(".experts." in n for n, _ in shapes)
+    return dict(
+        hf_tensors=len(shapes),
+        expert_tensors=experts,
+        sent=len(sizes),
+        bytes=sum(sizes),
+        buckets=buckets + (cur > 0),
+    )
+
+
+def _fmt(x: float) -> str:
+    return f"{x:7.3f}" if x < 100 else f"{x:7.1f}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="ep2", choices=sorted(LAYOUTS))
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--bucket-mb", type=float, default=16.0, help="small: the model is ~100 MB")
-    ap.add_argument(
-        "--link-gbps",
-        type=float,
-        nargs="*",
-        default=[25.0, 50.0, 100.0],
-        help="link bandwidths (GB/s) for the Qwen3-30B-A3B estimate",
-    )
+    ap.add_argument("--size", default="small", choices=sorted(SIZES), help="model preset")
+    ap.add_argument("--bucket-mb", type=float, default=16.0)
     args = ap.parse_args()
+    size = SIZES[args.size]
 
     from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="mgspo-bench-") as tmp:
         hf = save_tiny_hf_checkpoint(
             Path(tmp) / "hf",
             seed=0,
-            hidden_size=args.hidden,
-            num_hidden_layers=args.layers,
-            num_experts=args.experts,
-            moe_intermediate_size=args.hidden // 2,
-            intermediate_size=args.hidden * 2,
+            hidden_size=size["hidden"],
+            num_hidden_layers=size["layers"],
+            num_experts=size["experts"],
+            moe_intermediate_size=size["moe"],
+            intermediate_size=size["hidden"] * 2,
             num_attention_heads=8,
             num_key_value_heads=4,
-            head_dim=args.hidden // 8,
+            head_dim=size["hidden"] // 8,
             vocab_size=8192,
         )
         t = time.perf_counter()
         res = spawn_ranks(rank_main, 2, str(hf), tmp, LAYOUTS[args.layout], args.bucket_mb)[0]
         wall = time.perf_counter() - t
     memcpy = res["memcpy"]
+    rows = res["rows"]
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(
-        f"\nweight sync on CPU: {args.layout}, 2 gloo ranks, {torch.get_num_threads()} threads, "
-        f"fp32 model, bucket {args.bucket_mb:g} MiB (run wall {wall:.0f} s incl. imports)"
+        f"\nweight sync on CPU: {args.layout}, size {args.size} ({size}), 2 gloo ranks x 1 "
+        f"thread, fp32 model, bucket {args.bucket_mb:g} MiB, run wall {wall:.0f} s\n"
+        f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; at end: {uptime}"
     )
-    print(f"{'path':<12} {'MB sent':>9} {'buckets':>8} {'seconds':>8} {'GB/s':>7} {'x memcpy':>9}")
-    for name, (sec, nbytes, buckets) in res["rows"].items():
-        gbps = nbytes / 1e9 / sec
+    head = " ".join(f"{p[:7]:>7}" for p in PHASES)
+    print(
+        f"{'path':<12} {'MB':>7} {'tensors':>7} {'bkts':>5} {head} {'wall':>7} "
+        f"{'GB/s':>6} {'xmemcpy':>7}"
+    )
+    for name, r in rows.items():
+        gbps = r["bytes"] / 1e9 / r["wall"]
+        cells = " ".join(_fmt(r["phases"][p]) if p in r["phases"] else f"{'-':>7}" for p in PHASES)
+        if name.startswith("export"):
+            cells = _fmt(r["wall"]) + " " + " ".join(f"{'-':>7}" for _ in PHASES[1:])
         print(
-            f"{name:<12} {nbytes / 1e6:9.1f} {buckets:8d} {sec:8.3f} {gbps:7.3f} "
-            f"{gbps / memcpy:9.3f}"
+            f"{name:<12} {r['bytes'] / 1e6:7.1f} {r['tensors']:7d} {r['buckets']:5d} {cells} "
+            f"{r['wall']:7.3f} {gbps:6.3f} {gbps / memcpy:7.3f}"
         )
+    print(f"{'memcpy':<12} {rows['tensor']['bytes'] / 1e6:7.1f} {'':>7} {'':>5} "
+          f"{'':>{8 * len(PHASES) - 1}} {'':>7} {memcpy:6.2f} {1.0:7.3f}")  # fmt: skip
+
+    base, ver = rows["tensor"], rows["tensor+ver"]
+    extra = ver["wall"] - base["wall"]
+    n_default = max(1, math.ceil(extra / (0.1 * base["wall"])))
+    per_tensor_ms = 1e3 * rows["export->r0"]["wall"] / rows["export->r0"]["tensors"]
     print(
-        f"{'memcpy':<12} {res['rows']['tensor'][1] / 1e6:9.1f} {'':>8} {'':>8} {memcpy:7.3f} "
-        f"{1.0:9.3f}"
+        f"\nverification: +{extra:.3f} s on a {base['wall']:.3f} s push "
+        f"({100 * extra / base['wall']:.0f}%); sender sha256 {ver['phases'].get('checksum', 0):.3f}"
+        f" s (send thread), engine hash {ver['phases'].get('engine_hash', 0):.3f} s, "
+        f"verify step {ver['phases'].get('verify', 0):.3f} s -> every {n_default}-th push keeps "
+        f"it <= 10% of a sync\nexport per HF tensor: {per_tensor_ms:.2f} ms "
+        f"({rows['export->r0']['tensors']} tensors, one collective each)"
     )
-    print("\nQwen3-30B-A3B estimate (transport time only = bytes / link; gathers not included):")
-    head = " ".join(f"{f'@{b:g} GB/s':>11}" for b in args.link_gbps)
-    print(f"{'format':<6} {'tensors':>8} {'GB':>7} {'buckets@512MiB':>15} {head}")
-    for use_fp8 in (False, True):
-        n, nbytes, buckets = estimate(512 * 1024**2, use_fp8)
-        secs = " ".join(f"{nbytes / 1e9 / b:10.2f}s" for b in args.link_gbps)
-        print(f"{'fp8' if use_fp8 else 'bf16':<6} {n:8d} {nbytes / 1e9:7.2f} {buckets:15d} {secs}")
+
+    print("\nQwen3 projection inputs (bf16 / block FP8, 512 MiB buckets):")
+    print(f"{'model':<16} {'fmt':<5} {'HF tensors':>10} {'expert':>7} {'sent':>7} {'GB':>7} "
+          f"{'buckets':>7}")  # fmt: skip
+    for model, cfg in QWEN3.items():
+        for use_fp8 in (False, True):
+            e = estimate(cfg, 512 * 1024**2, use_fp8)
+            print(
+                f"{model:<16} {'fp8' if use_fp8 else 'bf16':<5} {e['hf_tensors']:10d} "
+                f"{e['expert_tensors']:7d} {e['sent']:7d} {e['bytes'] / 1e9:7.2f} "
+                f"{e['buckets']:7d}"
+            )
 
 
 if __name__ == "__main__":
