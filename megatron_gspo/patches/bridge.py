@@ -146,14 +146,42 @@ def _gather_to_ep_rank0(self: Any, weights: Any, module: Any, hf_param_name: Any
     return dict(zip(names, parts, strict=True))
 
 
+_ep_local: dict[str, tuple[list[str], Any]] = {}
+"""Inside `ep_local_experts()`: local expert name -> (its name on every EP rank, EP group)."""
+
+
+def _keep_local(self: Any, weights: Any, module: Any, hf_param_name: Any) -> dict:
+    """`gather_from_ep_ranks` without a collective: this rank's expert under its own global
+    name, recorded in `_ep_local` with the names the same slot has on every EP rank (the same
+    arithmetic as `_gather_to_ep_rank0`, including its cached PP broadcast), so that
+    `weights.ep_batch` gathers many experts in one collective."""
+    import re
+
+    from megatron.bridge.utils.common_utils import extract_expert_number_from_param
+
+    per_rank = None if module is None else self._get_config(module).num_moe_experts
+    per_rank = per_rank // self.ep_size if per_rank is not None else None
+    per_rank = self.broadcast_obj_from_pp_rank(per_rank, "num_experts_per_rank")
+    local = extract_expert_number_from_param(self.megatron_param) % per_rank
+    names = [
+        re.sub(r"experts\.(\d+)", f"experts.{local + per_rank * i}", str(hf_param_name))
+        for i in range(self.ep_size)
+    ]
+    _ep_local[names[self.ep_rank]] = (names, self.ep_group)
+    return {names[self.ep_rank]: weights}
+
+
 def gather_from_ep_ranks(
     self: Any, megatron_weights: Any, megatron_module: Any, hf_param_name: Any
 ) -> dict:
     """Installed on `MegatronParamMapping`: the bridge's all-gather, or inside
-    `ep_gather_to_rank0()` (and with EP > 1) a gather to EP rank 0."""
+    `ep_gather_to_rank0()` (and with EP > 1) a gather to EP rank 0, or inside
+    `ep_local_experts()` no collective (the caller batches the gathers)."""
     original = _ep_original["fn"]
     if _ep_scope["depth"] == 0 or self.ep_size == 1:
         return original(self, megatron_weights, megatron_module, hf_param_name)
+    if _ep_scope.get("local"):
+        return _keep_local(self, megatron_weights, megatron_module, hf_param_name)
     return _gather_to_ep_rank0(self, megatron_weights, megatron_module, hf_param_name)
 
 
@@ -175,6 +203,24 @@ def ep_gather_to_rank0() -> Iterator[None]:
         yield
     finally:
         _ep_scope["depth"] -= 1
+
+
+@contextlib.contextmanager
+def ep_local_experts() -> Iterator[dict[str, tuple[list[str], Any]]]:
+    """While active, the bridge's expert export does no EP collective: each EP rank yields its
+    own experts, and the yielded name maps in the returned registry to (the slot's name on
+    every EP rank, the EP group) until the caller pops it (`weights.ep_batch` gathers them per
+    bucket)."""
+    EP_GATHER_PATCH.apply()
+    _ep_scope["depth"] += 1
+    _ep_scope["local"] = _ep_scope.get("local", 0) + 1
+    try:
+        yield _ep_local
+    finally:
+        _ep_scope["local"] -= 1
+        _ep_scope["depth"] -= 1
+        if not _ep_scope["local"]:
+            _ep_local.clear()
 
 
 _COMMON: dict[str, Any] = dict(package="megatron-bridge", versions=BRIDGE_VERSIONS)

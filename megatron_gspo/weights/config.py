@@ -50,6 +50,10 @@ class WeightSyncConfig:
     experts_to_first: bool = True
     """Gather expert weights to EP rank 0 only (the sender), not to every EP rank; False keeps
     megatron-bridge's all-gather (see `stream.experts_to_ep_rank0`)."""
+    batch_expert_gathers: bool = True
+    """With experts_to_first: gather experts to EP rank 0 in batches of about one bucket, one
+    collective per batch, instead of the bridge's one per expert tensor (`weights.ep_batch`;
+    the bytes received are the same). False: the bridge's per-tensor gathers."""
     disk_dir: str | None = None
     """Root directory of the disk transport (must be visible to the engines); None in a run
     config: `<logging.dir>/weights`."""

@@ -109,12 +109,28 @@ def hf_tensors(
     cpu: bool = True,
     experts_to_first: bool = True,
     show_progress: bool = False,
+    expert_batch_bytes: int = 0,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors, one at a time (collective: all ranks iterate).
 
     experts_to_first: expert tensors reach EP rank 0 only (see `experts_to_ep_rank0`);
     False keeps the bridge's all-gather, so every rank sees every tensor.
+    expert_batch_bytes: with experts_to_first, gather experts to EP rank 0 in batches of which
+    it receives this many bytes, one collective per batch (`weights.ep_batch`); 0: one
+    collective per expert tensor (the bridge's).
     """
+    if experts_to_first and expert_batch_bytes > 0:
+        from megatron_gspo.patches.bridge import ep_local_experts
+        from megatron_gspo.weights.ep_batch import batched_expert_gather
+
+        with ep_local_experts() as local:
+            # The gathers run on the tensors' device (nccl needs device tensors); the host
+            # copy, when asked for, comes after them.
+            exported = bridge.export_hf_weights(model, cpu=False, show_progress=show_progress)
+            pairs = ((n, t.detach()) for n, t in exported)
+            for name, tensor in batched_expert_gather(pairs, local, batch_bytes=expert_batch_bytes):
+                yield name, tensor.cpu() if cpu else tensor
+        return
     scope = experts_to_ep_rank0() if experts_to_first else contextlib.nullcontext()
     with scope:
         for name, tensor in bridge.export_hf_weights(model, cpu=cpu, show_progress=show_progress):
@@ -248,6 +264,7 @@ def model_buckets(
     sender_rank: int = 0,
     cpu: bool = True,
     experts_to_first: bool = True,
+    expert_batch_bytes: int = 0,
     **kwargs: Any,
 ) -> Iterator[Bucket]:
     """`iter_buckets(hf_tensors(...))`: buckets on the sender rank, nothing elsewhere.
@@ -259,7 +276,13 @@ def model_buckets(
         raise ValueError("experts_to_first needs sender_rank=0 (or experts_to_first=False)")
     keep = is_sender(sender_rank)
     yield from iter_buckets(
-        hf_tensors(bridge, model, cpu=cpu, experts_to_first=experts_to_first),
+        hf_tensors(
+            bridge,
+            model,
+            cpu=cpu,
+            experts_to_first=experts_to_first,
+            expert_batch_bytes=expert_batch_bytes,
+        ),
         bucket_bytes=bucket_bytes,
         keep=keep,
         **kwargs,

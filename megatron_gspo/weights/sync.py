@@ -267,6 +267,7 @@ class WeightSync:
             use_fp8=cfg.fp8,
             fp8_check=cfg.fp8_check,
             experts_to_first=cfg.experts_to_first,
+            expert_batch_bytes=self._expert_batch_bytes(),
             stats=stats,
         )
         # Checksums and sends run on a worker thread while the next bucket is exported here.
@@ -305,6 +306,12 @@ class WeightSync:
         outcome = self._agree(report, error)
         self._verified_once = self._verified_once or verify
         return outcome
+
+    def _expert_batch_bytes(self) -> int:
+        """Bytes EP rank 0 receives per batched expert gather (about one bucket; 0: the
+        bridge's per-tensor gathers)."""
+        cfg = self.config
+        return cfg.bucket_bytes if cfg.batch_expert_gathers and cfg.experts_to_first else 0
 
     def _checksums(self) -> EngineChecksums:
         tps = engine_tp_sizes(self.engines) if self.sender else []

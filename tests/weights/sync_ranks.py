@@ -75,8 +75,19 @@ def _fp8_summary(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> 
 def _push(sync: WeightSync, model: list, engine: FakeEngine | None) -> dict[str, Any]:
     if engine is not None:
         engine.state.clear()
-    report = sync.push(model)
+    gather, calls = torch.distributed.gather, []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return gather(*args, **kwargs)
+
+    torch.distributed.gather = counting  # the EP gathers (per tensor or per batch)
+    try:
+        report = sync.push(model)
+    finally:
+        torch.distributed.gather = gather
     return {
+        "ep_gathers": len(calls),
         "version": report.version,
         "buckets": report.stats.buckets,
         "verified": report.verified,
@@ -227,6 +238,9 @@ def main(rank: int, world: int, hf_dir: str, tmp: str, layouts: dict[str, dict])
 
     syncs = {
         "tensor": sync(engine("tensor"), transport="tensor"),
+        "tensor_per_tensor_gathers": sync(
+            engine("tensor_ptg"), transport="tensor", batch_expert_gathers=False
+        ),
         "tensor_bf16": sync(engine("tensor_bf16"), transport="tensor", dtype="bfloat16"),
         "distributed": sync(engine("distributed"), transport="distributed"),
         "disk_bf16": sync(

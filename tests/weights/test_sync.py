@@ -23,7 +23,7 @@ LAYOUTS = {
     "pp2": dict(pp=2),
     "tp2ep2": dict(tp=2, ep=2, etp=1),
 }
-BITWISE = ["tensor", "tensor_bf16", "distributed", "disk_bf16"]
+BITWISE = ["tensor", "tensor_per_tensor_gathers", "tensor_bf16", "distributed", "disk_bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,20 @@ def test_experts_reach_only_ep_rank0(results: list[dict]) -> None:
     assert results[1]["tp2ep2"]["tensor"]["seen_here"] == 45 - n_expert_tensors
     for layout in ("tp2", "pp2"):  # no EP: TP gathers / PP broadcasts reach every rank
         assert results[1][layout]["tensor"]["seen_here"] == 45
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2ep2"])
+def test_expert_gathers_are_batched(results: list[dict], layout: str) -> None:
+    """The bridge gathers each expert slot on its own (2 layers x 2 local experts x 3 = 12
+    gathers per rank); batched, about one per bucket, with the same bytes arriving (the
+    bitwise comparison above covers both paths)."""
+    per_tensor = results[0][layout]["tensor_per_tensor_gathers"]
+    batched = results[0][layout]["tensor"]
+    for rank in (0, 1):
+        assert results[rank][layout]["tensor_per_tensor_gathers"]["ep_gathers"] == 12
+        assert 0 < results[rank][layout]["tensor"]["ep_gathers"] < 12
+    assert results[0][layout]["tensor"]["ep_gathers"] <= batched["buckets"]
+    assert per_tensor["tensors"] == batched["tensors"] == 45
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
