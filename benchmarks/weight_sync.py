@@ -11,15 +11,18 @@ unpickler on `FlattenedTensorBucket` payloads; SGLang's own group code in a rece
 for `distributed`; safetensors for `disk`) and times its side. Rows:
 
   export       drain `bridge.export_hf_weights` (TP/EP all-gathers, PP broadcasts), keep nothing
-  export->r0   the same with experts gathered to EP rank 0 only (what the sync uses)
+  export->r0   the same with experts gathered to EP rank 0 only, one gather per expert tensor
+  export bat   the same with the expert gathers batched per bucket (what the sync uses)
   tensor       export + buckets -> engine, no verification, export and send overlapped
   tensor seq   the same with `weights.overlap=false` (export, then send, bucket after bucket)
+  tensor ptg   tensor with `weights.batch_expert_gathers=false` (the bridge's gather per expert)
   tensor+ver   tensor with verification (sender sha256 per bucket on the send thread, engine
                hashes what it holds, compare)
   tensor fp8   export + block FP8 quantise (+ per-bucket e4m3 bound check) + tensor
   distributed  export + gloo broadcast of flattened buckets to a receiver process
   disk         export + safetensors shards + config, engine reloads them
 
+`coll`: torch.distributed collectives rank 0 issued during the push (gathers, broadcasts).
 Phase columns (seconds on the sender; overlapped phases add up to more than `wall`):
   export   waiting on the bridge (gathers, merges)      convert  cast / quantise / FP8 check
   cksum    sender sha256 (send thread)                  ser      build the SGLang payload
@@ -105,6 +108,36 @@ def _timing_engine(name: str) -> Any:
     return TimingEngine()
 
 
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "gather", "broadcast", "all_reduce",
+                "all_gather_object", "broadcast_object_list", "gather_object")  # fmt: skip
+
+
+class CountCollectives:
+    """Counts torch.distributed collectives issued by this process while active (the bridge's
+    gathers, the batched expert gathers, the weight-update broadcasts, object broadcasts)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> CountCollectives:
+        dist = torch.distributed
+        for name in _COLLECTIVES:
+            fn = getattr(dist, name)
+            self._saved[name] = fn
+
+            def counted(*a: Any, _fn: Any = fn, **k: Any) -> Any:
+                self.count += 1
+                return _fn(*a, **k)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self._saved.items():
+            setattr(torch.distributed, name, fn)
+
+
 def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: float) -> Any:
     torch.set_num_threads(1)  # two ranks on a shared 2-core machine
     from megatron_gspo.megatron.model import (
@@ -127,19 +160,31 @@ def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: fl
     # Warm-up pass (first-call costs of the bridge, allocator), then the measured export.
     for _ in bridge.export_hf_weights(model, cpu=True, show_progress=False):
         pass
-    for label, to_first in (("export", False), ("export->r0", True)):
+    exports = (("export", False, 0), ("export->r0", True, 0), ("export bat", True, int(mb * 2**20)))
+    for label, to_first, batch in exports:
         torch.distributed.barrier()
         t = time.perf_counter()
         nbytes = ntensors = 0
-        for _, tensor in hf_tensors(bridge, model, cpu=True, experts_to_first=to_first):
-            nbytes += tensor.numel() * tensor.element_size()
-            ntensors += 1
+        with CountCollectives() as counted:
+            for _, tensor in hf_tensors(
+                bridge, model, cpu=True, experts_to_first=to_first, expert_batch_bytes=batch
+            ):
+                nbytes += tensor.numel() * tensor.element_size()
+                ntensors += 1
         wall = time.perf_counter() - t
-        rows[label] = dict(wall=wall, bytes=nbytes, buckets=0, tensors=ntensors, phases={})
+        rows[label] = dict(
+            wall=wall,
+            bytes=nbytes,
+            buckets=0,
+            tensors=ntensors,
+            phases={},
+            collectives=counted.count,
+        )
 
     cases = {
         "tensor": dict(transport="tensor", verify_every=0),
         "tensor seq": dict(transport="tensor", verify_every=0, overlap=False),
+        "tensor ptg": dict(transport="tensor", verify_every=0, batch_expert_gathers=False),
         "tensor+ver": dict(transport="tensor", verify_every=1),
         "tensor fp8": dict(transport="tensor", fp8=True, verify_every=0),
         "distributed": dict(transport="distributed", verify_every=0),
@@ -153,7 +198,8 @@ def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: fl
             engine.seconds.clear()
         torch.distributed.barrier()
         t = time.perf_counter()
-        report = sync.push(model)
+        with CountCollectives() as counted:
+            report = sync.push(model)
         wall = time.perf_counter() - t
         sync.close()
         if engine is None:
@@ -171,6 +217,7 @@ def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: fl
             buckets=report.stats.buckets,
             tensors=report.stats.tensors,
             phases=phases,
+            collectives=counted.count,
         )
     if rank != 0:
         return None
@@ -289,7 +336,7 @@ def main() -> None:
     )
     head = " ".join(f"{p[:7]:>7}" for p in PHASES)
     print(
-        f"{'path':<12} {'MB':>7} {'tensors':>7} {'bkts':>5} {head} {'wall':>7} "
+        f"{'path':<12} {'MB':>7} {'tensors':>7} {'bkts':>5} {'coll':>5} {head} {'wall':>7} "
         f"{'GB/s':>6} {'xmemcpy':>7}"
     )
     for name, r in rows.items():
@@ -298,10 +345,11 @@ def main() -> None:
         if name.startswith("export"):
             cells = _fmt(r["wall"]) + " " + " ".join(f"{'-':>7}" for _ in PHASES[1:])
         print(
-            f"{name:<12} {r['bytes'] / 1e6:7.1f} {r['tensors']:7d} {r['buckets']:5d} {cells} "
+            f"{name:<12} {r['bytes'] / 1e6:7.1f} {r['tensors']:7d} {r['buckets']:5d} "
+            f"{r['collectives']:5d} {cells} "
             f"{r['wall']:7.3f} {gbps:6.3f} {gbps / memcpy:7.3f}"
         )
-    print(f"{'memcpy':<12} {rows['tensor']['bytes'] / 1e6:7.1f} {'':>7} {'':>5} "
+    print(f"{'memcpy':<12} {rows['tensor']['bytes'] / 1e6:7.1f} {'':>7} {'':>5} {'':>5} "
           f"{'':>{8 * len(PHASES) - 1}} {'':>7} {memcpy:6.2f} {1.0:7.3f}")  # fmt: skip
 
     base, ver = rows["tensor"], rows["tensor+ver"]

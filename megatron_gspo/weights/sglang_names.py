@@ -86,19 +86,29 @@ class SGLangChecksums:
     Also keeps the plain HF-named checksums (`hf`), for engines that report HF names.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, hf: bool = True, fused: bool = True) -> None:
+        """hf: hash fused members under their HF names too (`hf`); fused: build SGLang's
+        fused checksums (`result`). Each costs one sha256 pass over the fused members' bytes;
+        unfused tensors are hashed once either way."""
         self.hf: dict[str, str] = {}
+        self.track_hf, self.track_fused = hf, fused
         self._plain: dict[str, str] = {}
         self._groups: dict[str, _Group] = {}
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Account one tensor under its HF name (any order across and within groups)."""
-        data = _raw_bytes(tensor)
-        hf = hashlib.sha256(data)
-        self.hf[name] = _digest_hex(hf)
+    def add(self, name: str, tensor: torch.Tensor, hf_digest: str | None = None) -> None:
+        """Account one tensor under its HF name (any order across and within groups).
+        hf_digest: its HF checksum when already known (not hashed again)."""
         slot = sglang_slot(name)
+        data = None
+        if slot is None or self.track_hf:
+            if hf_digest is None:
+                data = _raw_bytes(tensor)
+                hf_digest = _digest_hex(hashlib.sha256(data))
+            self.hf[name] = hf_digest
         if slot is None:
-            self._plain[name] = self.hf[name]
+            self._plain[name] = hf_digest
+            return
+        if not self.track_fused:
             return
         group_name, key = slot
         g = self._groups.setdefault(group_name, _Group())
@@ -106,7 +116,7 @@ class SGLangChecksums:
             # Ahead of its turn: hold a copy until the members before it arrive.
             g.pending[key] = tensor.detach().cpu().clone()
             return
-        self._feed(group_name, g, data)
+        self._feed(group_name, g, data if data is not None else _raw_bytes(tensor))
         while g.next_key in g.pending:
             self._feed(group_name, g, _raw_bytes(g.pending.pop(g.next_key)))
 

@@ -149,10 +149,19 @@ class EngineChecksums:
     FP8 weights as their bf16 dequantisation (scales consumed), as SGLang reports them.
     """
 
-    def __init__(self, layouts: list[EngineLayout]) -> None:
-        self.plain = SGLangChecksums()
+    def __init__(
+        self, layouts: list[EngineLayout], *, namings: frozenset[str] = frozenset({"hf", "sglang"})
+    ) -> None:
+        """namings: what the engines report, "hf" (HF names of the bytes sent) and / or "sglang"
+        (fused, per rank); only those are hashed (`WeightSync` learns it at the first verified
+        push), so the sender hashes each byte about once instead of up to four times."""
+        if not namings <= {"hf", "sglang"} or not namings:
+            raise ValueError(f"namings {sorted(namings)}: a non-empty subset of hf, sglang")
+        self.namings = namings
+        self.plain = SGLangChecksums(fused=False)
         self.layouts = {lay.tp_size: lay for lay in layouts}
-        self._ranks = {tp: [SGLangChecksums() for _ in range(tp)] for tp in self.layouts}
+        ranks = self.layouts if "sglang" in namings else {}
+        self._ranks = {tp: [SGLangChecksums(hf=False) for _ in range(tp)] for tp in ranks}
         self._fp8: dict[str, torch.Tensor] = {}
 
     @property
@@ -160,7 +169,11 @@ class EngineChecksums:
         return self.plain.hf
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.plain.add(name, tensor)
+        if "hf" in self.namings:
+            self.plain.add(name, tensor)
+        if not self._ranks:
+            return
+        digest = self.plain.hf.get(name)  # of the bytes sent, when hashed above
         if tensor.dtype == torch.float8_e4m3fn:
             self._fp8[name] = tensor.detach().cpu().clone()  # until its scale arrives
             return
@@ -171,11 +184,14 @@ class EngineChecksums:
                 raise ValueError(f"{name} sent before (or without) its FP8 weight {weight}")
             s = tensor.detach().cpu().float()
             name, tensor = weight, fp8_lib.dequantise_blockwise(q, s).to(torch.bfloat16)
+            digest = None  # SGLang hashes the dequantised weight, not the bytes sent
         for tp, accs in self._ranks.items():
             for r, acc in enumerate(accs):
                 part = engine_shard(name, tensor, r, self.layouts[tp])
                 if part is not None:
-                    acc.add(*part)
+                    # The whole tensor under its own name: its HF checksum is already known.
+                    same = part[0] == name and part[1] is tensor
+                    acc.add(*part, hf_digest=digest if same else None)
 
     def add_bucket(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """`add` every tensor of a bucket, in order, from one host copy of it (`host_views`)."""

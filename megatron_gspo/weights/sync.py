@@ -121,17 +121,20 @@ def verify_engines(
     sent: EngineChecksums,
     *,
     verify_names: Literal["all", "common"] = "all",
-) -> None:
+) -> frozenset[str]:
     """Raise `WeightIntegrityError` unless every engine (every TP rank of it) holds what was
     sent. Each engine is compared in the naming it reports: SGLang's fused parameter names
     over each rank's shard when it reports them (a real server), else HF names (the embedded
-    engine)."""
+    engine). Returns the namings seen ("sglang", "hf"), so later pushes hash only those."""
+    namings: set[str] = set()
     for engine in engines:
         for engine_id, info in engine.weights_checksum().items():
             per_rank = engine_rank_checksums(info, engine_id)
             if reported_in_sglang_naming(per_rank[0]):
+                namings.add("sglang")
                 expected_ranks = sent.ranks(len(per_rank))
             elif len(per_rank) == 1:
+                namings.add("hf")
                 expected_ranks = [sent.hf]
             else:
                 raise WeightSyncError(
@@ -149,6 +152,7 @@ def verify_engines(
                 else:
                     unwritten_parameters(expected, held, where)
                 compare_checksums(expected, held, where)
+    return frozenset(namings)
 
 
 def unwritten_parameters(sent: dict[str, str], held: dict[str, str], engine_id: str) -> None:
@@ -195,6 +199,8 @@ class WeightSync:
         self.transport: Transport | None = self._make_transport() if self.sender else None
         self._ready = False
         self._verified_once = False  # the first push is always verified (another model?)
+        self._namings: frozenset[str] | None = None
+        """What the engines' checksums are named in (learnt at the first verified push)."""
         self.local_stats = StreamStats()
         """What this rank's last export received (`push` returns the sender's stats)."""
 
@@ -315,14 +321,15 @@ class WeightSync:
 
     def _checksums(self) -> EngineChecksums:
         tps = engine_tp_sizes(self.engines) if self.sender else []
+        kw = {"namings": self._namings} if self._namings else {}
         if tps == [1]:  # nothing is sharded: no model shape needed
-            return EngineChecksums([EngineLayout(1, 1, 1, 1, 1)])
+            return EngineChecksums([EngineLayout(1, 1, 1, 1, 1)], **kw)
         hf = hf_io.hf_config_of(self.bridge) if tps else None
         ep = self.config.engine_ep_size
-        return EngineChecksums([EngineLayout.of(hf, tp, ep if tp > 1 else 1) for tp in tps])
+        return EngineChecksums([EngineLayout.of(hf, tp, ep if tp > 1 else 1) for tp in tps], **kw)
 
     def _verify(self, sent: EngineChecksums) -> None:
-        verify_engines(self.engines, sent, verify_names=self.config.verify_names)
+        self._namings = verify_engines(self.engines, sent, verify_names=self.config.verify_names)
 
     def _check_version(self, version: str) -> None:
         for engine in self.engines:

@@ -99,3 +99,50 @@ def test_host_views_are_bitwise_the_bucket() -> None:
     for (_, t), (_, v) in zip(named, views, strict=True):
         assert v.dtype == t.dtype and v.shape == t.shape
         assert torch.equal(v.view(torch.uint8), t.view(torch.uint8))
+
+
+def _layer() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    p = "model.layers.0."
+    names = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "input_layernorm.weight",
+        "mlp.experts.0.gate_proj.weight",
+        "mlp.experts.0.up_proj.weight",
+        "mlp.experts.1.gate_proj.weight",
+        "mlp.experts.1.up_proj.weight",
+        "mlp.experts.0.down_proj.weight",
+        "mlp.experts.1.down_proj.weight",
+    ]
+    return [(p + n, torch.randn(8, 4, generator=g)) for n in names]
+
+
+@pytest.mark.parametrize("naming", ["hf", "sglang"])
+def test_one_naming_hashes_each_byte_once(monkeypatch: pytest.MonkeyPatch, naming: str) -> None:
+    """Once the engines' naming is known, the sender hashes every byte it sent once (not once
+    per naming and again per rank), and the checksums are those of hashing for both."""
+    from megatron_gspo.weights import sglang_names
+
+    named = _layer()
+    both = EngineChecksums([EngineLayout(1, 1, 1, 1, 1)])
+    for n, t in named:
+        both.add(n, t)
+    hashed: list[int] = []
+    raw = sglang_names._raw_bytes
+
+    def counting(t: torch.Tensor) -> memoryview:
+        hashed.append(t.numel() * t.element_size())
+        return raw(t)
+
+    monkeypatch.setattr(sglang_names, "_raw_bytes", counting)
+    one = EngineChecksums([EngineLayout(1, 1, 1, 1, 1)], namings=frozenset({naming}))
+    for n, t in named:
+        one.add(n, t)
+    assert sum(hashed) == sum(t.numel() * t.element_size() for _, t in named)
+    if naming == "hf":
+        assert one.hf == both.hf == {n: tensor_checksum(t) for n, t in named}
+    else:
+        assert one.ranks(1) == both.ranks(1)
+        assert "model.layers.0.mlp.experts.w13_weight" in one.ranks(1)[0]
