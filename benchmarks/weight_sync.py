@@ -19,7 +19,8 @@ for `distributed`; safetensors for `disk`) and times its side. Rows:
   tensor+ver   tensor with verification (sender sha256 per bucket on the send thread, engine
                hashes what it holds, compare)
   tensor fp8   export + block FP8 quantise (+ per-bucket e4m3 bound check) + tensor
-  distributed  export + gloo broadcast of flattened buckets to a receiver process
+  distributed  export + gloo broadcast of flattened buckets to a receiver process (which
+               ships the tensors back to the test engine through a pipe: its `xfer` is inflated)
   disk         export + safetensors shards + config, engine reloads them
 
 `coll`: torch.distributed collectives rank 0 issued during the push (gathers, broadcasts).
@@ -138,7 +139,9 @@ class CountCollectives:
             setattr(torch.distributed, name, fn)
 
 
-def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: float) -> Any:
+def rank_main(
+    rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: float, repeats: int
+) -> Any:
     torch.set_num_threads(1)  # two ranks on a shared 2-core machine
     from megatron_gspo.megatron.model import (
         Layout,
@@ -162,24 +165,26 @@ def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: fl
         pass
     exports = (("export", False, 0), ("export->r0", True, 0), ("export bat", True, int(mb * 2**20)))
     for label, to_first, batch in exports:
-        torch.distributed.barrier()
-        t = time.perf_counter()
-        nbytes = ntensors = 0
-        with CountCollectives() as counted:
-            for _, tensor in hf_tensors(
-                bridge, model, cpu=True, experts_to_first=to_first, expert_batch_bytes=batch
-            ):
-                nbytes += tensor.numel() * tensor.element_size()
-                ntensors += 1
-        wall = time.perf_counter() - t
-        rows[label] = dict(
-            wall=wall,
-            bytes=nbytes,
-            buckets=0,
-            tensors=ntensors,
-            phases={},
-            collectives=counted.count,
-        )
+        for _ in range(repeats):  # the fastest of `repeats` (the machine is shared)
+            torch.distributed.barrier()
+            t = time.perf_counter()
+            nbytes = ntensors = 0
+            with CountCollectives() as counted:
+                for _, tensor in hf_tensors(
+                    bridge, model, cpu=True, experts_to_first=to_first, expert_batch_bytes=batch
+                ):
+                    nbytes += tensor.numel() * tensor.element_size()
+                    ntensors += 1
+            wall = time.perf_counter() - t
+            if label not in rows or wall < rows[label]["wall"]:
+                rows[label] = dict(
+                    wall=wall,
+                    bytes=nbytes,
+                    buckets=0,
+                    tensors=ntensors,
+                    phases={},
+                    collectives=counted.count,
+                )
 
     cases = {
         "tensor": dict(transport="tensor", verify_every=0),
@@ -190,22 +195,31 @@ def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: fl
         "distributed": dict(transport="distributed", verify_every=0),
         "disk": dict(transport="disk", disk_dir=str(Path(tmp) / "disk"), verify_every=0),
     }
+    nbytes_sent = rows["export->r0"]["bytes"]
+    memcpy = _memcpy_gbps(nbytes_sent) if rank == 0 else 0.0
     for name, cfg in cases.items():
+        if rank == 0:  # the best memcpy of the run: the ratios are never flattered by a slow one
+            memcpy = max(memcpy, _memcpy_gbps(nbytes_sent))
         engine = _timing_engine(name) if rank == 0 else None
         sync = WeightSync(bridge, [engine] if engine else [], WeightSyncConfig(bucket_mb=mb, **cfg))
         sync.push(model)  # warm-up (and group setup for the distributed transport)
-        if engine is not None:
-            engine.seconds.clear()
-        torch.distributed.barrier()
-        t = time.perf_counter()
-        with CountCollectives() as counted:
-            report = sync.push(model)
-        wall = time.perf_counter() - t
+        best = None
+        for _ in range(repeats):  # the fastest of `repeats` (the machine is shared)
+            if engine is not None:
+                engine.seconds.clear()
+            torch.distributed.barrier()
+            t = time.perf_counter()
+            with CountCollectives() as counted:
+                report = sync.push(model)
+            wall = time.perf_counter() - t
+            if best is None or wall < best[0]:
+                best = (wall, report, dict(engine.seconds) if engine else {}, counted.count)
         sync.close()
         if engine is None:
             continue
+        wall, report, engine_seconds, n_coll = best
         phases = dict(report.stats.seconds)
-        phases.update(engine.seconds)
+        phases.update(engine_seconds)
         if name == "distributed":  # the receiver process decodes while the broadcast runs
             phases.setdefault("load", 0.0)
         phases["xfer"] = max(
@@ -217,11 +231,11 @@ def rank_main(rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: fl
             buckets=report.stats.buckets,
             tensors=report.stats.tensors,
             phases=phases,
-            collectives=counted.count,
+            collectives=n_coll,
         )
     if rank != 0:
         return None
-    return {"rows": rows, "memcpy": _memcpy_gbps(rows["tensor"]["bytes"])}
+    return {"rows": rows, "memcpy": max(memcpy, _memcpy_gbps(nbytes_sent))}
 
 
 def qwen3_moe_hf_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -303,6 +317,7 @@ def main() -> None:
     ap.add_argument("--layout", default="ep2", choices=sorted(LAYOUTS))
     ap.add_argument("--size", default="small", choices=sorted(SIZES), help="model preset")
     ap.add_argument("--bucket-mb", type=float, default=16.0)
+    ap.add_argument("--repeats", type=int, default=3, help="measured pushes per row (fastest)")
     args = ap.parse_args()
     size = SIZES[args.size]
 
@@ -324,14 +339,17 @@ def main() -> None:
             vocab_size=8192,
         )
         t = time.perf_counter()
-        res = spawn_ranks(rank_main, 2, str(hf), tmp, LAYOUTS[args.layout], args.bucket_mb)[0]
+        res = spawn_ranks(
+            rank_main, 2, str(hf), tmp, LAYOUTS[args.layout], args.bucket_mb, args.repeats
+        )[0]
         wall = time.perf_counter() - t
     memcpy = res["memcpy"]
     rows = res["rows"]
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(
         f"\nweight sync on CPU: {args.layout}, size {args.size} ({size}), 2 gloo ranks x 1 "
-        f"thread, fp32 model, bucket {args.bucket_mb:g} MiB, run wall {wall:.0f} s\n"
+        f"thread, fp32 model, bucket {args.bucket_mb:g} MiB, fastest of {args.repeats}, run wall "
+        f"{wall:.0f} s\n"
         f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; at end: {uptime}"
     )
     head = " ".join(f"{p[:7]:>7}" for p in PHASES)
@@ -352,17 +370,20 @@ def main() -> None:
     print(f"{'memcpy':<12} {rows['tensor']['bytes'] / 1e6:7.1f} {'':>7} {'':>5} {'':>5} "
           f"{'':>{8 * len(PHASES) - 1}} {'':>7} {memcpy:6.2f} {1.0:7.3f}")  # fmt: skip
 
-    base, ver = rows["tensor"], rows["tensor+ver"]
-    extra = ver["wall"] - base["wall"]
-    n_default = max(1, math.ceil(extra / (0.1 * base["wall"])))
-    per_tensor_ms = 1e3 * rows["export->r0"]["wall"] / rows["export->r0"]["tensors"]
+    # Verification's cost, counted as if nothing overlapped: the sender's sha256 (on the send
+    # thread) plus the verify step (engine hashes + compare), against the fastest unverified push.
+    base = min(rows["tensor"]["wall"], rows["tensor seq"]["wall"])
+    ver = rows["tensor+ver"]["phases"]
+    cost = ver.get("checksum", 0.0) + ver.get("verify", 0.0)
+    n_default = max(1, math.ceil(cost / (0.1 * base)))
+    per_tensor_ms = 1e3 * rows["export bat"]["wall"] / rows["export bat"]["tensors"]
     print(
-        f"\nverification: +{extra:.3f} s on a {base['wall']:.3f} s push "
-        f"({100 * extra / base['wall']:.0f}%); sender sha256 {ver['phases'].get('checksum', 0):.3f}"
-        f" s (send thread), engine hash {ver['phases'].get('engine_hash', 0):.3f} s, "
-        f"verify step {ver['phases'].get('verify', 0):.3f} s -> every {n_default}-th push keeps "
-        f"it <= 10% of a sync\nexport per HF tensor: {per_tensor_ms:.2f} ms "
-        f"({rows['export->r0']['tensors']} tensors, one collective each)"
+        f"\nverification: {cost:.3f} s = sender sha256 {ver.get('checksum', 0):.3f} s (send "
+        f"thread) + verify step {ver.get('verify', 0):.3f} s (engine hash "
+        f"{ver.get('engine_hash', 0):.3f} s + compare) = {100 * cost / base:.0f}% of a "
+        f"{base:.3f} s push -> verify_every >= {n_default} keeps it <= 10% of a sync\n"
+        f"export (batched) per HF tensor: {per_tensor_ms:.2f} ms "
+        f"({rows['export bat']['tensors']} tensors)"
     )
 
     print("\nQwen3 projection inputs (bf16 / block FP8, 512 MiB buckets):")
