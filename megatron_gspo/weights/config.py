@@ -34,7 +34,9 @@ class WeightSyncConfig:
     """Dequantise every FP8 weight on the sender and check the e4m3 error bound per block."""
     verify_every: int = 1
     """Compare per-tensor checksums with the engines every N syncs and on the first (an
-    engine serving another model is refused before step 1); 0 = never."""
+    engine serving another model is refused before step 1); 0 = never. A verified push costs
+    about one sha256 per sent byte on each side: 55-74% of a push on CPU, ~10x a push for
+    Qwen3-30B-A3B on GPUs (docs/performance.md); set e.g. 100 there."""
     overlap: bool = True
     """Double buffering on the sender: checksum and send each bucket on a worker thread while
     the next one is exported (`weights.pipeline`); holds up to 3 buckets at once. False:

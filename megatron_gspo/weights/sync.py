@@ -1,8 +1,10 @@
 """`WeightSync`: push the trainer's weights to the rollout engines once per step, verified.
 
 Every trainer rank calls `sync.push(model)` (the bridge's gathers are collectives); rank 0
-(`sender_rank`) buckets the HF-named tensors, optionally quantises them to block FP8, sends
-them with the configured transport, then checks, when due:
+(`sender_rank`) buckets the HF-named tensors (expert gathers batched per bucket,
+`weights.ep_batch`), optionally quantises them to block FP8 (bound checked on the device, read
+once per bucket), and hands each bucket to a worker thread that checksums and sends it while
+the next one is exported (`weights.pipeline`), then checks, when due:
 
 * integrity: the per-tensor checksum of every tensor as sent equals what each engine reports
   through `WeightReceiver.weights_checksum()` (a mismatch raises `WeightIntegrityError` naming
