@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 from megatron_gspo.weights.shards import EngineChecksums
 from megatron_gspo.weights.stream import Bucket, StreamStats
 from megatron_gspo.weights.transports import Transport
@@ -44,7 +46,19 @@ class SendPipeline:
         self.stats = stats
         self.error: BaseException | None = None
         self._seconds: dict[str, float] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-send") if overlap else None
+        self._pool = None
+        if overlap:
+            # The current CUDA device is per thread: the worker uses the caller's (a transport's
+            # "cuda" buffers, the allocator release), not device 0.
+            device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+            def on_callers_device() -> None:
+                if device is not None:
+                    torch.cuda.set_device(device)
+
+            self._pool = ThreadPoolExecutor(
+                1, thread_name_prefix="weight-send", initializer=on_callers_device
+            )
         self._inflight: Future[None] | None = None
 
     def _run(self, bucket: Bucket, version: str, last: bool) -> None:
