@@ -1,6 +1,7 @@
 """Run a function on N gloo ranks (spawned processes) and collect what each rank returns.
 
-Each launch pays ~15-20 s of imports on 2 cores, so tests batch many checks into one launch:
+Ranks fork from a forkserver that imported torch and megatron once per test session; a launch
+still costs seconds (process group, model build), so tests batch many checks into one launch:
 the function receives its rank and world size, runs every layout it was asked to, and returns a
 picklable result (tensors included). Exceptions on any rank fail the launch with that rank's
 traceback.
@@ -21,10 +22,32 @@ import torch.multiprocessing as mp
 
 from megatron_gspo.dist import free_port
 
+# Ranks fork from one forkserver that imported torch and megatron once (testing/preload.py),
+# instead of each spawned rank importing them again (~9 s per rank on 2 cores). The forkserver
+# keeps the environment and working directory of the first launch, so each rank takes the
+# launcher's current ones (what a spawned rank would see).
+_PRELOAD = ["megatron_gspo.testing.preload"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
 
 def _worker(
-    rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...]
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    cwd: str,
 ) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -54,11 +77,14 @@ def spawn_ranks(
 
     `fn` must be importable (a module-level function) because ranks are spawned.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
+    env, cwd = dict(os.environ), os.getcwd()
     with tempfile.TemporaryDirectory(prefix="mgspo-ranks-") as out:
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, out, fn, args), daemon=False)
+            ctx.Process(
+                target=_worker, args=(r, world_size, port, out, fn, args, env, cwd), daemon=False
+            )
             for r in range(world_size)
         ]
         for p in procs:

@@ -362,15 +362,6 @@ def export_hf(
     return 0 if writer is None else len(writer.weight_map)
 
 
-def hf_state(bridge: Any, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """The full HF-named state in memory on EVERY rank (tests, small models): the same stream
-    as `export_hf`, with the bridge's expert all-gather so that each rank receives it all."""
-    return {
-        name: t.cpu().clone()
-        for name, t in hf_tensors(bridge, model, cpu=True, experts_to_first=False)
-    }
-
-
 # ---- command line (tools/convert_*.py are thin wrappers) ---------------------------------
 def _layout_args(p: Any) -> None:
     g = p.add_argument_group("parallel layout of the Megatron side (megatron_gspo.layout.Layout)")

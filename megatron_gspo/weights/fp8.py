@@ -107,16 +107,6 @@ def block_error_ratio(
     return (err / bound).amax(dim=(1, 3))
 
 
-def block_relative_error(
-    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
-) -> torch.Tensor:
-    """Per block, `max |deq - x| / max |x|` ([Nb, Kb]); <= 2^-4 for e4m3 (reported in metrics)."""
-    xf = x.float()
-    err = _blocks((dequantise_blockwise(q, scale_inv, block) - xf).abs(), block).amax(dim=(1, 3))
-    amax = _blocks(xf.abs(), block).amax(dim=(1, 3)).clamp(min=1e-30)
-    return err / amax
-
-
 def check_dequantised(
     name: str, x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
 ) -> float:

@@ -107,19 +107,6 @@ def hf_source_dir(bridge: Any) -> Path | None:
     return Path(path) if path is not None and Path(path).is_dir() else None
 
 
-def load_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a HF safetensors directory (tests and tools; small models only)."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {hf_dir}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
-
-
 def write_fp8_checkpoint(
     src_dir: str | Path, out_dir: str | Path, *, shard_bytes: int = 2 * 1024**3
 ) -> Path:

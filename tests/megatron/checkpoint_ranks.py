@@ -24,7 +24,7 @@ from megatron_gspo.megatron.model import (
     quiet_megatron,
 )
 from megatron_gspo.megatron.packing import TrainSequence
-from megatron_gspo.weights.convert import hf_state
+from megatron_gspo.testing.weights import hf_state
 from tests.megatron.policy_ranks import make_sequences
 
 STEPS, SAVE_AFTER = 4, 2

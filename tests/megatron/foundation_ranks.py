@@ -22,7 +22,7 @@ from megatron_gspo.megatron.model import (
     make_provider,
     quiet_megatron,
 )
-from megatron_gspo.weights.convert import hf_state
+from megatron_gspo.testing.weights import hf_state
 
 BATCH, SEQ = 4, 16
 

@@ -28,7 +28,7 @@ from megatron_gspo.megatron.model import (
     quiet_megatron,
 )
 from megatron_gspo.megatron.packing import TrainSequence
-from megatron_gspo.weights.convert import hf_state
+from megatron_gspo.testing.weights import hf_state
 
 NUM_SEQS, MAX_TOKENS = 10, 24
 

@@ -24,6 +24,7 @@ from megatron_gspo.megatron.model import (
     make_provider,
     quiet_megatron,
 )
+from megatron_gspo.testing.weights import hf_state, load_hf_state
 from megatron_gspo.weights import convert, hf_io
 
 LAYOUTS = {"tp2": Layout(tp=2), "ep2": Layout(ep=2), "pp2": Layout(pp=2), "cp2": Layout(cp=2)}
@@ -74,9 +75,9 @@ def main(rank: int, world: int, root: str) -> dict[str, Any]:
         convert.megatron_to_hf(root_p / f"mc_{src}", root_p / f"hf_{src}_{dst}", LAYOUTS[dst])
     torch.distributed.barrier()
     if rank == 0:
-        original = hf_io.load_hf_state(hf)
+        original = load_hf_state(hf)
         for src, dst in EXPORTS:
-            back = hf_io.load_hf_state(root_p / f"hf_{src}_{dst}")
+            back = load_hf_state(root_p / f"hf_{src}_{dst}")
             out[f"export_{src}_{dst}"] = {
                 "missing": sorted(set(original) - set(back)),
                 "extra": sorted(set(back) - set(original)),
@@ -105,9 +106,9 @@ def main(rank: int, world: int, root: str) -> dict[str, Any]:
     exported = root_p / "exported"
     out["export_hf_small"] = convert.export_hf(bridge, model, exported, hf_dir=hf, shard_bytes=1)
     out["export_hf"] = convert.export_hf(bridge, model, exported, hf_dir=hf)
-    in_memory = convert.hf_state(bridge, model)  # on every rank
+    in_memory = hf_state(bridge, model)  # on every rank
     if rank == 0:
-        written = hf_io.load_hf_state(exported)
+        written = load_hf_state(exported)
         out["export_hf_files"] = sorted(p.name for p in exported.iterdir())
         out["export_hf_equal"] = written.keys() == in_memory.keys() and all(
             torch.equal(written[k], in_memory[k]) for k in written
@@ -123,7 +124,7 @@ def main(rank: int, world: int, root: str) -> dict[str, Any]:
 
         broken = root_p / "hf_broken"
         shutil.copytree(hf, broken)
-        state = hf_io.load_hf_state(broken)
+        state = load_hf_state(broken)
         state.pop(DROPPED)
         for f in broken.glob("*.safetensors"):
             f.unlink()

@@ -168,7 +168,7 @@ class FakeEngine:
     def update_weights_from_disk(self, path: str, *, weight_version: str | None = None) -> None:
         import json
 
-        from megatron_gspo.weights.hf_io import load_hf_state
+        from megatron_gspo.testing.weights import load_hf_state
 
         self._store(load_hf_state(path).items())
         self.disk_config = json.loads((Path(path) / "config.json").read_text())

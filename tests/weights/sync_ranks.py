@@ -21,9 +21,9 @@ from megatron_gspo.megatron.model import (
     make_provider,
     quiet_megatron,
 )
+from megatron_gspo.testing.weights import block_relative_error, hf_state
 from megatron_gspo.weights import fp8
 from megatron_gspo.weights.checksum import WeightIntegrityError
-from megatron_gspo.weights.convert import hf_state
 from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
 from tests.weights.fake_engine import FakeEngine
 
@@ -66,7 +66,7 @@ def _fp8_summary(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> 
             out["worst_ratio"] = max(
                 out["worst_ratio"], float(fp8.block_error_ratio(x, q, s).max())
             )
-            out["worst_rel"] = max(out["worst_rel"], float(fp8.block_relative_error(x, q, s).max()))
+            out["worst_rel"] = max(out["worst_rel"], float(block_relative_error(x, q, s).max()))
         elif not torch.equal(got[n], x.to(torch.bfloat16)):
             out["bad"].append(f"{n}: not the bf16 cast of the export")
     return out

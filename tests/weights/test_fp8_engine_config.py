@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
+from megatron_gspo.testing.weights import load_hf_state
 from megatron_gspo.weights import fp8, hf_io
 
 
@@ -103,7 +104,7 @@ def test_write_fp8_checkpoint(hf_dir: Path, tmp_path: Path) -> None:
     }
     assert qcfg == fp8.quantization_config_for(json.loads((hf_dir / "config.json").read_text()))
     src = load_file(str(hf_dir / "model.safetensors"))
-    got = hf_io.load_hf_state(out)
+    got = load_hf_state(out)
     n_fp8 = 0
     for name, t in src.items():
         if fp8.is_quantised_name(name, t):
