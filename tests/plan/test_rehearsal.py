@@ -141,9 +141,8 @@ def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] 
             router_argv = _nul(launch_dir / "router.argv")
             # the real router from whichever venv has it (the engine venv may not)
             for python in (router_argv[0], sys.executable):
-                probe = subprocess.run(
-                    [python, "-c", "import sglang_router.launch_router"], timeout=120
-                )
+                find = "import importlib.util as u, sys; sys.exit(not u.find_spec('sglang_router'))"
+                probe = subprocess.run([python, "-c", find], timeout=60)
                 if probe.returncode == 0:
                     router_argv[0] = python
                     break
@@ -152,7 +151,7 @@ def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] 
             with open(logs / "router.log", "w") as log:
                 procs.append(
                     subprocess.Popen(
-                        _nul(launch_dir / "router.argv"),
+                        router_argv,
                         cwd=ROOT,
                         stdout=log,
                         stderr=log,
