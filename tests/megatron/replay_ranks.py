@@ -98,12 +98,45 @@ def run_case(bridges: tuple[Any, Any], layout: Layout, data: list[dict], neutral
     return out
 
 
+def policy_case(hf_a: str, data: list[dict]) -> dict[str, Any]:
+    """The real path: `Policy.build` with rl.routing_replay=true, one `Policy.update` on
+    sequences carrying the engine's routes; its logged routing flip rate."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.megatron.policy import Policy
+
+    cfg = load_config(
+        None,
+        [
+            f"model.hf_path={hf_a}",
+            "model.dtype=fp32",
+            "data.train_path=unused.jsonl",
+            "rl.routing_replay=true",
+            "rl.prompts_per_rollout=3",
+            "rl.group_size=2",
+            "rl.mini_batches_per_rollout=2",
+            "optim.lr=1e-2",
+            "train.micro_batch_tokens=24",
+            "rollout.max_new_tokens=14",
+            "train.routing_flip_every=1",
+        ],
+    )
+    policy = Policy.build(cfg)
+    seqs = sequences(data)
+    for s in seqs:
+        s.advantage = 1.0 if s.seq_id % 2 else -1.0
+    metrics = policy.update(seqs, step=1)
+    routers = sum(len(list(replay.replay_routers(c))) for c in policy.model)
+    return {"metrics": metrics, "replay_routers": routers}
+
+
 def main(
     rank: int, world: int, hf_a: str, hf_b: str, data: list[dict], layouts: dict[str, dict]
 ) -> dict[str, Any]:
     quiet_megatron()
     bridges = (load_bridge(hf_a), load_bridge(hf_b))
-    return {
+    out = {
         name: run_case(bridges, Layout(**lay), data, neutral=i == 0)
         for i, (name, lay) in enumerate(layouts.items())
     }
+    out["policy"] = policy_case(hf_a, data)
+    return out

@@ -8,7 +8,8 @@ Under replay, at every layout:
     experts, per layer, per token (prompt tokens included);
   * the log-probs equal a Hugging Face forward of checkpoint A whose routers are forced
     to the engine's experts (an independent implementation of "route as the engine did");
-  * the routing flip rate across an update (A -> B) is 0, against > 0 without replay.
+  * the routing flip rate across an update (A -> B) is 0, against > 0 without replay, and
+    `Policy.update` (built with rl.routing_replay=true) logs 0.
 Switch off (a model built without RouterReplay): the routes change nothing, bit for bit.
 """
 
@@ -142,3 +143,14 @@ def test_switch_off_changes_nothing(results: list[dict]) -> None:
         first = r[next(iter(LAYOUTS))]
         assert first["plain_replay_routers"] == 0
         assert first["neutral_max_diff"] == 0.0
+
+
+def test_policy_update_replays_and_logs_zero_flips(results: list[dict]) -> None:
+    """Through `Policy.build` / `Policy.update` (rl.routing_replay=true): the routers carry
+    RouterReplay, the update trains (finite loss) and the drift probe logs 0 flips."""
+    for r in results:
+        got = r["policy"]
+        assert got["replay_routers"] > 0
+        m = got["metrics"]
+        assert m["moe/routing_flip_rate"] == 0.0 and m["moe/routed_token_layers"] > 0
+        assert m["train/skipped_updates"] == 0.0 and torch.isfinite(torch.tensor(m["loss"]))
