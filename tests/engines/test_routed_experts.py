@@ -128,8 +128,13 @@ def test_wire_format_is_sglangs():
         decode(sent, topk=4, prompt_len=6, response_len=5)  # one row short
 
 
-def test_replay_asks_the_launched_engines_for_routes():
+def test_replay_asks_the_launched_engines_for_routes(ckpt_a):
+    from transformers import AutoConfig
+
     from megatron_gspo.engines.launch import LaunchConfig
+    from megatron_gspo.engines.routed_experts import model_topk
+
+    assert model_topk(ckpt_a) == AutoConfig.from_pretrained(ckpt_a).num_experts_per_tok == 2
 
     launch, client = ask_for_routes(LaunchConfig(extra_args=["--x"]), ClientConfig(), 8)
     assert launch.extra_args == ["--x", SERVER_FLAG] and client.return_routed_experts
