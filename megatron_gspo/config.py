@@ -170,6 +170,12 @@ class RLConfig:
     """Divide group-centred rewards by the group std (false: A_i = r_i - mean)."""
     adv_eps: float = 1e-6
     """Added to the group std before dividing."""
+    routing_replay: bool = False
+    """STUDY CONTROL, not a recommended mode: the engines return the experts they routed each
+    token to and the policy's forward passes replay them (megatron-core `RouterReplay`,
+    `megatron/replay.py`), the R3 baseline the project argues GSPO does not need. Needs engines
+    that return routed experts: the embedded engine, or SGLang on GPUs (SGLang 0.5.23 cannot
+    capture them on CPU)."""
 
     def __post_init__(self) -> None:
         _positive("rl", adv_eps=self.adv_eps)
@@ -428,6 +434,10 @@ class Config:
             "rollout.async_rollout=true generates while the trainer trains, which colocated "
             "engines (rollout.launch.colocated=true) cannot; set one of them to false",
         )
+        if self.rl.routing_replay:
+            from megatron_gspo.megatron.replay import check_config
+
+            check_config(self)
         optimizer_steps = self.train.steps * self.rl.mini_batches_per_rollout
         _require(
             self.optim.warmup_steps < optimizer_steps,

@@ -81,6 +81,12 @@ def main(argv: list[str] | None = None) -> None:
 
         if (path := latest_checkpoint(cfg.checkpoint.dir)) is not None:
             verify(path)
+    if cfg.rl.routing_replay:  # a study control: the engines return routes to replay
+        from megatron_gspo.engines.routed_experts import ask_for_routes, model_topk
+
+        cfg.rollout.launch, cfg.rollout.client = ask_for_routes(
+            cfg.rollout.launch, cfg.rollout.client, model_topk(cfg.model.hf_path)
+        )
     # Engines that do not share the trainer's devices start now and import / load while the
     # model is built; colocated ones after it (they size their memory from what is left).
     launch = cfg.rollout.launch

@@ -41,9 +41,18 @@ class TrainSequence:
     """The sequence's reward and its group (an id shared by the group's members): what
     loss.kl_in_reward needs to recompute the advantage after the KL penalty."""
     group: int | None = None
+    routed_experts: Tensor | None = None
+    """`[P + R - 1, L, K]` expert ids the engine routed each prompt and response token to (the
+    last response token has none), replayed by the trainer with `rl.routing_replay` (a study
+    control); None: the trainer routes itself (the default)."""
 
     def __post_init__(self) -> None:
         r = len(self.response_ids)
+        if self.routed_experts is not None and len(self.routed_experts) != self.length - 1:
+            raise ValueError(
+                f"sequence {self.seq_id}: routed_experts has {len(self.routed_experts)} rows "
+                f"for {self.length} tokens (expected one per token but the last)"
+            )
         if len(self.prompt_ids) == 0:  # a tensor has no truth value
             raise ValueError(f"sequence {self.seq_id}: empty prompt")
         for name in ("old_logp", "loss_mask", "rollout_logp", "ref_logp", "trainer_old_logp"):

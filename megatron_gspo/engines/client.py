@@ -42,6 +42,7 @@ from megatron_gspo.engines.client_config import ClientConfig
 from megatron_gspo.engines.client_weights import WeightCalls
 from megatron_gspo.engines.pool import EnginePool
 from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft
+from megatron_gspo.engines.routed_experts import attach_routed_experts
 from megatron_gspo.engines.types import (
     RolloutResult,
     RolloutStats,
@@ -277,6 +278,8 @@ class SGLangClient(WeightCalls):
             body = proto.generate_body(
                 [e.prompt for e in chunk], [e.sampling for e in chunk], [e.rid for e in chunk]
             )
+        if self.config.return_routed_experts:
+            body["return_routed_experts"] = True
         self._validate("/generate", body)
         return body
 
@@ -416,6 +419,8 @@ class SGLangClient(WeightCalls):
             except SampleValidationError as e:
                 bad.setdefault(k // n, str(e))
                 continue
+            if self.config.return_routed_experts:
+                attach_routed_experts(sample, meta, self.config.num_experts_per_tok, url)
             out.append((k // n, sample))
         # With native n an entry's samples are re-sent together: keep none of a bad entry's.
         good = [sample for i, sample in out if i not in bad]

@@ -52,6 +52,13 @@ class ClientConfig:
     """Check every body with SGLang's own request classes before sending (tests, debugging)."""
     api_key: str | None = None
     """Bearer token if the servers run with `--api-key` / `--admin-api-key`."""
+    return_routed_experts: bool = False
+    """Ask every `/generate` for the experts each token was routed to (SGLang's
+    `return_routed_experts`; the server needs `--enable-return-routed-experts`) and put them in
+    `Sample.routed_experts`. Set by the job when `rl.routing_replay` is on (a study control)."""
+    num_experts_per_tok: int = 0
+    """Top-k of the served MoE model, to decode the routed experts (with
+    `return_routed_experts`); the job fills it from the model's config."""
 
     def __post_init__(self) -> None:
         if self.dead_after_failures < 1:
@@ -63,6 +70,11 @@ class ClientConfig:
                 raise ConfigError(
                     f"rollout.client.engine_urls entry {url!r} is not an http(s) URL; fix it"
                 )
+        if self.return_routed_experts and self.num_experts_per_tok < 1:
+            raise ConfigError(
+                "rollout.client.return_routed_experts needs rollout.client.num_experts_per_tok "
+                "(the model's top-k) >= 1; set it"
+            )
         self.engine_urls = [u.rstrip("/") for u in self.engine_urls]
         if self.engine_tp_sizes is None:
             self.engine_tp_sizes = [1] * len(self.engine_urls)

@@ -13,7 +13,10 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # torch-free at import: the type only
+    from megatron_gspo.engines.routed_experts import RoutedExperts
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -132,6 +135,10 @@ class Sample:
     token_versions: list[int] = dataclasses.field(default_factory=list)
     """Weight version that sampled each response token (filled by the rollout scheduler; a
     response continued after a weight update mixes versions). Empty: not tracked."""
+    routed_experts: RoutedExperts | None = None
+    """The experts the engine routed each prompt and response token to (all but the last
+    response token; `ClientConfig.return_routed_experts`, for `rl.routing_replay`, a study
+    control). None: not asked for."""
 
     @property
     def key(self) -> tuple[int, int]:

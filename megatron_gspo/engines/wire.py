@@ -48,6 +48,7 @@ FIELDS_SENT: dict[str, tuple[str, ...]] = {
         "rid",
         "return_logprob",
         "logprob_start_len",
+        "return_routed_experts",
     ),
     "UpdateWeightsFromTensorReqInput": (
         "serialized_named_tensors",

@@ -46,6 +46,9 @@ class PackedMicroBatch:
     seq_ids: list[int]  # [S] global sequence ids (-1 for a padding micro-batch)
     cu_seqlens: Tensor  # [S+1] int32 over the full padded sequences
     max_seqlen: int
+    routed_experts: Tensor | None = None
+    """[T, L, K] long: the engine's expert ids per packed position (`rl.routing_replay`), -1
+    where the engine routed nothing (last token of a sequence, padding); None: no replay."""
     num_seqs: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -105,8 +108,9 @@ def pack(
         ]
     per_token_adv = not isinstance(seqs[0].advantage, float | int)
     cols: dict[str, list[Tensor]] = {
-        k: [] for k in "ids pos labels old roll ref trn mask valid sidx tpos adv".split()
+        k: [] for k in "ids pos labels old roll ref trn mask valid sidx tpos adv routes".split()
     }
+    replay = any(s.routed_experts is not None for s in seqs)
     lengths = []
     for i, s in enumerate(seqs):
         p, r = len(s.prompt_ids), len(s.response_ids)
@@ -145,6 +149,8 @@ def pack(
         cols["sidx"].append(torch.full((keep.numel(),), i, dtype=torch.long))
         cols["tpos"].append(tpos[keep])
         cols["adv"].append(adv[keep])
+        if replay:
+            cols["routes"].append(packed_routes(s, n)[keep])
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
     advantages = (
@@ -169,7 +175,21 @@ def pack(
         seq_ids=[s.seq_id for s in seqs],
         cu_seqlens=cu,
         max_seqlen=max(lengths),
+        routed_experts=torch.cat(cols["routes"]) if replay else None,
     )
+
+
+def packed_routes(s: TrainSequence, n: int) -> Tensor:
+    """`s.routed_experts` at the sequence's `n` padded positions ([n, L, K] long): row j is
+    what the engine routed input token j to; -1 rows where it routed nothing."""
+    routes = s.routed_experts
+    if routes is None:
+        raise ValueError(
+            f"sequence {s.seq_id} has no routed_experts while others in its micro-batch do"
+        )
+    rows = torch.full((n, *routes.shape[1:]), -1, dtype=torch.long)
+    rows[: len(routes)] = _as(routes, torch.long)
+    return rows
 
 
 def split_by_tokens(seqs: Sequence[TrainSequence], parts: int) -> list[list[TrainSequence]]:

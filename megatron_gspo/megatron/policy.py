@@ -33,6 +33,7 @@ from megatron_gspo import dist
 from megatron_gspo.algo import group_advantages, sequence_kl
 from megatron_gspo.config import Config
 from megatron_gspo.layout import Layout
+from megatron_gspo.megatron import replay
 from megatron_gspo.megatron import step as mstep
 from megatron_gspo.megatron.model import (
     build_model,
@@ -77,8 +78,11 @@ class Policy:
         # Our check first: its message names the config key; megatron-core's would not.
         cfg.parallel.validate(dist.world_size(), bridge.hf_pretrained.config)
         init_megatron(cfg.parallel, seed=cfg.train.seed)
+        provider = make_provider(bridge, cfg.parallel, cfg.model)
+        if cfg.rl.routing_replay:  # a study control (megatron/replay.py), off by default
+            replay.enable(provider)
         model = build_model(
-            make_provider(bridge, cfg.parallel, cfg.model),
+            provider,
             ddp_config=ddp_config(cfg.optim.use_distributed_optimizer),
             load_from=bridge if cfg.model.load_weights else None,
         )

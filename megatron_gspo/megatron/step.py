@@ -50,6 +50,7 @@ from megatron_gspo.algo import (
     vocab_parallel_logprobs,
 )
 from megatron_gspo.layout import Layout
+from megatron_gspo.megatron import replay
 from megatron_gspo.megatron.packing import (
     PackedMicroBatch,
     TrainSequence,
@@ -252,6 +253,8 @@ def _forward(
         kwargs["output_processor"] = partial(_fused_head, mb, cfg)
     if _has_float16_wrapper(model):
         kwargs["fp32_output"] = False  # no fp32 copy of the logits: the log-prob ops upcast
+    if mb.routed_experts is not None or getattr(model, "_replay_armed", False):
+        model._replay_armed = replay.arm(model, mb.routed_experts) > 0  # rl.routing_replay
     return model(mb.input_ids, mb.position_ids, None, **kwargs)
 
 

@@ -105,7 +105,31 @@ def pack_sequences(seqs: Sequence[TrainSequence]) -> dict[str, Tensor]:
     }
     for f in (*_OPTIONAL, *_SCALARS):
         out[f"has_{f}"] = torch.tensor([getattr(s, f) is not None for s in seqs], dtype=torch.uint8)
+    out |= _pack_routes(seqs)
     return out
+
+
+def _pack_routes(seqs: Sequence[TrainSequence]) -> dict[str, Tensor]:
+    """rl.routing_replay: every sequence's `routed_experts` [P+R-1, L, K] end to end, with
+    has_routed_experts [S] and routed_shape [2] = (L, K)."""
+    routes = [s.routed_experts for s in seqs if s.routed_experts is not None]
+    shape = tuple(routes[0].shape[1:]) if routes else (0, 0)
+    flat = torch.cat([r.reshape(-1) for r in routes]) if routes else torch.zeros(0)
+    return {
+        "routed_experts": flat.to(torch.int32),
+        "routed_shape": torch.tensor(shape, dtype=torch.int64),
+        "has_routed_experts": torch.tensor(
+            [s.routed_experts is not None for s in seqs], dtype=torch.uint8
+        ),
+    }
+
+
+def _unpack_routes(t: dict[str, Tensor], lengths: list[int]) -> list[Tensor | None]:
+    has = t["has_routed_experts"].tolist()
+    layers, k = t["routed_shape"].tolist()
+    rows = [n - 1 for n, h in zip(lengths, has, strict=True) if h]
+    parts = iter(_split(t["routed_experts"], [r * layers * k for r in rows]))
+    return [next(parts).view(-1, layers, k) if h else None for h in has]
 
 
 def _split(flat: Tensor, lengths: list[int]) -> list[Tensor]:
@@ -132,6 +156,8 @@ def unpack_sequences(t: dict[str, Tensor]) -> list[TrainSequence]:
     for f in _SCALARS:
         has = t[f"has_{f}"].tolist()
         scalars[f] = [v if h else None for v, h in zip(t[f].tolist(), has, strict=True)]
+    lengths = [p + r for p, r in zip(t["prompt_len"].tolist(), rlen, strict=True)]
+    routes = _unpack_routes(t, lengths)
     return [
         TrainSequence(
             seq_id=sid,
@@ -144,6 +170,7 @@ def unpack_sequences(t: dict[str, Tensor]) -> list[TrainSequence]:
             ref_logp=optional["ref_logp"][i],
             reward=scalars["reward"][i],
             group=scalars["group"][i],
+            routed_experts=routes[i],
         )
         for i, sid in enumerate(t["seq_id"].tolist())
     ]

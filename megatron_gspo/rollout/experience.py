@@ -204,6 +204,7 @@ class Rollout:
             loss_mask=mask,
             reward=reward,
             group=group,
+            routed_experts=s.routed_experts.indices if s.routed_experts is not None else None,
         )
         self.next_seq_id += 1
         return seq

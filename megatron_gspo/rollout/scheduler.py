@@ -211,6 +211,7 @@ def extend_sample(base: Sample, more: Sample, version: int) -> Sample:
         engine_id=more.engine_id,
         chunks=base.chunks + 1,
         stalled=more.stalled,
+        routed_experts=more.routed_experts,  # its prompt was all of base: it covers the lot
     )
 
 

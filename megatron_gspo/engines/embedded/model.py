@@ -37,6 +37,8 @@ class GenerationOutput:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: dict[str, Any]
+    routed_experts: torch.Tensor | None = None
+    """`[P + R - 1, L, K]` int32 routed expert ids (`return_routed_experts`), else None."""
 
 
 class HFPolicy:
@@ -68,6 +70,10 @@ class HFPolicy:
         self.weights_epoch = 0
         """Bumped by every weight load (a retracted request rebuilds its KV cache if it moved)."""
         self._rng = random.Random()
+        from megatron_gspo.engines.embedded.routes import RouteCapture
+
+        self.routes = RouteCapture(self.model)
+        """Hooks on the MoE routers: the experts each fed token went to (routing replay)."""
 
     # ---- generation --------------------------------------------------------------------
     @torch.inference_mode()
@@ -78,12 +84,14 @@ class HFPolicy:
         *,
         should_abort: Callable[[], bool] = lambda: False,
         wait_if_paused: Callable[[], bool] = lambda: False,
+        return_routed_experts: bool = False,
     ) -> GenerationOutput:
         """Generate one sequence; `sp` is a normalised `sglang` `SamplingParams`.
 
         `wait_if_paused` blocks while the engine is paused and returns True when the request
         was retracted meanwhile: then, as SGLang does, its KV cache is rebuilt from the tokens
         so far, so the rest of the response sees weights pushed during the pause.
+        `return_routed_experts`: also the experts each fed token was routed to (`routes.py`).
         """
         from transformers import DynamicCache
 
@@ -98,29 +106,37 @@ class HFPolicy:
         cache = DynamicCache()
         step_ids = torch.tensor([list(input_ids)], dtype=torch.long)
         epoch = self.weights_epoch
+        routes = None
+        if return_routed_experts:
+            routes = self.routes.buffer(min(len(input_ids) + max_new, self.context_len))
+        fed = 0  # position of the first token of `step_ids`
+
+        def done(reason: dict[str, Any]) -> GenerationOutput:
+            n = len(input_ids) + len(out_ids) - 1
+            kept = routes[: max(n, 0)].clone() if routes is not None else None
+            return GenerationOutput(
+                output_ids=out_ids, logprobs=out_lps, finish_reason=reason, routed_experts=kept
+            )
+
         while True:
             if max_new == 0 or len(input_ids) + len(out_ids) >= self.context_len:
-                return GenerationOutput(
-                    output_ids=out_ids,
-                    logprobs=out_lps,
-                    finish_reason={"type": "length", "length": len(out_ids)},
-                )
+                return done({"type": "length", "length": len(out_ids)})
             if wait_if_paused() and epoch != self.weights_epoch:
                 cache, epoch = DynamicCache(), self.weights_epoch
                 step_ids = torch.tensor([list(input_ids) + out_ids], dtype=torch.long)
+                fed = 0
             if should_abort():
-                return GenerationOutput(
-                    output_ids=out_ids,
-                    logprobs=out_lps,
-                    finish_reason={
+                return done(
+                    {
                         "type": "abort",
                         "message": "Abort in waiting queue" if not out_ids else "Aborted",
                         "status_code": None,
                         "err_type": None,
-                    },
+                    }
                 )
-            with self.lock:
+            with self.lock, self.routes.record(routes, fed):
                 out = self.model(input_ids=step_ids, past_key_values=cache, use_cache=True)
+            fed += step_ids.shape[1]
             cache = out.past_key_values
             logits_v = out.logits[0, -1].float()
             tok, lp = self._sample(logits_v, sp, gen)
@@ -128,17 +144,9 @@ class HFPolicy:
             out_lps.append(lp)
             step_ids = torch.tensor([[tok]], dtype=torch.long)
             if tok in stop_ids:
-                return GenerationOutput(
-                    output_ids=out_ids,
-                    logprobs=out_lps,
-                    finish_reason={"type": "stop", "matched": tok},
-                )
+                return done({"type": "stop", "matched": tok})
             if len(out_ids) >= max_new:
-                return GenerationOutput(
-                    output_ids=out_ids,
-                    logprobs=out_lps,
-                    finish_reason={"type": "length", "length": max_new},
-                )
+                return done({"type": "length", "length": max_new})
 
     def _sample(self, logits_v: torch.Tensor, sp: Any, gen: torch.Generator) -> tuple[int, float]:
         temperature = float(sp.temperature)

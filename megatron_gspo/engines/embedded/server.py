@@ -39,6 +39,7 @@ import torch
 
 from megatron_gspo.dist import free_port
 from megatron_gspo.engines.embedded.model import HFPolicy
+from megatron_gspo.engines.routed_experts import SERVER_FLAG, RoutedExperts
 from megatron_gspo.engines.wire import deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class EmbeddedTokenizerManager:
             is_audio_understandable_model=False,
         )
         self.num_requests_served = 0
+        self.enable_return_routed_experts = False
+        """SGLang's `--enable-return-routed-experts`: honour `return_routed_experts`."""
         self._session_open = False
         self._paused = False
         self._pause_mode = "abort"
@@ -155,6 +158,8 @@ class EmbeddedTokenizerManager:
         obj.normalize_batch_and_arguments()
         if obj.input_ids is None:
             raise ValueError("the embedded engine runs with --skip-tokenizer-init: send input_ids")
+        # As SGLang: the field is honoured only when the server captures routes (its flag).
+        routes = bool(obj.return_routed_experts) and self.enable_return_routed_experts
         if obj.is_single:
             items = [(obj.rid, obj.input_ids, obj.sampling_params)]
         else:
@@ -178,14 +183,14 @@ class EmbeddedTokenizerManager:
                     f"The input ({len(ids)} tokens) is longer than the model's context length "
                     f"({self.policy.context_len} tokens)."
                 )
-            specs.append((rid, list(ids), sp))
+            specs.append((rid, list(ids), sp, routes))
         if self._released & {"weights", "kv_cache"}:
             raise ValueError(f"memory released ({sorted(self._released)}); resume it first")
         # As SGLang: a request that waits out a pause is not registered yet (so a weight update
         # during the pause sees no pending request), and registration and the pause's abort-all
         # are both atomic on this event loop, so a running request is always aborted by it.
         await self._enter_reader()
-        for rid, _, _ in specs:
+        for rid, *_ in specs:
             self.rid_to_state[rid] = _ReqState(rid=rid)
         try:
             loop = asyncio.get_running_loop()
@@ -194,19 +199,23 @@ class EmbeddedTokenizerManager:
             )
         finally:
             await self._exit_reader()
-            for rid, _, _ in specs:
+            for rid, *_ in specs:
                 self.rid_to_state.pop(rid, None)
         self.last_receive_tstamp = time.time()
         self.num_requests_served += 1
         yield outs[0] if obj.is_single else outs
 
-    def _run_one(self, rid: str, ids: list[int], sp: Any) -> dict[str, Any]:
+    def _run_one(self, rid: str, ids: list[int], sp: Any, routes: bool) -> dict[str, Any]:
         tic = time.time()
         state = self.rid_to_state[rid]
         res = self.policy.generate(
-            ids, sp, should_abort=lambda: state.aborted, wait_if_paused=self._wait_if_paused
+            ids,
+            sp,
+            should_abort=lambda: state.aborted,
+            wait_if_paused=self._wait_if_paused,
+            return_routed_experts=routes,
         )
-        return {
+        out = {
             "output_ids": res.output_ids,
             "meta_info": {
                 "id": rid,
@@ -223,6 +232,9 @@ class EmbeddedTokenizerManager:
                 "output_token_logprobs_length": len(res.output_ids),
             },
         }
+        if res.routed_experts is not None:
+            out["meta_info"]["routed_experts"] = RoutedExperts(indices=res.routed_experts).encode()
+        return out
 
     def _wait_if_paused(self) -> bool:
         """Block while paused; True if this request was retracted (its KV must be rebuilt).
@@ -490,6 +502,7 @@ class EmbeddedServer:
         weight_version: str = "default",
         return_original_logprob: bool = False,
         api_key: str | None = None,
+        enable_return_routed_experts: bool = False,
     ) -> None:
         self.model_path = str(model_path)
         self.api_key = api_key
@@ -501,6 +514,7 @@ class EmbeddedServer:
             self.policy, _INSTALLED["server_args"], weight_version=weight_version
         )
         tm = self.tm
+        tm.enable_return_routed_experts = enable_return_routed_experts
 
         async def asgi(scope, receive, send):
             if api_key and scope["type"] == "http" and not _authorized(app, scope, api_key):
@@ -565,6 +579,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         weight_version=args.weight_version,
         return_original_logprob=args.return_original_logprob,
         api_key=args.api_key,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     ).serve_forever()
 
 
@@ -582,6 +597,11 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         default=os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0") in ("1", "true"),
         help="T=1 log-probs, like SGLANG_RETURN_ORIGINAL_LOGPROB=1",
+    )
+    p.add_argument(
+        SERVER_FLAG,
+        action="store_true",
+        help="honour return_routed_experts (as SGLang's flag; routing replay, a study control)",
     )
     return p
 
