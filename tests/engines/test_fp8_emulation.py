@@ -79,12 +79,16 @@ def ref_quantise_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def ref_linear(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 `sum_k deq(x)[m,k] deq(w)[n,k]` and `sum_k |...|` (for the error bound)."""
+def ref_dequantised_weight(w: torch.Tensor) -> torch.Tensor:
+    """float64 `q * s` of the reference weight quantisation, every element its block's scale."""
+    q, s = ref_quantise_weight(w)
+    return q * s.repeat_interleave(B, 0)[: w.shape[0]].repeat_interleave(B, 1)[:, : w.shape[1]]
+
+
+def ref_linear(x: torch.Tensor, dw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 `sum_k deq(x)[m,k] dw[n,k]` and `sum_k |...|` (for the error bound)."""
     qx, sx = ref_quantise_groups(x)
-    qw, sw = ref_quantise_weight(w)
     dx = qx * sx.repeat_interleave(B, 1)[:, : x.shape[1]]
-    dw = qw * sw.repeat_interleave(B, 0)[: w.shape[0]].repeat_interleave(B, 1)[:, : w.shape[1]]
     return dx @ dw.T, dx.abs() @ dw.abs().T
 
 
@@ -96,6 +100,10 @@ def _with_ties(x: torch.Tensor) -> torch.Tensor:
     ties = [448.0, 1.0625, 1.1875, -1.0625, 9.5, 2.0**-9 * 1.5, 2.0**-9 * 2.5, -(2.0**-10)]
     ties += [2**-6 + 2**-10]
     x[0, : len(ties)] = torch.tensor(ties)
+    # Row 1, columns 128-129: scale 7 (amax 3136), whose reciprocal is inexact: 10.9375 / 7 is
+    # the tie 1.5625 (-> 1.5: weights, divided by their scale), but SGLang's activation kernel
+    # multiplies by fp32(1/7), and fp32(10.9375 * fp32(1/7)) = 1.5625001 -> 1.625.
+    x[1, 128:130] = torch.tensor([3136.0, 10.9375])
     return x
 
 
@@ -116,6 +124,7 @@ def test_activation_quantisation_is_bitwise_the_reference() -> None:
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
     assert torch.equal(q.double(), q_ref) and torch.equal(s.double(), s_ref)
     assert q[0, :5].tolist() == [448.0, 1.0, 1.25, -1.0, 10.0]  # ties went to even
+    assert q[1, 129].item() == 1.625  # x * (1/s), not x / s
 
 
 def test_weight_quantisation_is_bitwise_the_reference() -> None:
@@ -139,6 +148,7 @@ def test_weight_quantisation_is_bitwise_the_reference() -> None:
     assert torch.equal(lin.weight.double(), q_ref)
     assert torch.equal(lin.weight_scale_inv.double(), s_ref)
     assert lin.weight[0, :5].tolist() == [448.0, 1.0, 1.25, -1.0, 10.0]  # ties went to even
+    assert lin.weight[1, 129].item() == 1.5  # w / s: the tie, to even
 
 
 def test_linear_matches_float64_reference() -> None:
@@ -148,7 +158,8 @@ def test_linear_matches_float64_reference() -> None:
     with torch.no_grad():
         lin.weight.copy_(w)
     y = emu.BlockFp8Linear(lin)(x).double()
-    y_ref, mag = ref_linear(x, w)
+    dw = ref_dequantised_weight(w)
+    y_ref, mag = ref_linear(x, dw)
     # fp32 error of the emulated order: <= 128 - 1 adds inside a block, 2 scale products, and
     # Kb - 1 adds across blocks, each at most U32 relative of the running magnitude.
     bound = (B + 3 + 2) * U32 * mag
@@ -187,13 +198,18 @@ def test_experts_match_float64_reference() -> None:
     wts = torch.rand(7, 2, generator=g)
     out = mod(h, idx, wts).double()
     ref = torch.zeros(7, hidden, dtype=torch.float64)
+    gu, dn = fused.gate_up_proj.detach(), fused.down_proj.detach()
+    dws = [
+        [ref_dequantised_weight(w) for w in (gu[ex, :inter], gu[ex, inter:], dn[ex])]
+        for ex in range(e)
+    ]
     for t in range(7):
         for slot in range(2):
             ex = int(idx[t, slot])
-            gate, _ = ref_linear(h[t : t + 1], fused.gate_up_proj[ex, :inter].detach())
-            up, _ = ref_linear(h[t : t + 1], fused.gate_up_proj[ex, inter:].detach())
+            gate, _ = ref_linear(h[t : t + 1], dws[ex][0])
+            up, _ = ref_linear(h[t : t + 1], dws[ex][1])
             act = (torch.nn.functional.silu(gate) * up).float()
-            down, _ = ref_linear(act, fused.down_proj[ex].detach())
+            down, _ = ref_linear(act, dws[ex][2])
             ref[t] += down[0] * float(wts[t, slot])
     # Only fp32 rounding separates them (the intermediate re-quantisation sees fp32 inputs in
     # both; an e4m3 rounding flip there would be ~2^-4 relative, far above this tolerance).
