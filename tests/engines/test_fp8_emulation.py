@@ -255,10 +255,11 @@ def test_fp8_engine_generates_with_real_mismatch(client_fp8, ckpt_a):
     assert float(d.max()) < 1.0
 
 
-def test_fp8_push_is_held_bitwise(client_fp8, engine_fp8, weights_a, weights_b):
+def test_fp8_push_is_held_bitwise(client_fp8, engine_fp8, ckpt_b, weights_a, weights_b):
     """A push in FP8 form (our sync's own conversion and bucketing) is held bit for bit,
     verified the way WeightSync verifies; a BF16 push of the same weights is quantised by
     `fp8.quantise_blockwise`."""
+    from megatron_gspo.engines.embedded.model import HFPolicy
     from megatron_gspo.weights import fp8
     from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
     from megatron_gspo.weights.stream import iter_buckets
@@ -285,6 +286,12 @@ def test_fp8_push_is_held_bitwise(client_fp8, engine_fp8, weights_a, weights_b):
         assert torch.equal(held[name].view(torch.uint8), t.view(torch.uint8)), name
     after = client_fp8.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4, temperature=0.0))
     assert after.samples[0].logprobs != before.samples[0].logprobs
+    # It now computes exactly what an FP8 engine started from checkpoint b computes (nothing
+    # of the old weights survives in any cached GEMM operand).
+    fresh = HFPolicy(ckpt_b, quantization="fp8")
+    ids = torch.tensor([sum(PROMPTS, [])])
+    with torch.no_grad(), engine_fp8.policy.lock:
+        assert torch.equal(engine_fp8.policy.model(ids).logits, fresh.model(ids).logits)
 
     # BF16 tensors of quantised weights: the engine quantises them as our FP8 sync would.
     bf16 = [(n, t.to(torch.bfloat16)) for n, t in sorted(weights_a.items())]
