@@ -48,9 +48,12 @@ def quantise_activation(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tens
     """
     m, k = x.shape
     kb = math.ceil(k / group)
-    xg = x.new_zeros((m, kb * group), dtype=torch.float32)
-    xg[:, :k] = x
-    xg = xg.view(m, kb, group)
+    if k == kb * group:
+        xg = x.float().reshape(m, kb, group)
+    else:  # zero padding leaves a group's amax unchanged
+        xg = x.new_zeros((m, kb * group), dtype=torch.float32)
+        xg[:, :k] = x
+        xg = xg.view(m, kb, group)
     scale = xg.abs().amax(dim=-1).clamp(min=ACT_EPS) / fp8_lib.E4M3_MAX  # [M, Kb]
     inv = 1.0 / scale
     q = (xg * inv[:, :, None]).clamp(-fp8_lib.E4M3_MAX, fp8_lib.E4M3_MAX)
@@ -58,27 +61,39 @@ def quantise_activation(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tens
     return q, scale
 
 
+def prepare_weight(
+    q_w: torch.Tensor, s_w: torch.Tensor, block: int = GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM operands of a block-FP8 weight: its e4m3 values as fp32 `[N, K]` (exact) and each
+    row's block scales `[N, Kb]` (what `block_fp8_matmul` reads; cached between weight loads)."""
+    if tuple(s_w.shape) != fp8_lib.scale_shape(q_w.shape, block):
+        raise ValueError(
+            f"block FP8 GEMM: scale {tuple(s_w.shape)} does not fit weight {tuple(q_w.shape)} "
+            f"with block {block}"
+        )
+    return q_w.float(), s_w.repeat_interleave(block, dim=0)[: q_w.shape[0]]
+
+
 def block_fp8_matmul(
     q_x: torch.Tensor,
     s_x: torch.Tensor,
-    q_w: torch.Tensor,
-    s_w: torch.Tensor,
+    w: torch.Tensor,
+    s_w_rows: torch.Tensor,
     block: int = GROUP,
 ) -> torch.Tensor:
-    """`y [M, N] fp32 = sum_j (q_x[:, Kj] @ q_w[:, Kj].T) * s_x[:, j] * s_w[rows // B, j]`.
+    """`y [M, N] fp32 = sum_j (q_x[:, Kj] @ w[:, Kj].T) * s_x[:, j] * s_w_rows[:, j]`.
 
-    q_x [M, K] e4m3, s_x [M, Kb] fp32, q_w [N, K] e4m3, s_w [Nb, Kb] fp32; K blocks are added
-    in increasing j (accumulation order: module docstring).
+    q_x [M, K] e4m3, s_x [M, Kb] fp32, `(w [N, K], s_w_rows [N, Kb]) = prepare_weight(q_w, s_w)`;
+    K blocks are added in increasing j (accumulation order: module docstring).
     """
-    n, k = q_w.shape
+    n, k = w.shape
     kb = math.ceil(k / block)
-    if s_x.shape[-1] != kb or tuple(s_w.shape) != fp8_lib.scale_shape(q_w.shape, block):
+    if s_x.shape[-1] != kb or s_w_rows.shape[-1] != kb:
         raise ValueError(
-            f"block FP8 GEMM: scales {tuple(s_x.shape)} / {tuple(s_w.shape)} do not fit "
-            f"weight {tuple(q_w.shape)} with block {block}"
+            f"block FP8 GEMM: scales {tuple(s_x.shape)} / {tuple(s_w_rows.shape)} do not fit "
+            f"K={k} with block {block}"
         )
-    a, w = q_x.float(), q_w.float()
-    s_w_rows = s_w.repeat_interleave(block, dim=0)[:n]  # [N, Kb]: each row's block scale
+    a = q_x.float()
     acc = torch.zeros(q_x.shape[0], n, dtype=torch.float32)
     for j in range(kb):
         cols = slice(j * block, min(k, (j + 1) * block))
@@ -86,11 +101,34 @@ def block_fp8_matmul(
     return acc
 
 
-def fp8_linear(x: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor) -> torch.Tensor:
-    """`x [..., K]` through the block-FP8 weight `(q_w [N, K], s_w)`: `[..., N]` in x's dtype."""
+def fp8_linear(
+    x: torch.Tensor,
+    q_w: torch.Tensor,
+    s_w: torch.Tensor,
+    prepared: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`x [..., K]` through the block-FP8 weight `(q_w [N, K], s_w)`: `[..., N]` in x's dtype.
+    prepared: `prepare_weight(q_w, s_w)` if the caller caches it."""
     flat = x.reshape(-1, x.shape[-1])
     q_x, s_x = quantise_activation(flat)
-    return block_fp8_matmul(q_x, s_x, q_w, s_w).to(x.dtype).view(*x.shape[:-1], q_w.shape[0])
+    w, s_rows = prepared if prepared is not None else prepare_weight(q_w, s_w)
+    return block_fp8_matmul(q_x, s_x, w, s_rows).to(x.dtype).view(*x.shape[:-1], q_w.shape[0])
+
+
+class _PreparedCache:
+    """`prepare_weight` results per weight; emptied by every weight load (`Fp8Weights.load`).
+    Loads and forward passes never overlap (`HFPolicy.lock`)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(
+        self, key: object, q_w: torch.Tensor, s_w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hit = self.entries.get(key)
+        if hit is None:
+            hit = self.entries[key] = prepare_weight(q_w, s_w)
+        return hit
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -101,8 +139,9 @@ class BlockFp8Linear(nn.Module):
     """An `nn.Linear` served in block FP8: parameters `weight` (e4m3 [N, K]) and
     `weight_scale_inv` (fp32 [Nb, Kb]), the names of an FP8 checkpoint."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, cache: _PreparedCache | None = None) -> None:
         super().__init__()
+        self._cache = cache or _PreparedCache()
         q, s = fp8_lib.quantise_blockwise(linear.weight.detach())
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = _frozen(q)
@@ -110,7 +149,8 @@ class BlockFp8Linear(nn.Module):
         self.bias = None if linear.bias is None else _frozen(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp8_linear(x, self.weight, self.weight_scale_inv)
+        prepared = self._cache.get(self, self.weight, self.weight_scale_inv)
+        y = fp8_linear(x, self.weight, self.weight_scale_inv, prepared)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -120,8 +160,9 @@ class BlockFp8Experts(nn.Module):
     `experts.<e>.<gate|up|down>_proj.weight`). Same call as the module it replaces:
     `(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`."""
 
-    def __init__(self, experts: nn.Module) -> None:
+    def __init__(self, experts: nn.Module, cache: _PreparedCache | None = None) -> None:
         super().__init__()
+        self._cache = cache or _PreparedCache()
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
         self.num_experts = gate_up.shape[0]
         half = gate_up.shape[1] // 2
@@ -145,11 +186,14 @@ class BlockFp8Experts(nn.Module):
         for e in top_k_index.unique().tolist():
             token_idx, slot = torch.where(top_k_index == e)
             x = hidden[token_idx]
-            h = self.act_fn(fp8_linear(x, self.gate_proj[e], self.gate_proj_scale_inv[e]))
-            h = h * fp8_linear(x, self.up_proj[e], self.up_proj_scale_inv[e])
-            y = fp8_linear(h, self.down_proj[e], self.down_proj_scale_inv[e])
+            h = self.act_fn(self._linear(x, "gate", e)) * self._linear(x, "up", e)
+            y = self._linear(h, "down", e)
             out.index_add_(0, token_idx, (y * top_k_weights[token_idx, slot, None]).to(out.dtype))
         return out
+
+    def _linear(self, x: torch.Tensor, proj: str, e: int) -> torch.Tensor:
+        q, s = getattr(self, f"{proj}_proj")[e], getattr(self, f"{proj}_proj_scale_inv")[e]
+        return fp8_linear(x, q, s, self._cache.get((self, proj, e), q, s))
 
 
 def _is_fused_experts(module: nn.Module) -> bool:
@@ -167,11 +211,12 @@ class Fp8Weights:
         """HF weight name -> (q view, scale view) inside the model."""
         self.owned: set[str] = set()
         """Model parameter names these tensors live in (the policy skips them)."""
+        self.cache = _PreparedCache()
         for mod_name, module in list(model.named_modules()):
             parent_name, _, attr = mod_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             if isinstance(module, nn.Linear) and fp8_lib.is_quantised_name(f"{mod_name}.weight"):
-                new = BlockFp8Linear(module)
+                new = BlockFp8Linear(module, self.cache)
                 setattr(parent, attr, new)
                 self.held[f"{mod_name}.weight"] = (new.weight, new.weight_scale_inv)
                 self.owned |= {f"{mod_name}.weight", f"{mod_name}.weight_scale_inv"}
@@ -181,7 +226,7 @@ class Fp8Weights:
                         f"{mod_name}: experts with biases are not supported by FP8 emulation; "
                         "unset rollout.launch.quantization"
                     )
-                new = BlockFp8Experts(module)
+                new = BlockFp8Experts(module, self.cache)
                 setattr(parent, attr, new)
                 for name, q, s in new.held(mod_name):
                     self.held[name] = (q, s)
@@ -198,16 +243,14 @@ class Fp8Weights:
         e4m3 weights and scales are copied bitwise; a BF16/FP32 weight is quantised with
         `fp8.quantise_blockwise` (weight and scale both replaced).
         """
+        if self.target(name) is None:
+            return False
+        self.cache.entries.clear()  # the GEMM operands of the old weights
         if name.endswith(fp8_lib.SCALE_SUFFIX):
-            entry = self.held.get(name[: -len(fp8_lib.SCALE_SUFFIX)])
-            if entry is None:
-                return False
+            entry = self.held[name[: -len(fp8_lib.SCALE_SUFFIX)]]
             _copy(name, entry[1], tensor)
             return True
-        entry = self.held.get(name)
-        if entry is None:
-            return False
-        q, s = entry
+        q, s = self.held[name]
         if tensor.dtype == torch.float8_e4m3fn:
             _copy(name, q, tensor)
         else:
