@@ -255,12 +255,15 @@ def test_fp8_engine_generates_with_real_mismatch(client_fp8, ckpt_a):
     assert float(d.max()) < 1.0
 
 
-def test_fp8_push_is_held_bitwise(client_fp8, engine_fp8, ckpt_b, weights_a, weights_b):
+def test_fp8_push_is_held_bitwise(client_fp8, engine_fp8, ckpt_b, weights_a, weights_b, tmp_path):
     """A push in FP8 form (our sync's own conversion and bucketing) is held bit for bit,
     verified the way WeightSync verifies; a BF16 push of the same weights is quantised by
     `fp8.quantise_blockwise`."""
+    from safetensors.torch import load_file
+
     from megatron_gspo.engines.embedded.model import HFPolicy
     from megatron_gspo.weights import fp8
+    from megatron_gspo.weights.fp8_checkpoint import write_fp8_checkpoint
     from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
     from megatron_gspo.weights.stream import iter_buckets
     from megatron_gspo.weights.sync import verify_engines
@@ -292,6 +295,16 @@ def test_fp8_push_is_held_bitwise(client_fp8, engine_fp8, ckpt_b, weights_a, wei
     ids = torch.tensor([sum(PROMPTS, [])])
     with torch.no_grad(), engine_fp8.policy.lock:
         assert torch.equal(engine_fp8.policy.model(ids).logits, fresh.model(ids).logits)
+    # ... and what one started from checkpoint b written as a block-FP8 checkpoint computes.
+    fp8_dir = write_fp8_checkpoint(ckpt_b, tmp_path / "fp8_b")
+    from_fp8 = HFPolicy(fp8_dir, quantization="fp8")
+    assert torch.equal(from_fp8.model(ids).logits, fresh.model(ids).logits)
+    on_disk = load_file(str(fp8_dir / "model.safetensors"))
+    held = dict(from_fp8.checkpoint_tensors())
+    assert set(held) == set(on_disk)
+    assert all(
+        torch.equal(held[n].view(torch.uint8), t.view(torch.uint8)) for n, t in on_disk.items()
+    )
 
     # BF16 tensors of quantised weights: the engine quantises them as our FP8 sync would.
     bf16 = [(n, t.to(torch.bfloat16)) for n, t in sorted(weights_a.items())]
@@ -316,3 +329,16 @@ def test_quantization_flag_reaches_the_embedded_engine() -> None:
     assert "--quantization" not in engine_command(LaunchConfig(model_path="m"), 0)
     with pytest.raises(ValueError, match="rollout.launch.quantization='int8'"):
         LaunchConfig(backend="embedded", quantization="int8")
+
+
+def test_planner_accepts_a_bf16_checkpoint_for_the_embedded_fp8_engine(ckpt_a) -> None:
+    """The embedded engine quantises a BF16 checkpoint on load; a real server cannot (it needs
+    the block-FP8 checkpoint's weight_scale_inv parameters), which the planner still refuses."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.topology import fp8_problems
+
+    base = [f"model.hf_path={ckpt_a}", "data.train_path=/d.jsonl", "weights.fp8=true"]
+    embedded = load_config(None, [*base, "rollout.launch.quantization=fp8"])
+    assert fp8_problems(embedded, ckpt_a) == []
+    sglang = load_config(None, [*base, "rollout.launch.backend=sglang"])
+    assert "not a block-FP8 checkpoint" in fp8_problems(sglang, ckpt_a)[0]

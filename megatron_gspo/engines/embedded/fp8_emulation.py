@@ -284,6 +284,31 @@ def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def is_block_fp8(model_path: str) -> bool:
+    """Whether a HF checkpoint is block FP8 (its config.json has `quantization_config` with
+    `quant_method: fp8` and a `weight_block_size`, as `tools/fp8_checkpoint.py` writes)."""
+    import json
+    from pathlib import Path
+
+    qcfg = json.loads((Path(model_path) / "config.json").read_text()).get("quantization_config")
+    return bool(qcfg) and qcfg.get("quant_method") == "fp8" and bool(qcfg.get("weight_block_size"))
+
+
+def unquantised_model(model_path: str, dtype: torch.dtype) -> nn.Module:
+    """The model of a block-FP8 checkpoint built without transformers' FP8 integration (which
+    needs a GPU) and without its weights: `emulate` it, then load the checkpoint's tensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(model_path)
+    except OSError:  # no generation_config.json: the model config's defaults
+        pass
+    return model
+
+
 QUANTIZATIONS = ("fp8",)
 """Values of the embedded engine's `--quantization` (rollout.launch.quantization)."""
 

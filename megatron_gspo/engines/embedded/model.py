@@ -55,7 +55,12 @@ class HFPolicy:
         from megatron_gspo.engines.embedded import fp8_emulation
 
         self.model_path = str(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval()
+        fp8_checkpoint = quantization is not None and fp8_emulation.is_block_fp8(self.model_path)
+        if fp8_checkpoint:  # its e4m3 tensors and scales are loaded below, as a push would
+            self.model = fp8_emulation.unquantised_model(self.model_path, dtype)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        self.model.eval()
         self.return_original_logprob = return_original_logprob
         self.quantization = quantization
         self.fp8 = None if quantization is None else fp8_emulation.emulate(self.model, quantization)
@@ -74,6 +79,8 @@ class HFPolicy:
         self.weights_epoch = 0
         """Bumped by every weight load (a retracted request rebuilds its KV cache if it moved)."""
         self._rng = random.Random()
+        if fp8_checkpoint:
+            self.load_from_disk(self.model_path)
 
     # ---- generation --------------------------------------------------------------------
     @torch.inference_mode()
