@@ -27,7 +27,7 @@ size, H hidden size, B = G = 128.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -163,10 +163,12 @@ class BlockFp8Experts(nn.Module):
     def __init__(self, experts: nn.Module, cache: _PreparedCache | None = None) -> None:
         super().__init__()
         self._cache = cache or _PreparedCache()
-        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+        gate_up, down = gate_up.detach(), down.detach()
         self.num_experts = gate_up.shape[0]
         half = gate_up.shape[1] // 2
-        self.act_fn = experts.act_fn
+        self.act_fn: Callable[[torch.Tensor], torch.Tensor] = experts.act_fn  # type: ignore[assignment]
         for proj, w in (("gate", gate_up[:, :half]), ("up", gate_up[:, half:]), ("down", down)):
             qs = [fp8_lib.quantise_blockwise(w[e]) for e in range(self.num_experts)]
             setattr(self, f"{proj}_proj", _frozen(torch.stack([q for q, _ in qs])))
@@ -216,9 +218,9 @@ class Fp8Weights:
             parent_name, _, attr = mod_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             if isinstance(module, nn.Linear) and fp8_lib.is_quantised_name(f"{mod_name}.weight"):
-                new = BlockFp8Linear(module, self.cache)
-                setattr(parent, attr, new)
-                self.held[f"{mod_name}.weight"] = (new.weight, new.weight_scale_inv)
+                lin = BlockFp8Linear(module, self.cache)
+                setattr(parent, attr, lin)
+                self.held[f"{mod_name}.weight"] = (lin.weight, lin.weight_scale_inv)
                 self.owned |= {f"{mod_name}.weight", f"{mod_name}.weight_scale_inv"}
             elif mod_name.endswith(".experts") and _is_fused_experts(module):
                 if getattr(module, "gate_up_proj_bias", None) is not None:
@@ -226,11 +228,11 @@ class Fp8Weights:
                         f"{mod_name}: experts with biases are not supported by FP8 emulation; "
                         "unset rollout.launch.quantization"
                     )
-                new = BlockFp8Experts(module, self.cache)
-                setattr(parent, attr, new)
-                for name, q, s in new.held(mod_name):
+                experts = BlockFp8Experts(module, self.cache)
+                setattr(parent, attr, experts)
+                for name, q, s in experts.held(mod_name):
                     self.held[name] = (q, s)
-                self.owned |= {f"{mod_name}.{n}" for n, _ in new.named_parameters()}
+                self.owned |= {f"{mod_name}.{n}" for n, _ in experts.named_parameters()}
         if not self.held:
             raise ValueError(
                 "FP8 emulation found no decoder linear weight to quantise in this model; "
