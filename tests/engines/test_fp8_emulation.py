@@ -272,8 +272,10 @@ def test_fp8_push_is_held_bitwise(client_fp8, engine_fp8, ckpt_b, weights_a, wei
         sent: dict[str, torch.Tensor] = {}
         sums = EngineChecksums([EngineLayout(1, 1, 1, 1, 1)])
         with client_fp8.weight_update_session(weight_version=version):
-            for b in iter_buckets(iter(named), bucket_bytes=1 << 14, on_tensor=sums.add, **kw):
+            for b in iter_buckets(iter(named), bucket_bytes=1 << 14, **kw):
                 client_fp8.update_weights_from_tensor(b.tensors)
+                for name, t in b.tensors:  # checksummed as sent, as WeightSync.push does
+                    sums.add(name, t)
                 sent.update(b.tensors)
         return sent, sums
 

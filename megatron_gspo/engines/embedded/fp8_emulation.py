@@ -1,11 +1,12 @@
 """Block-FP8 inference emulated on CPU: what SGLang computes with `--quantization fp8` and a
 `weight_block_size: [128, 128]` checkpoint, so that FP8 engine/trainer mismatch is real here.
 
-Weights. Every decoder linear weight our FP8 sync quantises (`fp8.is_quantised_name`: attention
-q/k/v/o, dense and expert gate/up/down; not embeddings, norms, the MoE router, lm_head) is held
-as `q [N, K]` float8_e4m3fn plus `weight_scale_inv [ceil(N/128), ceil(K/128)]` fp32, the exact
-tensors `fp8.quantise_blockwise` makes and the sync sends. A pushed e4m3 tensor or scale is
-stored as is (bitwise); a pushed BF16/FP32 weight is quantised by `fp8.quantise_blockwise`.
+Weights. Every decoder linear weight our FP8 sync quantises (`fp8_blocks.is_quantised_name`:
+attention q/k/v/o, dense and expert gate/up/down; not embeddings, norms, the MoE router, lm_head)
+is held as `q [N, K]` float8_e4m3fn plus `weight_scale_inv [ceil(N/128), ceil(K/128)]` fp32,
+the exact tensors `fp8_blocks.quantise_blockwise` makes and the sync sends. A pushed e4m3 tensor
+or scale is stored as is (bitwise); a pushed BF16/FP32 weight is quantised by
+`fp8_blocks.quantise_blockwise`.
 
 Activations (SGLang's `per_token_group_quant_fp8`, group G = 128 along the input dim, per
 token): `s = max(amax|x_g|, 1e-10) / 448`, `q = e4m3(clamp(x * (1 / s), -448, 448))` (fp32
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from megatron_gspo.weights import fp8 as fp8_lib
+from megatron_gspo.engines import fp8_blocks as fp8_lib
 
 GROUP = fp8_lib.BLOCK
 """Activation group size along K (= the weight block edge, as SGLang requires)."""
@@ -243,7 +244,7 @@ class Fp8Weights:
         """Store one pushed tensor if it is a quantised weight or its scale; False otherwise.
 
         e4m3 weights and scales are copied bitwise; a BF16/FP32 weight is quantised with
-        `fp8.quantise_blockwise` (weight and scale both replaced).
+        `fp8_blocks.quantise_blockwise` (weight and scale both replaced).
         """
         if self.target(name) is None:
             return False
