@@ -171,7 +171,6 @@ __all__ = [
     "SCALE_SUFFIX",
     "SUBNORMAL_ABS_BOUND",
     "block_error_ratio",
-    "block_relative_error",
     "check_dequantised",
     "check_ratios",
     "dequantise_blockwise",
