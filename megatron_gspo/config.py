@@ -406,12 +406,20 @@ class Config:
             f"loss.tis_mode={self.loss.tis_mode} compares a recomputed pi_old with the engine; "
             "set rl.pi_old=recompute or loss.tis_mode=none",
         )
-        _require(
-            not (self.weights.fp8 and self.rollout.embedded),
-            "weights.fp8=true needs SGLang engines (the embedded engine serves the trainer "
-            "dtype); set weights.fp8=false or rollout.launch.backend=sglang",
-        )
         launch = self.rollout.launch
+        # The embedded engine holds exactly what it is sent (checked bitwise): block FP8 when
+        # it emulates FP8 inference, the trainer's dtype otherwise.
+        embedded_fp8 = self.rollout.embedded and launch is not None and launch.quantization
+        _require(
+            not (self.weights.fp8 and self.rollout.embedded and not embedded_fp8),
+            "weights.fp8=true needs SGLang engines or the embedded engine's FP8 emulation; set "
+            "weights.fp8=false, rollout.launch.quantization=fp8 or rollout.launch.backend=sglang",
+        )
+        _require(
+            not (embedded_fp8 and not self.weights.fp8),
+            "rollout.launch.quantization=fp8 on the embedded engine holds block-FP8 weights, "
+            "which only FP8 sync sends; set weights.fp8=true or rollout.launch.quantization=null",
+        )
         _require(
             launch is None or launch.dp_size == 1 or self.weights.transport == "disk",
             f"rollout.launch.dp_size={launch.dp_size if launch else 1}: SGLang 0.5.23 applies "
@@ -449,6 +457,10 @@ class Config:
             self.weights.engine_ep_size = launch.ep_size
         if launch is not None and not launch.model_path:
             launch.model_path = self.model.hf_path  # the engines start from the same model
+        if embedded_fp8 and self.weights.dtype is None:
+            # FP8 sync sends the unquantised tensors (norms, router, embeddings) in this dtype;
+            # the embedded engine holds them in fp32, so its checksums match only in fp32.
+            self.weights.dtype = "float32"
         if (
             launch is not None
             and launch.backend == "sglang"

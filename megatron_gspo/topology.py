@@ -104,8 +104,8 @@ def fp8_problems(cfg: Config, engine_model_path: str | None) -> list[str]:
     """An FP8 push only to a block-FP8 engine with the matching quantization_config, and a BF16
     push never to one."""
     launch = cfg.rollout.launch
-    if engine_model_path is None:
-        return []
+    if engine_model_path is None or cfg.rollout.embedded:
+        return []  # the embedded engine's FP8 emulation quantises a BF16 checkpoint on load
     engine_cfg = read_json_config(engine_model_path)
     if engine_cfg is None:
         return [

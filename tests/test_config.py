@@ -177,7 +177,9 @@ VALIDATION = [
         "is not an http(s) URL",
     ),
     (["rollout.launch.num_engines=0"], "rollout.launch.num_engines=0 must be >= 1"),
-    (["weights.fp8=true"], "set weights.fp8=false or rollout.launch.backend=sglang"),
+    (["weights.fp8=true"], "set weights.fp8=false, rollout.launch.quantization=fp8 or"),
+    (["rollout.launch.quantization=fp8"], "set weights.fp8=true or rollout.launch.quantization"),
+    (["rollout.launch.quantization=int8"], "the embedded engine emulates fp8 only"),
     (
         [
             "rollout.launch.backend=sglang",
@@ -244,6 +246,9 @@ def test_weights_dtype_follows_a_real_servers_dtype():
     assert cfg(sglang, "weights.dtype=float32").weights.dtype == "float32"
     assert cfg(sglang, "weights.fp8=true").weights.dtype is None  # fp8 picks per tensor
     assert cfg("model.dtype=fp32").weights.dtype is None  # embedded
+    # the embedded FP8 emulation holds its unquantised tensors in fp32
+    fp8 = cfg("rollout.launch.quantization=fp8", "weights.fp8=true")
+    assert fp8.weights.dtype == "float32"
     # GPU colocated stays allowed; only the CPU server dies on release/resume
     cfg(sglang, "rollout.launch.colocated=true")
 

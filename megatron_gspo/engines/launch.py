@@ -54,7 +54,9 @@ class LaunchConfig:
     dtype: str = "bfloat16"
     """Activation/weight dtype (`--dtype`)."""
     quantization: str | None = None
-    """`fp8` for FP8 weights; block-FP8 checkpoints are detected without it."""
+    """`fp8` for FP8 weights (`--quantization`); block-FP8 checkpoints are detected without it
+    by SGLang. With backend=embedded, `fp8` makes the CPU engine emulate block-FP8 inference
+    (engines/embedded/fp8_emulation.py) and needs weights.fp8=true; None: off."""
     kv_cache_dtype: str = "auto"
     """`--kv-cache-dtype` (auto, fp8_e4m3, fp8_e5m2, bf16, ...)."""
     mem_fraction_static: float | None = None
@@ -109,6 +111,11 @@ class LaunchConfig:
             f"rollout.launch.backend={self.backend!r} must be sglang or embedded",
         )
         require(
+            self.backend == "sglang" or self.quantization in (None, "fp8"),
+            f"rollout.launch.quantization={self.quantization!r}: the embedded engine emulates "
+            "fp8 only; set it to fp8 or null, or rollout.launch.backend=sglang",
+        )
+        require(
             self.num_engines >= 1,
             f"rollout.launch.num_engines={self.num_engines} must be >= 1",
         )
@@ -152,6 +159,8 @@ def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list
         cmd += ["--port", port, "--weight-version", cfg.weight_version]
         if cfg.api_key:
             cmd += ["--api-key", cfg.api_key]
+        if cfg.quantization:
+            cmd += ["--quantization", cfg.quantization]
         return cmd + list(cfg.extra_args)
     cmd = [python, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
     cmd += ["--host", cfg.host, "--port", port]

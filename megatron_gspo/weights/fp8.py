@@ -1,5 +1,10 @@
 """Blockwise FP8 (e4m3) quantise-on-send, in the layout of FP8 Qwen3 / DeepSeek-V3 checkpoints.
 
+The layout itself (names, shapes, `quantise_blockwise`, `dequantise_blockwise`) is SGLang's and
+lives in `engines/fp8_blocks.py`, which the embedded engine's FP8 emulation reads too; it is
+re-exported here. This module adds what the sender needs: the error bound checked on every
+quantised tensor, the checkpoint's `quantization_config`, and `quantise_named`.
+
 A weight `W [N, K]` is cut into 128x128 blocks; each block gets one fp32 scale
 `s = amax(|block|) / 448` and is stored as `q = round_e4m3(W / s)`. The scales are published as
 `<module>.weight_scale_inv` with shape `[ceil(N/128), ceil(K/128)]`, and dequantisation is
@@ -17,79 +22,26 @@ round-to-nearest of a normal value has relative error <= 2^-4; values below the 
 
 from __future__ import annotations
 
-import math
-import re
 from typing import Any
 
 import torch
 
-E4M3_MAX = 448.0
-BLOCK = 128
+from megatron_gspo.engines.fp8_blocks import (
+    BLOCK,
+    E4M3_MAX,
+    SCALE_SUFFIX,
+    dequantise_blockwise,
+    is_quantised_name,
+    quantise_blockwise,
+    scale_name,
+    scale_shape,
+)
+from megatron_gspo.engines.fp8_blocks import to_blocks as _blocks
+
 REL_BOUND = 2.0**-4
 """Half an ulp of a 3-bit mantissa: the worst relative rounding error of a normal e4m3 value."""
 SUBNORMAL_ABS_BOUND = 2.0**-10
 """Half the subnormal spacing (2^-9) of e4m3, in units of the block scale."""
-SCALE_SUFFIX = "_scale_inv"
-
-# Decoder linear weights (attention q/k/v/o, dense/shared/expert gate/up/down, MLA projections).
-# `mlp.gate.weight` (the router) and `shared_expert_gate.weight` do not end in `_proj.weight`.
-_QUANTISED = re.compile(r"\.layers\.\d+\..*_proj\.weight$")
-
-
-def is_quantised_name(name: str, tensor: torch.Tensor | None = None) -> bool:
-    """Whether an HF weight is sent as block FP8 (2-D decoder linear weights only)."""
-    return bool(_QUANTISED.search(name)) and (tensor is None or tensor.dim() == 2)
-
-
-def scale_name(name: str) -> str:
-    """`...q_proj.weight` -> `...q_proj.weight_scale_inv` (the FP8 Qwen3 checkpoint name)."""
-    return name + SCALE_SUFFIX
-
-
-def scale_shape(shape: tuple[int, ...] | torch.Size, block: int = BLOCK) -> tuple[int, int]:
-    """Shape of the per-block scale of a `[N, K]` weight: `[ceil(N/B), ceil(K/B)]`."""
-    n, k = shape
-    return math.ceil(n / block), math.ceil(k / block)
-
-
-def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """[N, K] -> zero-padded [Nb, B, Kb, B] (fp32)."""
-    n, k = x.shape
-    nb, kb = scale_shape(x.shape, block)
-    padded = x.new_zeros((nb * block, kb * block), dtype=torch.float32)
-    padded[:n, :k] = x
-    return padded.view(nb, block, kb, block)
-
-
-def quantise_blockwise(
-    x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise `x [N, K]` to e4m3 with one scale per `block x block` tile.
-
-    Returns `(q [N, K] float8_e4m3fn, scale_inv [Nb, Kb] float32)` with `x ~= q * scale_inv`.
-    pow2_scale: round scales up to a power of two (what DeepGEMM's UE8M0 layout requires).
-    """
-    if x.dim() != 2:
-        raise ValueError(f"block FP8 needs a 2-D weight, got shape {tuple(x.shape)}")
-    n, k = x.shape
-    xb = _blocks(x, block)
-    # An all-zero block would give scale 0 and 0/0; any positive scale represents it exactly.
-    amax = xb.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [Nb, Kb]
-    scale = amax / E4M3_MAX
-    if pow2_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (xb / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    q = q.view(-1, q.size(2) * block)[:n, :k].contiguous()
-    return q, scale.contiguous()
-
-
-def dequantise_blockwise(
-    q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
-) -> torch.Tensor:
-    """`q [N, K] e4m3` * per-block `scale_inv [Nb, Kb]` -> fp32 `[N, K]`."""
-    n, k = q.shape
-    qb = _blocks(q.float(), block)
-    return (qb * scale_inv[:, None, :, None]).view(qb.size(0) * block, -1)[:n, :k]
 
 
 def block_error_ratio(
@@ -210,3 +162,25 @@ def quantise_named(
     if check:
         check_dequantised(name, tensor, q, s, block)
     return [(name, q), (scale_name(name), s)]
+
+
+__all__ = [
+    "BLOCK",
+    "E4M3_MAX",
+    "REL_BOUND",
+    "SCALE_SUFFIX",
+    "SUBNORMAL_ABS_BOUND",
+    "block_error_ratio",
+    "check_dequantised",
+    "check_ratios",
+    "dequantise_blockwise",
+    "error_ratio_max",
+    "is_quantised_name",
+    "not_converted_modules",
+    "quantisation_config",
+    "quantise_blockwise",
+    "quantise_named",
+    "quantization_config_for",
+    "scale_name",
+    "scale_shape",
+]

@@ -50,12 +50,23 @@ class HFPolicy:
         *,
         dtype: torch.dtype = torch.float32,
         return_original_logprob: bool = False,
+        quantization: str | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
+        from megatron_gspo.engines.embedded import fp8_emulation
+
         self.model_path = str(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval()
+        fp8_checkpoint = quantization is not None and fp8_emulation.is_block_fp8(self.model_path)
+        if fp8_checkpoint:  # its e4m3 tensors and scales are loaded below, as a push would
+            self.model = fp8_emulation.unquantised_model(self.model_path, dtype)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        self.model.eval()
         self.return_original_logprob = return_original_logprob
+        self.quantization = quantization
+        self.fp8 = None if quantization is None else fp8_emulation.emulate(self.model, quantization)
+        """Block-FP8 weights (quantised linears, held e4m3 + scale) when quantization is set."""
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.context_len = int(getattr(cfg, "max_position_embeddings", 1 << 20))
@@ -70,6 +81,8 @@ class HFPolicy:
         self.weights_epoch = 0
         """Bumped by every weight load (a retracted request rebuilds its KV cache if it moved)."""
         self._rng = random.Random()
+        if fp8_checkpoint:
+            self.load_from_disk(self.model_path)
         from megatron_gspo.engines.embedded.routes import RouteCapture
 
         self.routes = RouteCapture(self.model)
@@ -203,6 +216,9 @@ class HFPolicy:
         n = 0
         with self.lock, torch.no_grad():
             for name, t in named_tensors:
+                if self.fp8 is not None and self.fp8.load(name, t):
+                    n += 1
+                    continue
                 p = self._target(params, name)
                 if tuple(p.shape) != tuple(t.shape):
                     raise ValueError(f"{name}: shape {tuple(t.shape)} != {tuple(p.shape)}")
@@ -236,8 +252,13 @@ class HFPolicy:
 
     def checkpoint_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The model's tensors under checkpoint (per-expert) HF names, the names the trainer
-        sends: transformers' fused expert tensors are split back into per-expert views."""
+        sends: transformers' fused expert tensors are split back into per-expert views; with
+        FP8 emulation, quantised weights are their e4m3 tensors plus `<name>_scale_inv`."""
+        if self.fp8 is not None:
+            yield from self.fp8.checkpoint_tensors()
         for name, p in self.model.named_parameters():
+            if self.fp8 is not None and name in self.fp8.owned:
+                continue
             prefix, _, leaf = name.rpartition(".")
             if prefix.endswith(".experts") and leaf == "gate_up_proj":
                 half = p.shape[1] // 2
@@ -252,5 +273,7 @@ class HFPolicy:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """As SGLang: the tensor (HF checkpoint name) as fp32 nested lists, truncated on dim 0."""
-        t = self._target(dict(self.model.named_parameters()), name)
+        t = self.fp8.target(name) if self.fp8 is not None else None
+        if t is None:
+            t = self._target(dict(self.model.named_parameters()), name)
         return t.detach().float().cpu().numpy().tolist()[:truncate_size]

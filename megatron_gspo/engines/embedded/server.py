@@ -503,12 +503,17 @@ class EmbeddedServer:
         return_original_logprob: bool = False,
         api_key: str | None = None,
         enable_return_routed_experts: bool = False,
+        quantization: str | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.api_key = api_key
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.policy = HFPolicy(self.model_path, return_original_logprob=return_original_logprob)
+        self.policy = HFPolicy(
+            self.model_path,
+            return_original_logprob=return_original_logprob,
+            quantization=quantization,
+        )
         app = _install_sglang_app(self.model_path)
         self.tm = EmbeddedTokenizerManager(
             self.policy, _INSTALLED["server_args"], weight_version=weight_version
@@ -580,6 +585,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return_original_logprob=args.return_original_logprob,
         api_key=args.api_key,
         enable_return_routed_experts=args.enable_return_routed_experts,
+        quantization=args.quantization,
     ).serve_forever()
 
 
@@ -592,6 +598,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--api-key", default=None, help="bearer token every request must carry")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="emulate block-FP8 inference (e4m3 128x128 weights, per-token-group activations)",
+    )
     p.add_argument(
         "--return-original-logprob",
         action="store_true",
