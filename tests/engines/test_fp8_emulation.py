@@ -238,6 +238,7 @@ def client_fp8(engine_fp8):
 PROMPTS = [[1, 17, 33, 9], [1, 5], [1, 99, 98, 97, 96, 3]]
 
 
+@pytest.mark.slow  # an in-process engine of its own
 def test_fp8_engine_generates_with_real_mismatch(client_fp8, ckpt_a):
     """Through SGLang's HTTP app: generation works and every log-prob differs from the fp32
     model's (the fp32 embedded engine matches it to 2e-5, test_embedded.py) by an FP8-sized
@@ -255,6 +256,7 @@ def test_fp8_engine_generates_with_real_mismatch(client_fp8, ckpt_a):
     assert float(d.max()) < 1.0
 
 
+@pytest.mark.slow  # an in-process engine of its own
 def test_fp8_push_is_held_bitwise(client_fp8, engine_fp8, ckpt_b, weights_a, weights_b, tmp_path):
     """A push in FP8 form (our sync's own conversion and bucketing) is held bit for bit,
     verified the way WeightSync verifies; a BF16 push of the same weights is quantised by
