@@ -22,10 +22,15 @@
   are pointed at /dev/null first: writes to a hung-up terminal fail (EIO), and a failing
   print must not end the step that is about to be checkpointed.
 * The launcher dying (torchrun SIGKILLed, or torchrun exiting on a second Ctrl-C while it
-  waits for its workers) delivers SIGINT to each rank (`PR_SET_PDEATHSIG`). Such a SIGINT is
-  told from a user's by the parent PID having changed: it is a graceful stop, unless a user's
-  SIGINT came before it (then the second Ctrl-C it stands for forces the exit). Further
-  SIGINTs within `LAUNCHER_DEATH_WINDOW_S` of it are the same event and change nothing.
+  waits for its workers) delivers `LAUNCHER_DIED`, a real-time signal nothing else sends, to
+  each rank (`PR_SET_PDEATHSIG`): a graceful stop, unless a user's SIGINT came before it (then
+  the second Ctrl-C it stands for forces the exit). It may arrive more than once for one death
+  and the later ones change nothing: the kernel's "parent" is the launcher's thread that
+  started the rank, and when a SIGKILLed torchrun's threads (main, `pt_elastic`,
+  `pt_tcpstore_uv`) exit one by one, that thread's exit sends it while the rank is handed to a
+  thread still alive, so `getppid()` still names the launcher, and the last thread's exit sends
+  it again. (It used to be SIGINT told from a user's by the parent PID having changed: the
+  first delivery looked like a user's Ctrl-C and the second forced the exit.)
 
 A forced exit SIGKILLs this process's children (engines, reward workers) before `os._exit`;
 they also die with their parent by their own `PR_SET_PDEATHSIG`.
@@ -42,8 +47,12 @@ import time
 __all__ = ["FORCED_EXIT_CODE", "StopSignals", "seen_sigint"]
 
 FORCED_EXIT_CODE = 130  # the shell's code for "ended by SIGINT"
-LAUNCHER_DEATH_WINDOW_S = 5.0
-_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# PR_SET_PDEATHSIG's signal: one that no user, scheduler or launcher sends (None: no real-time
+# signals on this platform, and no PR_SET_PDEATHSIG either).
+LAUNCHER_DIED: int | None = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) + (
+    (LAUNCHER_DIED,) if LAUNCHER_DIED is not None else ()
+)
 
 
 class StopSignals:
@@ -54,8 +63,8 @@ class StopSignals:
         self.requested: str | None = None  # name of the first stop signal received
         self._first_at = 0.0
         self._sigints = 0
-        self._parent = os.getppid()  # the launcher; a SIGINT once it changed is its death
-        self._launcher_died_at: float | None = None
+        self._parent = os.getppid()  # the launcher
+        self._launcher_died = False
         self._lock = threading.Lock()
 
     def install(self) -> StopSignals:
@@ -68,7 +77,10 @@ class StopSignals:
             signal.signal(sig, lambda *_: None)
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(read_fd,), daemon=True, name="stop").start()
-        die_with_parent(signal.SIGINT)
+        if LAUNCHER_DIED is not None:
+            die_with_parent(LAUNCHER_DIED)
+            if os.getppid() != self._parent:  # it died before PR_SET_PDEATHSIG took effect
+                os.kill(os.getpid(), LAUNCHER_DIED)
         global _INSTALLED
         _INSTALLED = self
         return self
@@ -88,19 +100,18 @@ class StopSignals:
 
     def on_signal(self, signum: int) -> None:
         """What one delivered signal does (called by the watchdog thread)."""
-        name = signal.Signals(signum).name
         now = time.monotonic()
         if signum == signal.SIGHUP:
             _detach_from_terminal()
         with self._lock:
-            died_at = self._launcher_died_at
-            if signum == signal.SIGINT and os.getppid() != self._parent:
-                if died_at is not None and now - died_at < LAUNCHER_DEATH_WINDOW_S:
-                    return  # the same launcher death, delivered again
-                if died_at is None:
-                    self._launcher_died_at = now
-                    name = "SIGINT (the launcher died)"
-                    signum = signal.SIGTERM if self._sigints == 0 else signum
+            if signum == LAUNCHER_DIED:
+                if self._launcher_died:
+                    return  # the same death, delivered again (another launcher thread exited)
+                self._launcher_died = True
+                name = "the launcher died"
+                signum = signal.SIGTERM if self._sigints == 0 else signal.SIGINT
+            else:
+                name = signal.Signals(signum).name
             first = self.requested is None
             if first:
                 self.requested, self._first_at = name, now
@@ -108,7 +119,8 @@ class StopSignals:
                 self._sigints += 1
             forced = self._sigints >= 2 or (self._sigints == 1 and signum == signal.SIGTERM)
         if forced:
-            self.force("second SIGINT" if signum == signal.SIGINT else f"{name} after SIGINT")
+            plain = signum == signal.SIGINT and name == "SIGINT"
+            self.force("second SIGINT" if plain else f"{name} after SIGINT")
         if first:
             _say(
                 f"[train] {name}: stopping after this step with a checkpoint (at most "
