@@ -40,11 +40,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-__all__ = ["FORCED_EXIT_CODE", "StopSignals", "seen_sigint"]
+__all__ = ["FORCED_EXIT_CODE", "StopSignals", "popen_from_lasting_thread", "seen_sigint"]
 
 FORCED_EXIT_CODE = 130  # the shell's code for "ended by SIGINT"
 # PR_SET_PDEATHSIG's signal: one that no user, scheduler or launcher sends (None: no real-time
@@ -204,3 +207,20 @@ def die_with_parent(sig: int) -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+
+
+# PR_SET_PDEATHSIG fires when the THREAD that forked the child exits, not the process (what
+# made torchrun's ranks see its death twice, issue 26 M5). Children that must die with this
+# process are forked from one thread that lives as long as it: an engine or worker may be
+# replaced on behalf of a short-lived rollout thread.
+_SPAWNER: ThreadPoolExecutor | None = None
+
+
+def popen_from_lasting_thread(cmd: list[str], **popen: Any) -> subprocess.Popen[Any]:
+    """`subprocess.Popen(cmd, **popen)`, forked from a thread that outlives every caller, so
+    that the child's `PR_SET_PDEATHSIG` (set in `preexec_fn` or by the child itself) fires
+    when this process dies, not when the calling thread ends."""
+    global _SPAWNER
+    if _SPAWNER is None:
+        _SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="child-spawn")
+    return _SPAWNER.submit(lambda: subprocess.Popen(cmd, **popen)).result()

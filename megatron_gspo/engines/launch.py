@@ -19,9 +19,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from megatron_gspo.config_io import require
+from megatron_gspo.stop import popen_from_lasting_thread
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -281,10 +282,9 @@ class ServerGroup:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.cfg.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
             self._logs.append(out)
-        return subprocess.Popen(
+        return spawn_dying_with_us(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # own process group: killpg reaches forked children
-            preexec_fn=_die_with_parent,
         )  # fmt: skip
 
     def _spawn_engine(self, i: int) -> subprocess.Popen:
@@ -408,6 +408,12 @@ class ServerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def spawn_dying_with_us(cmd: list[str], **popen: Any) -> subprocess.Popen:
+    """`subprocess.Popen(cmd, **popen)` of a process that gets SIGTERM when this process dies
+    (Linux), forked from a thread that outlives every caller (`stop.popen_from_lasting_thread`)."""
+    return popen_from_lasting_thread(cmd, preexec_fn=_die_with_parent, **popen)
 
 
 def _die_with_parent() -> None:

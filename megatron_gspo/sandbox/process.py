@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_gspo.stop import popen_from_lasting_thread
+
 __all__ = [
     "SAFE_ENV",
     "WorkerDied",
@@ -95,7 +97,8 @@ class WorkerProcess:
 
     def __init__(self, kind: str, spec: str, limits: WorkerLimits) -> None:
         self.kind, self.spec, self.limits = kind, spec, limits
-        self.proc = subprocess.Popen(
+        # the worker sets its own PR_SET_PDEATHSIG: forked from a thread that lasts
+        self.proc = popen_from_lasting_thread(
             [sys.executable, "-m", "megatron_gspo.sandbox.worker", kind, spec, *limits.argv()],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -202,3 +202,25 @@ def test_engines_do_not_inherit_the_trainer_ranks_rendezvous(tmp_path, monkeypat
 def test_launch_config_validates(bad):
     with pytest.raises(ValueError):
         LaunchConfig(model_path="m", **bad)
+
+
+def test_a_server_started_from_a_passing_thread_outlives_that_thread():
+    """PR_SET_PDEATHSIG follows the forking THREAD: a server spawned on behalf of a short-lived
+    thread (an engine restart from a rollout worker) must live on after that thread ends, and
+    still die with this process."""
+    import subprocess
+
+    from megatron_gspo.engines.launch import spawn_dying_with_us
+
+    box: list[subprocess.Popen] = []
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    t = threading.Thread(target=lambda: box.append(spawn_dying_with_us(cmd)))
+    t.start()
+    t.join()
+    (proc,) = box
+    try:
+        time.sleep(1.0)  # a SIGTERM at the thread's exit would have ended it by now
+        assert proc.poll() is None, f"the server died with its thread (exit {proc.returncode})"
+    finally:
+        proc.kill()
+        proc.wait()
