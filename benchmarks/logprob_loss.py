@@ -24,6 +24,13 @@ Two measurements:
                high-water mark (VmHWM, reset through /proc/self/clear_refs; ru_maxrss where
                that is unavailable); on CUDA torch.cuda.max_memory_allocated
 Ratios are against the straightforward row of the same size.
+
+    python benchmarks/logprob_loss.py --profile --tokens 1024 --hidden 4096
+
+--profile: chunked and fused in ONE process (paired, alternating, min of --repeat steps), the
+fused/chunked time ratio, and a torch.profiler breakdown of one step of each (self CPU time per
+aten op, grouped; see `_category`) against the GEMM floor: the fused path does 4 [T, V, H] GEMM
+passes (forward logits, backward recompute, dH, dW) to the chunked path's 3.
 """
 
 from __future__ import annotations
@@ -79,7 +86,13 @@ def _reset_rss_hwm() -> bool:
 def _logprobs(args: argparse.Namespace, h: torch.Tensor, w: torch.Tensor, target: torch.Tensor):
     if args.variant == "fused":
         return fused_lm_head_logprobs(
-            h, w, target, temperature=args.temperature, chunk_size=args.chunk, with_entropy=True
+            h,
+            w,
+            target,
+            temperature=args.temperature,
+            chunk_size=args.chunk,
+            vocab_chunk=args.vocab_chunk,
+            with_entropy=True,
         )
     logits = h @ w.T
     if args.variant == "straightforward":
@@ -91,7 +104,10 @@ def _logprobs(args: argparse.Namespace, h: torch.Tensor, w: torch.Tensor, target
     )
 
 
-def worker(args: argparse.Namespace) -> dict:
+def _make_step(args: argparse.Namespace, variant: str):
+    """(h, w, step): bf16 h [T, H] and W [V, H] leaves and one forward + backward of `variant`
+    (the same inputs for every variant: seed 0). The step wraps its forward and its backward
+    in profiler ranges "fwd" / "bwd" (no cost without a profiler)."""
     torch.manual_seed(0)
     dev = torch.device(args.device)
     t, v, hd = args.tokens, args.vocab, args.hidden
@@ -103,30 +119,39 @@ def worker(args: argparse.Namespace) -> dict:
     adv = torch.randn(args.seqs, device=dev)
     mask = torch.ones(t, dtype=torch.bool, device=dev)
     cfg = PolicyLossConfig(kind="gspo")
+    ns = argparse.Namespace(**{**vars(args), "variant": variant})
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         h.grad = w.grad = None
-        if args.variant == "gemm":
+        if variant == "gemm":
             with torch.no_grad():
                 out = (h @ w.T)[:, 0].float()
             return out, out.sum()
-        logp, ent = _logprobs(args, h, w, target)
-        # pi_old a hair away from pi_theta so some sequences clip and some do not.
-        old = logp.detach() + 1e-4 * torch.sin(torch.arange(t, device=dev, dtype=logp.dtype))
-        batch = PolicyLossInputs(
-            logp=logp,
-            old_logp=old,
-            advantages=adv,
-            seq_index=seq_index,
-            mask=mask,
-            num_seqs=args.seqs,
-            entropy=ent.detach(),
-        )
-        loss, _ = policy_loss(batch, cfg, denominator=float(args.seqs))
-        loss = loss - 1e-3 * ent.mean()  # make the entropy path part of the backward
-        loss.backward()
+        with torch.profiler.record_function("fwd"):
+            logp, ent = _logprobs(ns, h, w, target)
+            # pi_old a hair away from pi_theta so some sequences clip and some do not.
+            old = logp.detach() + 1e-4 * torch.sin(torch.arange(t, device=dev, dtype=logp.dtype))
+            batch = PolicyLossInputs(
+                logp=logp,
+                old_logp=old,
+                advantages=adv,
+                seq_index=seq_index,
+                mask=mask,
+                num_seqs=args.seqs,
+                entropy=ent.detach(),
+            )
+            loss, _ = policy_loss(batch, cfg, denominator=float(args.seqs))
+            loss = loss - 1e-3 * ent.mean()  # make the entropy path part of the backward
+        with torch.profiler.record_function("bwd"):
+            loss.backward()
         return logp.detach(), loss.detach()
 
+    return h, w, step
+
+
+def worker(args: argparse.Namespace) -> dict:
+    dev = torch.device(args.device)
+    h, w, step = _make_step(args, args.variant)
     cuda = dev.type == "cuda"
     for _ in range(args.warmup):
         step()
@@ -217,6 +242,7 @@ def _run_variant(args: argparse.Namespace, variant: str, t: int, hd: int) -> dic
         ("--seqs", args.seqs),
         ("--temperature", args.temperature),
         ("--chunk", args.chunk),
+        ("--vocab-chunk", args.vocab_chunk),
         ("--repeat", args.repeat),
         ("--warmup", args.warmup),
     ]:
@@ -229,6 +255,120 @@ def _max_diff(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=float("nan"))
 
 
+# aten op -> category of the --profile breakdown (self CPU time; anything else is "other").
+_CATEGORIES = {
+    "exp": ("aten::exp", "aten::exp_"),
+    "entropy bmm": ("aten::bmm",),
+    "reductions": ("aten::amax", "aten::sum", "aten::max", "aten::mean", "aten::logsumexp"),
+    "elementwise": (
+        "aten::mul", "aten::mul_", "aten::sub", "aten::sub_", "aten::add", "aten::add_",
+        "aten::neg", "aten::neg_", "aten::div", "aten::div_", "aten::maximum", "aten::log",
+        "aten::where", "aten::clamp", "aten::clamp_", "aten::ge", "aten::lt", "aten::__and__",
+        "aten::bitwise_and", "aten::sin",
+    ),
+    "scatter/gather": ("aten::scatter_add_", "aten::gather", "aten::index", "aten::index_put_"),
+    "dtype casts/copies": ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone"),
+    "allocation": (
+        "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::zeros", "aten::zero_",
+        "aten::fill_", "aten::new_zeros", "aten::new_empty", "aten::resize_",
+    ),
+}  # fmt: skip
+_GEMM_ROWS = ("GEMM fwd logits", "GEMM bwd recompute", "GEMM dH", "GEMM dW")
+_ROWS = (*_GEMM_ROWS, *_CATEGORIES, "other")
+
+
+def _category(name: str, shapes: list, phase: str, t: int, hd: int) -> str:
+    """The breakdown row of one aten op. GEMMs (aten::mm/addmm) [a, K] @ [K, c] are told apart
+    by shape: K == H is a logits block (forward, or the backward's recompute); otherwise the
+    output rows a are tokens (a <= T: dH) or vocab/hidden rows (dW, incl. autograd's
+    h^T @ dlogits). Needs T < every vocab block and T != H (checked by the caller)."""
+    if name in ("aten::mm", "aten::addmm"):
+        a, k = [sh for sh in shapes if len(sh) == 2][-2]
+        if k == hd:
+            return "GEMM fwd logits" if phase == "fwd" else "GEMM bwd recompute"
+        return "GEMM dH" if a <= t else "GEMM dW"
+    for cat, names in _CATEGORIES.items():
+        if name in names:
+            return cat
+    return "other"
+
+
+def _profile_one(step, t: int, hd: int) -> tuple[float, dict[str, float]]:
+    """(wall seconds, self CPU seconds per breakdown row) of one profiled step (phases from
+    its "fwd"/"bwd" ranges). The profiler records a few hundred large ops per step: its
+    overhead is far below the timing noise of these steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        step()
+        wall = time.perf_counter() - t0
+    events = list(prof.events())
+    # The phase of an op: the "fwd"/"bwd" range whose interval holds its start (autograd runs
+    # the backward on other threads, so ranges are matched by time, not by parent).
+    ranges = [
+        (e.time_range.start, e.time_range.end, e.name) for e in events if e.name in ("fwd", "bwd")
+    ]
+    out = dict.fromkeys(_ROWS, 0.0)
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        phase = next((n for s0, s1, n in ranges if s0 <= e.time_range.start <= s1), "bwd")
+        cat = _category(e.name, list(e.input_shapes or []), phase, t, hd)
+        out[cat] += e.self_cpu_time_total / 1e6
+    return wall, out
+
+
+def profile_main(args: argparse.Namespace) -> None:
+    """Paired chunked vs fused timing and a per-category breakdown, in this process."""
+    t, hd, v = int(args.tokens), int(args.hidden), args.vocab
+    if not (t < min(args.vocab_chunk, v % args.vocab_chunk or v) and t != hd):
+        raise SystemExit(f"--profile: needs T < vocab blocks and T != H (got T={t}, H={hd})")
+    if args.device == "cpu":
+        torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    args.tokens, args.hidden = t, hd
+    tflop = 2 * t * v * hd / 1e12
+    print(
+        f"profile: T={t} H={hd} V={v} chunk={args.chunk} vocab_chunk={args.vocab_chunk} bf16, "
+        f"one [T, V, H] GEMM = {tflop:.2f} TFLOP; chunked: 3 GEMMs, fused: 4 (floor 4/3 = 1.33x "
+        f"if the GEMMs dominate and run equally fast); load: {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    steps = {name: _make_step(args, name)[2] for name in ("chunked", "fused", "gemm")}
+    for _ in range(args.warmup):
+        for st in steps.values():
+            st()
+    runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in steps}
+    for _ in range(args.repeat):  # alternate, so that load drifts hit both paths alike
+        for name, st in steps.items():
+            runs[name].append(_profile_one(st, t, hd))
+    fastest = {n: min(r, key=lambda x: x[0]) for n, r in runs.items()}
+    best = {n: f[0] for n, f in fastest.items()}
+    print(
+        f"time s (min of {args.repeat}, paired): chunked {best['chunked']:.2f}  fused "
+        f"{best['fused']:.2f}  one GEMM {best['gemm']:.2f}  ->  fused/chunked "
+        f"{best['fused'] / best['chunked']:.3f}  (chunked = {best['chunked'] / best['gemm']:.2f} "
+        f"GEMMs, fused = {best['fused'] / best['gemm']:.2f} GEMMs)",
+        flush=True,
+    )
+    prof = {name: fastest[name][1] for name in ("chunked", "fused")}
+    print(f"{'self CPU s (fastest step)':<32}{'chunked':>9}{'fused':>9}{'fused-chunked':>15}")
+    for row in _ROWS:
+        c, f = prof["chunked"][row], prof["fused"][row]
+        print(f"{row:<32}{c:>9.2f}{f:>9.2f}{f - c:>+15.2f}")
+    tot = {n: sum(p.values()) for n, p in prof.items()}
+    gemm = {n: sum(p[r] for r in _GEMM_ROWS) for n, p in prof.items()}
+    rest = {n: tot[n] - gemm[n] for n in tot}
+    print(
+        f"{'total':<32}{tot['chunked']:>9.2f}{tot['fused']:>9.2f}"
+        f"{tot['fused'] - tot['chunked']:>+15.2f}\n"
+        f"GEMM share: chunked {gemm['chunked'] / tot['chunked']:.0%}, fused "
+        f"{gemm['fused'] / tot['fused']:.0%}; GEMM-only ratio "
+        f"{gemm['fused'] / gemm['chunked']:.3f}, non-GEMM ratio "
+        f"{rest['fused'] / rest['chunked']:.3f}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
@@ -239,6 +379,8 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=16, help="sequences the tokens are packed into")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--chunk", type=int, default=1024, help="tokens per chunk (chunked, fused)")
+    p.add_argument("--vocab-chunk", type=int, default=8192, help="vocab rows per block (fused)")
+    p.add_argument("--profile", action="store_true", help="paired time + breakdown (see top)")
     p.add_argument("--mem-limit-gib", type=float, default=12.0)
     p.add_argument("--max-tflop", type=float, default=60.0)
     p.add_argument("--repeat", type=int, default=None, help="timed steps (min is reported)")
@@ -248,6 +390,9 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     args.repeat = args.repeat if args.repeat is not None else (5 if cuda else 1)
     args.warmup = args.warmup if args.warmup is not None else (2 if cuda else 0)
+    if args.profile:
+        profile_main(args)
+        return
     if args.variant:
         args.tokens, args.hidden = int(args.tokens), int(args.hidden)
         if not cuda:
