@@ -283,7 +283,8 @@ def _category(name: str, shapes: list, phase: str, t: int, hd: int) -> str:
     output rows a are tokens (a <= T: dH) or vocab/hidden rows (dW, incl. autograd's
     h^T @ dlogits). Needs T < every vocab block and T != H (checked by the caller)."""
     if name in ("aten::mm", "aten::addmm"):
-        a, k = [sh for sh in shapes if len(sh) == 2][-2]
+        # input_shapes: mm (self, mat2[, out]); addmm (bias, mat1, mat2[, out]).
+        a, k = shapes[1] if name == "aten::addmm" else shapes[0]
         if k == hd:
             return "GEMM fwd logits" if phase == "fwd" else "GEMM bwd recompute"
         return "GEMM dH" if a <= t else "GEMM dW"

@@ -18,14 +18,19 @@ With z = (hidden @ W^T) / temperature (the logits, never built whole), the outpu
 Forward: per token chunk, an online (running max) log-sum-exp over vocab chunks of [C, Vc]
 logits; one MAX and one SUM all-reduce per token chunk over `group` combine the shards' partial
 statistics (max m, sum e = sum exp(z - m), sum e (z - m), owner-only target logit). Backward:
-vocab chunks outer, token chunks inner; each [C, Vc] logit block is recomputed from the saved
-hidden states and W, turned into its gradient, and accumulated into dL/dhidden ([T, H], compute
-dtype) and into a [Vc, H] compute-dtype accumulator for that W block, written once into dL/dW.
-So the largest buffers are [C, Vc] blocks, [T, H] and [Vp, H] (the gradient W needs anyway):
-no [T, V] or [T, Vp] tensor exists in either pass. Logit blocks are computed in the inputs'
-dtype (a bf16 GEMM, as the unfused output layer does) and upcast to float32 (float64 for float64
-inputs) for the softmax statistics; the gradient blocks are cast back to W's dtype for the two
-backward GEMMs, as the unfused path's bf16 logits gradient is.
+vocab blocks of Vb = min(Vc, C Vc / T) rows outer, token chunks inner; each [C, Vb] logit block
+is recomputed from the saved hidden states and W, turned into its gradient (cast to W's dtype
+into a [T, Vb] buffer) and multiplied into dL/dhidden ([T, H], compute dtype); after the token
+chunks, dL/dW of the block is one GEMM over all T tokens, written once. The per-block buffers
+are allocated once and reused (a fresh large block per chunk costs page faults on CPU).
+So the largest buffers are [C, Vc]-element blocks, [T, H] and [Vp, H] (the gradient W needs
+anyway): no [T, V] or [T, Vp] tensor exists in either pass. Logit blocks are computed in the
+inputs' dtype (a bf16 GEMM, as the unfused output layer does) and upcast to float32 (float64 for
+float64 inputs) for the softmax statistics; the gradient blocks are cast back to W's dtype for
+the two backward GEMMs, as the unfused path's bf16 logits gradient is.
+
+Cost: 4 [T, Vp, H] GEMMs (forward, backward recompute, dH, dW) to the unfused path's 3, and
+the same softmax work; measured breakdown in docs/lm_head.md.
 
 Tensor parallelism: `weight` is this rank's vocab shard; `hidden` is the same on every rank of
 `group` (sequence parallelism gathers it first). Every rank returns the same [T] outputs and
@@ -53,6 +58,14 @@ def _spans(n: int, step: int) -> list[slice]:
     return [slice(i, min(n, i + step)) for i in range(0, n, step)]
 
 
+def _view(flat: Tensor, rows: int, cols: int) -> Tensor:
+    """A contiguous [rows, cols] view of the front of a reused flat buffer. Reusing one buffer
+    per role instead of allocating a fresh block per chunk saves the allocator's page faults:
+    on CPU a fresh block of this size is a new mmap whose pages the kernel zeroes on first
+    touch, which cost as much as all the softmax arithmetic (see benchmarks/logprob_loss.py)."""
+    return flat[: rows * cols].view(rows, cols)
+
+
 class _FusedLMHead(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -77,6 +90,9 @@ class _FusedLMHead(torch.autograd.Function):
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         cols = _spans(vp, vocab_chunk)
+        blk = min(num_tok, chunk_size) * min(vp, vocab_chunk)
+        lo_buf = hidden.new_empty(blk)  # the GEMM's [C, Vc] output, in the inputs' dtype
+        z_buf, e_buf = logp.new_empty(blk), logp.new_empty(blk)  # z - max, exp(z - max)
         for rows in _spans(num_tok, chunk_size):
             h = hidden[rows]
             loc, own = local[rows], owned[rows]
@@ -84,14 +100,19 @@ class _FusedLMHead(torch.autograd.Function):
             m: Tensor | None = None
             s, a, tgt = (logp.new_zeros(h.shape[0]) for _ in range(3))
             for vc in cols:
-                z = (h @ weight[vc].T).to(dtype).mul_(inv_t)  # [C, Vc]
+                nc, nv = h.shape[0], vc.stop - vc.start
+                zl = torch.mm(h, weight[vc].T, out=_view(lo_buf, nc, nv))
+                z = _view(z_buf, nc, nv)
+                z.copy_(zl)  # [C, Vc] in the compute dtype
+                if inv_t != 1.0:  # a full pass over the block: skip it at temperature 1
+                    z.mul_(inv_t)
                 hit = own & (loc >= vc.start) & (loc < vc.stop)
                 idx = (loc - vc.start).clamp_(0, z.shape[1] - 1)
                 tgt += torch.where(hit, z.gather(1, idx[:, None]).squeeze(1), 0.0)
                 bm = z.amax(-1)
                 new_m = bm if m is None else torch.maximum(m, bm)
                 z.sub_(new_m[:, None])
-                e = z.exp()
+                e = torch.exp(z, out=_view(e_buf, nc, nv))
                 bs = e.sum(-1)
                 # sum e (z - new_m) as a batched dot product: no third [C, Vc] buffer.
                 ba = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1) if with_entropy else a
@@ -147,28 +168,48 @@ class _FusedLMHead(torch.autograd.Function):
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=dtype) if need_h else None
         grad_weight = torch.empty_like(weight) if need_w else None
         rows_list = _spans(num_tok, chunk_size)
-        for vc in _spans(vp, vocab_chunk):
+        nc0, wdt = (rows_list[0].stop if rows_list else 0), weight.dtype
+        # Vocab block width of the backward: the [T, Vb] dL/dlogits buffer (W's dtype) holds no
+        # more elements than one [C, Vc] block, so dL/dW of a block is ONE GEMM over all T
+        # tokens, written once (no float32 [Vb, H] accumulator summed over token chunks).
+        vb = min(vp, max(1, nc0 * vocab_chunk // num_tok)) if num_tok else vp
+        blk = nc0 * vb
+        lo_buf = hidden.new_empty(blk)  # recomputed [C, Vb] logits, inputs' dtype
+        lq_buf = lse.new_empty(blk)  # log p, then dL/dz (compute dtype)
+        p_buf = lse.new_empty(blk) if g_h is not None else None  # p (entropy term)
+        gz_buf = weight.new_empty(num_tok * vb)  # [T, Vb] dL/dlogits, W's dtype
+        dh_buf = hidden.new_empty(nc0 * hidden.shape[1], dtype=wdt)  # [C, H] dH block
+        for vc in _spans(vp, vb):
             w = weight[vc]
-            acc_w = torch.zeros(w.shape, dtype=dtype, device=w.device) if need_w else None
+            nv = w.shape[0]
+            gz_all = _view(gz_buf, num_tok, nv)
             for rows in rows_list:
                 h = hidden[rows]
+                nc = h.shape[0]
                 # log p of the block, in place in the recomputed logits.
-                logq = (h @ w.T).to(dtype).mul_(inv_t).sub_(lse[rows, None])
+                logq = _view(lq_buf, nc, nv)
+                logq.copy_(torch.mm(h, w.T, out=_view(lo_buf, nc, nv)))
+                if inv_t != 1.0:
+                    logq.mul_(inv_t)
+                logq.sub_(lse[rows, None])
                 gh_rows = g_h[rows, None] if g_h is not None else None
-                grad = neg_softmax_grad_(logq, g_lp[rows, None], gh_rows, entropy[rows, None])
+                p_out = _view(p_buf, nc, nv) if p_buf is not None else None
+                grad = neg_softmax_grad_(
+                    logq, g_lp[rows, None], gh_rows, entropy[rows, None], p_out=p_out
+                )
                 loc = local[rows] - vc.start
-                hit = owned[rows] & (loc >= 0) & (loc < w.shape[0])
+                hit = owned[rows] & (loc >= 0) & (loc < nv)
                 src = torch.where(hit, g_lp[rows], 0.0).unsqueeze(1)
-                grad.scatter_add_(1, loc.clamp(0, w.shape[0] - 1)[:, None], src)
-                gz = grad.mul_(inv_t).to(weight.dtype)  # dL/dlogits block, in W's dtype
+                grad.scatter_add_(1, loc.clamp(0, nv - 1)[:, None], src)
+                if inv_t != 1.0:
+                    grad.mul_(inv_t)
+                gz = gz_all[rows]
+                gz.copy_(grad)  # dL/dlogits block, in W's dtype
                 del grad, logq
                 if grad_hidden is not None:
-                    grad_hidden[rows] += gz @ w
-                if acc_w is not None:
-                    acc_w += gz.T @ h.to(weight.dtype)
-                del gz
-            if grad_weight is not None and acc_w is not None:
-                grad_weight[vc] = acc_w
+                    grad_hidden[rows] += torch.mm(gz, w, out=_view(dh_buf, nc, hidden.shape[1]))
+            if grad_weight is not None:
+                torch.mm(gz_all.T, hidden, out=grad_weight[vc])
         if grad_hidden is not None and reduce_grad_hidden:
             _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)
         gh = grad_hidden.to(hidden.dtype) if grad_hidden is not None else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -49,7 +50,12 @@ def finish_rows(
 
 
 def neg_softmax_grad_(
-    logq: Tensor, g_lp: Tensor, g_h: Tensor | None, entropy: Tensor | None
+    logq: Tensor,
+    g_lp: Tensor,
+    g_h: Tensor | None,
+    entropy: Tensor | None,
+    *,
+    p_out: Tensor | None = None,
 ) -> Tensor:
     """-p (g + g_H (log p + H)) for one [C, Vb] block, built in place in `logq` (= log p);
     the caller adds the one-hot term g at the target column of the shard that owns it.
@@ -57,10 +63,12 @@ def neg_softmax_grad_(
     Args:
         logq: [C, Vb] log p (overwritten).
         g_lp: [C, 1] dL/dlogp.  g_h, entropy: [C, 1] dL/dH and H, or None without entropy.
+        p_out: optional [C, Vb] buffer for p (the entropy term's second block; reused by
+            callers that loop over blocks). The result is then `p_out`, else `logq`.
     """
     if g_h is None:
         return logq.exp_().mul_(-g_lp)
     assert entropy is not None
-    p = logq.exp()
+    p = logq.exp() if p_out is None else torch.exp(logq, out=p_out)
     coef = logq.add_(entropy).mul_(g_h)
     return p.mul_(coef.add_(g_lp)).neg_()
