@@ -281,7 +281,8 @@ def _category(name: str, shapes: list, phase: str, t: int, hd: int) -> str:
     """The breakdown row of one aten op. GEMMs (aten::mm/addmm) [a, K] @ [K, c] are told apart
     by shape: K == H is a logits block (forward, or the backward's recompute); otherwise the
     output rows a are tokens (a <= T: dH) or vocab/hidden rows (dW, incl. autograd's
-    h^T @ dlogits). Needs T < every vocab block and T != H (checked by the caller)."""
+    h^T @ dlogits). Needs T < every vocab block and T != H (checked by the caller), and the
+    fused backward's block width Vb != H (else its dH GEMMs count as recompute)."""
     if name in ("aten::mm", "aten::addmm"):
         # input_shapes: mm (self, mat2[, out]); addmm (bias, mat1, mat2[, out]).
         a, k = shapes[1] if name == "aten::addmm" else shapes[0]
