@@ -166,7 +166,7 @@ def _check_engine_python(cfg: Config) -> None:
 def _check_reward(kind: str) -> None:
     """A user reward "module:function" must be importable. Located, not imported: user code
     runs in the reward workers only."""
-    if kind in ("math", "toy", "http"):  # http: a server, reached at the first step
+    if kind in ("math", "toy", "pattern", "http"):  # http: a server, reached at the first step
         return
     _check_module(kind, "reward.kind")
 

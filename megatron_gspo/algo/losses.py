@@ -58,6 +58,8 @@ CONTEXT-PARALLEL RANK, so both sum and count scale by the CP size and the ratio 
     mismatch/seq_log_ratio_abs       per sequence |mean_t (logp - logp_engine)|: vs the clip band
     mismatch/seq_outside_clip        per sequence: that mean log-ratio lies outside
                                      [log(1 - eps_low), log(1 + eps_high)]
+    mismatch/seq_outside_clip_len/B, the two above per response-length bin B ("32-63", ...:
+      mismatch/seq_log_ratio_abs_len/B `algo/length_bins.py`); a bin with no sequence is absent
     mismatch/old_rollout_abs_diff    per token |old_logp - rollout_logp| (only with rollout_logp)
     policy/entropy                   per token (only with entropy)
     policy/response_length           per sequence |y_i|
@@ -77,6 +79,7 @@ import torch
 from torch import Tensor
 
 from megatron_gspo.algo.correction import tis_sequence_weights, tis_token_weights
+from megatron_gspo.algo.length_bins import by_length
 from megatron_gspo.algo.mismatch import check_mismatch_bounds, mismatch_masks
 from megatron_gspo.config_io import require
 
@@ -411,15 +414,19 @@ def _common_metrics(
     outside = (st.engine_seq_log_ratio < math.log1p(-cfg.eps_low)) | (
         st.engine_seq_log_ratio > math.log1p(cfg.eps_high)
     )
+    engine_abs = st.engine_seq_log_ratio.abs()
     out = {
         "policy/abs_log_ratio": _metric(torch.where(m, (lp - batch.old_logp).abs(), 0), mf),
         "policy/seq_log_ratio": _metric(st.seq_log_ratio.detach() * valid, valid),
         "policy/seq_log_ratio_abs": _metric(st.seq_log_ratio.detach().abs() * valid, valid),
         "mismatch/abs_logp_diff": _metric(torch.where(m, (lp - engine).abs(), 0), mf),
-        "mismatch/seq_log_ratio_abs": _metric(st.engine_seq_log_ratio.abs() * valid, valid),
+        "mismatch/seq_log_ratio_abs": _metric(engine_abs * valid, valid),
         "mismatch/seq_outside_clip": _metric(outside.float() * valid, valid),
         "policy/response_length": _metric(st.count, valid),
     }
+    # The same two mismatch figures per response-length bin (measurement only).
+    per_seq = {"mismatch/seq_outside_clip": outside, "mismatch/seq_log_ratio_abs": engine_abs}
+    out |= by_length(per_seq, st.count, st.valid)
     if batch.rollout_logp is not None:
         diff = (batch.old_logp - batch.rollout_logp).abs()
         out["mismatch/old_rollout_abs_diff"] = _metric(torch.where(m, diff, 0), mf)

@@ -9,13 +9,16 @@ from megatron_gspo.config_io import positive, require
 
 __all__ = ["RewardConfig"]
 
+_BUILTIN_KINDS = ("math", "toy", "pattern", "http")
+
 
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
     """How responses are scored."""
 
     kind: str = "math"
-    """math (math-verify on boxed / final answers), toy (the built-in digit task), http (a
+    """math (math-verify on boxed / final answers), toy (the built-in digit task), pattern
+    (the long-response repeat task, `rewards/pattern.py`), http (a
     judge model served at reward.url, `rewards/http.py`), or a user function as
     "package.module:function" with signature (prompt, response, answer) -> float."""
     num_workers: int = 2
@@ -47,11 +50,11 @@ class RewardConfig:
             f"{self.url!r}); set both or neither",
         )
         require(self.retries >= 0, f"reward.retries={self.retries} must be >= 0; change it")
-        if self.kind not in ("math", "toy", "http"):
+        if self.kind not in _BUILTIN_KINDS:
             mod, sep, fn = self.kind.partition(":")
             require(
                 bool(sep and mod and fn),
-                f'reward.kind={self.kind!r} is not math, toy, http or "module:function"; '
+                f'reward.kind={self.kind!r} is not math, toy, pattern, http or "module:function"; '
                 "change reward.kind",
             )
         require(
@@ -59,7 +62,7 @@ class RewardConfig:
             f"reward.num_workers={self.num_workers} must be >= 0; change reward.num_workers",
         )
         require(
-            self.num_workers > 0 or self.kind in ("math", "toy", "http"),
+            self.num_workers > 0 or self.kind in _BUILTIN_KINDS,
             f"reward.num_workers=0 runs the reward in the trainer, which only the built-in kinds "
             f"may do; user code (reward.kind={self.kind!r}) runs in worker processes: set "
             "reward.num_workers >= 1",

@@ -4,7 +4,8 @@ A reward function has the signature
 
     fn(prompt: str, response: str, answer: Any) -> float
 
-and is named by `reward.kind`: "math" (`math_answer.math_reward`), "toy" (`toy.toy_reward`) or
+and is named by `reward.kind`: "math" (`math_answer.math_reward`), "toy" (`toy.toy_reward`),
+"pattern" (`pattern.pattern_reward`) or
 "package.module:function" for a user function. `RewardPool` keeps `num_workers` subprocesses
 alive between steps, hands each one call at a time, and kills a worker whose call runs past
 `timeout_s` (that call scores 0 and counts in `reward/timeouts`; a fresh worker replaces it), so
@@ -50,6 +51,7 @@ RewardFn = Callable[[str, str, Any], float]
 _BUILTIN = {
     "math": "megatron_gspo.rewards.math_answer:math_reward",
     "toy": "megatron_gspo.rewards.toy:toy_reward",
+    "pattern": "megatron_gspo.rewards.pattern:pattern_reward",
 }
 _MAX_ERRORS_KEPT = 8
 

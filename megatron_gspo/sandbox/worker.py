@@ -81,7 +81,7 @@ def _reward_loop(spec: str, out: Any, args: argparse.Namespace) -> None:
     except ValueError as e:
         out.write(json.dumps({"ready": False, "error": str(e)}) + "\n")
         return
-    if spec in ("math", "toy"):
+    if spec in ("math", "toy", "pattern"):
         # A throw-away call pays for lazy imports and parser construction (math-verify builds its
         # LaTeX grammar on first use), which would otherwise eat the first call's timeout. User
         # functions are never called on made-up input.
