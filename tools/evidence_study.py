@@ -1,0 +1,379 @@
+"""The evidence study of issue 22: does GSPO on the engine's log-probs, without Routing Replay,
+train a MoE stably? Runs a matrix of arms on the long-response repeat task and writes
+docs/evidence.md from the committed per-step data.
+
+    python tools/evidence_study.py --list                      # the arms, and which can run here
+    python tools/evidence_study.py --arms gspo-fp32,grpo-fp32 --seeds 0,1,2   # run, then report
+    python tools/evidence_study.py --all --seeds 0,1,2         # every runnable arm
+    python tools/evidence_study.py --report                    # only regenerate docs/evidence.md
+    python tools/evidence_study.py --quick                     # 2 arms x 5 steps (CI, minutes)
+
+An arm is a named set of `--set` overrides on examples/evidence_cpu.yaml (plus `task.*` keys of
+`megatron_gspo.data.pattern.PatternTaskConfig`). One run = one arm at one seed: `train.seed` and
+`data.seed` are the seed, the starting model is the same tiny MoE for every run. Its per-step
+metrics (a fixed subset of keys, `KEEP`) go to docs/evidence/runs/<arm>-seed<k>.jsonl and its
+provenance (overrides, commit, wall time, load average) to <arm>-seed<k>.meta.json. A run whose
+data file exists is not rerun (`--rerun` forces it), so results accumulate across sessions and
+machines; a failed run writes only its meta file (status, exit code, log tail), which the report
+lists. Runs go one at a time under `nice -n 10`.
+
+Arms whose config keys this checkout does not have yet (FP8-emulated engine, sequence mask,
+Routing Replay: other parts of issue 22) are in the registry and are skipped with a message
+naming the missing key. Arms on the real SGLang server need its venv (scripts/engine_env.sh,
+or MGSPO_ENGINE_PYTHON).
+
+This is a tool (next to tools/reward_summary.py and tools/plot_metrics.py), not a benchmark:
+it trains, it does not time a component, and its product is a document.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__":  # run as a script: this checkout's package, Ctrl-C as one line
+    import sys
+    from pathlib import Path
+
+    _root = str(Path(__file__).resolve().parents[1])
+    if _root not in sys.path:
+        sys.path.insert(0, _root)
+    from megatron_gspo.interrupt import quiet_ctrl_c
+
+    quiet_ctrl_c(Path(__file__).name)
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_CONFIG = ROOT / "examples" / "evidence_cpu.yaml"
+DATA_DIR = ROOT / "docs" / "evidence" / "runs"
+REPORT = ROOT / "docs" / "evidence.md"
+WORK_DIR = ROOT / "runs" / "evidence"
+QUICK_DIR = ROOT / "runs" / "evidence_quick"
+
+# Per-step keys kept in the committed data (the whole metrics row is ~3 kB a step).
+KEEP_PREFIXES = ("reward/", "policy/", "mismatch/", "first_mb/", "drift/", "response/")
+KEEP = (
+    "step",
+    "loss",
+    "grad_norm",
+    "train/skipped_updates",
+    "moe/routing_flip_rate",
+    "time/step_s",
+    "time/rollout_s",
+    "time/train_s",
+)
+_DROP = ("reward/time_s", "reward/timeouts", "reward/retries", "reward/failures")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One cell of the study matrix."""
+
+    name: str
+    """File-name-safe id: <loss>-<engine>[-variant]."""
+    sets: tuple[str, ...] = ()
+    """--set overrides on examples/evidence_cpu.yaml (`task.*` keys: the task, not the config)."""
+    engine: str = "embedded"
+    """embedded (fp32, the trainer's dtype) or sglang (the real server on CPU, bf16)."""
+    note: str = ""
+    """What the arm controls for (goes into the report)."""
+    owner: str = ""
+    """Where a missing key comes from (an issue-22 branch), for the skip message."""
+
+
+def _arms() -> dict[str, Arm]:
+    gspo, grpo = ("loss.kind=gspo",), ("loss.kind=grpo",)
+    rec, mb1 = ("rl.pi_old=recompute",), ("rl.mini_batches_per_rollout=1",)
+    arms = []
+    for eng, tag in (("embedded", "fp32"), ("sglang", "bf16")):
+        arms += [
+            Arm(f"gspo-{tag}", gspo, eng, "GSPO, engine log-probs as pi_old (the default)"),
+            Arm(f"gspo-{tag}-recompute", gspo + rec, eng, "GSPO, trainer recomputes pi_old"),
+            Arm(f"grpo-{tag}", grpo, eng, "GRPO, engine log-probs as pi_old"),
+            Arm(f"gspo-{tag}-mb1", gspo + mb1, eng, "GSPO, 1 mini-batch per rollout (on-policy)"),
+            Arm(f"grpo-{tag}-mb1", grpo + mb1, eng, "GRPO, 1 mini-batch per rollout"),
+            Arm(f"gspo-{tag}-L128", gspo + ("task.length=128",), eng, "GSPO, responses of 128"),
+        ]
+    # Hooks for the other parts of issue 22: skipped until their config keys exist. The key
+    # names are the ones their briefs proposed; fix them here when those branches land.
+    arms += [
+        Arm("gspo-fp8", gspo + ("rollout.launch.fp8_emulation=true",), "embedded",
+            "GSPO on the FP8-emulated embedded engine", "branch h22fp8"),
+        Arm("grpo-fp8", grpo + ("rollout.launch.fp8_emulation=true",), "embedded",
+            "GRPO on the FP8-emulated embedded engine", "branch h22fp8"),
+        Arm("gspo-bf16-seqmask", gspo + ("loss.seq_mask=true",), "sglang",
+            "GSPO + sequence mask by the engine/trainer geometric-mean ratio", "branch h22mask"),
+        Arm("grpo-bf16-replay", grpo + ("rl.routing_replay=true",), "sglang",
+            "GRPO + Routing Replay (study control)", "branch h22replay"),
+    ]  # fmt: skip
+    return {a.name: a for a in arms}
+
+
+ARMS = _arms()
+QUICK_ARMS = ("gspo-fp32", "grpo-fp32")
+QUICK_STEPS = 5
+
+
+@dataclass
+class Plan:
+    """Where a run's files go and what it runs with."""
+
+    arm: Arm
+    seed: int
+    data_dir: Path
+    work_dir: Path
+    extra_sets: list[str] = field(default_factory=list)
+
+    @property
+    def stem(self) -> str:
+        return f"{self.arm.name}-seed{self.seed}"
+
+    @property
+    def data(self) -> Path:
+        return self.data_dir / f"{self.stem}.jsonl"
+
+    @property
+    def meta(self) -> Path:
+        return self.data_dir / f"{self.stem}.meta.json"
+
+
+def missing_key(arm: Arm) -> str | None:
+    """The first override key of `arm` the config of this checkout does not have, else None."""
+    from megatron_gspo.config import Config
+    from megatron_gspo.config_io import ConfigError, apply_override
+
+    for s in arm.sets:
+        if s.startswith("task."):
+            continue
+        try:
+            apply_override(Config, {}, s)
+        except ConfigError:
+            return s.partition("=")[0]
+    return None
+
+
+def engine_python() -> str | None:
+    """The real SGLang server's interpreter (MGSPO_ENGINE_PYTHON or scripts/engine_env.sh)."""
+    exe = os.environ.get("MGSPO_ENGINE_PYTHON")
+    if exe:
+        return exe
+    try:
+        out = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "engine_env.sh")],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=True,
+        )
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return str(Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python")
+
+
+def why_not(arm: Arm, check_engine: bool = True) -> str | None:
+    """Why `arm` cannot run in this checkout (one line), or None; `check_engine=False` does
+    not look for (or build) the SGLang venv."""
+    key = missing_key(arm)
+    if key is not None:
+        return f"config key {key} does not exist here yet ({arm.owner or 'not built'})"
+    if check_engine and arm.engine == "sglang" and engine_python() is None:
+        return "the real SGLang engine venv is missing (bash scripts/engine_env.sh builds it)"
+    return None
+
+
+def _task_sets(arm: Arm) -> dict[str, str]:
+    return {
+        s.partition("=")[0].removeprefix("task."): s.partition("=")[2]
+        for s in arm.sets
+        if s.startswith("task.")
+    }
+
+
+def prepare_task(arm: Arm, work_dir: Path) -> tuple[Path, int]:
+    """Write the tiny MoE and the task data for this arm's task keys (once); return the task
+    directory and its length L."""
+    from megatron_gspo.data.pattern import pattern_task_config, write_pattern_dataset
+
+    task = pattern_task_config({k: int(v) for k, v in _task_sets(arm).items()})
+    d = work_dir / f"task-L{task.length}-p{task.pattern_min}{task.pattern_max}-n{task.n}"
+    if not (d / "pattern.jsonl").exists():
+        from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
+        from megatron_gspo.data.toy import save_toy_tokenizer
+
+        save_tiny_hf_checkpoint(d / "model", seed=0, perturb_norms=False)
+        save_toy_tokenizer(d / "model")
+        write_pattern_dataset(d / "pattern.jsonl.tmp", task)
+        (d / "pattern.jsonl.tmp").rename(d / "pattern.jsonl")
+    return d, task.length
+
+
+def overrides(plan: Plan, task_dir: Path, length: int) -> list[str]:
+    """Every --set of one run, in order (later ones win)."""
+    arm, log_dir = plan.arm, plan.work_dir / plan.stem
+    sets = [
+        f"model.hf_path={task_dir / 'model'}",
+        f"data.train_path={task_dir / 'pattern.jsonl'}",
+        f"rollout.max_new_tokens={length}",
+        f"train.micro_batch_tokens={max(512, 2 * (length + 16))}",
+        f"train.seed={plan.seed}",
+        f"data.seed={plan.seed}",
+        f"logging.dir={log_dir}",
+    ]
+    if arm.engine == "sglang":
+        sets += [
+            "rollout.launch.backend=sglang",
+            "rollout.launch.device=cpu",
+            f"rollout.launch.python={engine_python()}",
+        ]
+    sets += [s for s in arm.sets if not s.startswith("task.")]
+    return sets + plan.extra_sets
+
+
+def keep_row(row: dict) -> dict:
+    """The committed subset of one metrics row, floats to 6 significant digits."""
+    out = {}
+    for k, v in row.items():
+        if k in _DROP or not (k in KEEP or k.startswith(KEEP_PREFIXES)):
+            continue
+        if isinstance(v, float) and math.isfinite(v):
+            v = float(f"{v:.6g}")
+        out[k] = v
+    return out
+
+
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (subprocess.SubprocessError, OSError):
+        return "unknown"
+
+
+def run_one(plan: Plan, timeout_s: float) -> bool:
+    """Train one arm at one seed; write its data and meta files. True on success."""
+    task_dir, length = prepare_task(plan.arm, plan.work_dir)
+    sets = overrides(plan, task_dir, length)
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "megatron_gspo.torchrun"]
+    from megatron_gspo.dist import free_port
+
+    cmd += ["--nproc_per_node", "2", "--master_port", str(free_port())]  # 29500 may be taken
+    cmd += ["-m", "megatron_gspo.train", "--config", str(BASE_CONFIG)]
+    cmd += [a for s in sets for a in ("--set", s)] + ["--overwrite"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if "PYTHONPATH" in env else "")
+    log_dir = plan.work_dir / plan.stem
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[evidence] {plan.stem}: running ({len(sets)} overrides, log {log_dir}/study.log)")
+    load0, t0 = _load(), time.monotonic()
+    with open(log_dir / "study.log", "w") as log:
+        try:
+            rc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    wall = time.monotonic() - t0
+    meta = {
+        "arm": plan.arm.name,
+        "seed": plan.seed,
+        "engine": plan.arm.engine,
+        "sets": [s for s in plan.arm.sets] + plan.extra_sets,
+        "task_length": length,
+        "commit": _commit(),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "wall_s": round(wall, 1),
+        "loadavg_start": load0,
+        "loadavg_end": _load(),
+        "cpus": os.cpu_count(),
+        "rc": rc,
+        "status": "ok" if rc == 0 else "failed",
+    }
+    plan.data_dir.mkdir(parents=True, exist_ok=True)
+    metrics = log_dir / "metrics.jsonl"
+    if rc == 0 and metrics.exists():
+        rows = [keep_row(json.loads(line)) for line in metrics.read_text().splitlines() if line]
+        tmp = plan.data.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.rename(plan.data)
+        meta["steps"] = len(rows)
+    else:
+        meta["status"] = "failed"
+        meta["log_tail"] = (log_dir / "study.log").read_text()[-2000:]
+    plan.meta.write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"[evidence] {plan.stem}: {meta['status']} in {wall:.0f} s (load {load0} -> {_load()})")
+    return meta["status"] == "ok"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arms", default="", help="comma-separated arm names (see --list)")
+    p.add_argument("--all", action="store_true", help="every arm that can run here")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds")
+    p.add_argument("--set", dest="extra", action="append", default=[], help="extra --set k=v")
+    p.add_argument("--rerun", action="store_true", help="rerun runs whose data exists")
+    p.add_argument("--report", action="store_true", help="only regenerate the report")
+    p.add_argument("--list", action="store_true", help="list the arms and exit")
+    p.add_argument("--quick", action="store_true", help="2 arms x 5 steps into runs/evidence_quick")
+    p.add_argument("--data-dir", type=Path, help=f"default {DATA_DIR.relative_to(ROOT)}")
+    p.add_argument("--out", type=Path, help=f"report file, default {REPORT.relative_to(ROOT)}")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    a = p.parse_args(argv)
+    from tools.evidence_report import write_report
+
+    if a.list:
+        for arm in ARMS.values():
+            reason = why_not(arm)
+            print(f"{arm.name:22s} {'SKIP: ' + reason if reason else 'runnable'}  ({arm.note})")
+        return 0
+    names = [n for n in a.arms.split(",") if n]
+    extra = list(a.extra)
+    data_dir, out, work_dir = a.data_dir or DATA_DIR, a.out or REPORT, WORK_DIR
+    if a.quick:
+        names = names or list(QUICK_ARMS)
+        extra = [f"train.steps={QUICK_STEPS}", *extra]
+        data_dir, out = a.data_dir or QUICK_DIR / "runs", a.out or QUICK_DIR / "evidence.md"
+        work_dir = QUICK_DIR
+    if a.all:
+        names = list(ARMS)
+    unknown = [n for n in names if n not in ARMS]
+    if unknown:
+        p.error(f"unknown arm(s) {unknown}; --list shows them")
+    failed = 0
+    if not a.report:
+        seeds = [int(s) for s in a.seeds.split(",") if s]
+        for name in names:
+            arm = ARMS[name]
+            reason = why_not(arm)
+            if reason:
+                print(f"[evidence] {name}: skipped: {reason}")
+                continue
+            for seed in seeds:
+                plan = Plan(arm, seed, data_dir, work_dir, extra)
+                if plan.data.exists() and not a.rerun:
+                    print(f"[evidence] {plan.stem}: data exists, not rerun ({plan.data})")
+                    continue
+                failed += not run_one(plan, a.timeout)
+    write_report(data_dir, out, ARMS, {n: why_not(x, check_engine=False) for n, x in ARMS.items()})
+    print(f"[evidence] wrote {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
