@@ -6,7 +6,9 @@ Per arm, over its seeds: reward curve (mean and min..max band), first-10 / last-
 clip fractions, first-mini-batch engine/trainer mismatch per token and per sequence, the share
 of sequences whose engine/trainer sequence ratio alone lies outside the clip band by response
 length, the router flip rate, and collapse flags. Plots (matplotlib, when installed) go to
-docs/evidence/img/ next to the data; without matplotlib the report has tables only.
+docs/evidence/img/ next to the data; without matplotlib the report has tables only. Findings
+written by hand go in notes.md next to the data directory (docs/evidence/notes.md) and are
+copied into the report.
 """
 
 from __future__ import annotations
@@ -195,6 +197,9 @@ def write_report(
             status += f"; {len(failed)} failed (seeds {sorted(r['seed'] for r in failed)})"
         body.append([a, getattr(arms[a], "note", ""), status])
     lines += ["## Arms", ""] + _table(["arm", "what", "status"], body) + [""]
+    notes = Path(data_dir).parent / "notes.md"
+    if notes.exists():  # hand-written findings, kept across regenerations
+        lines += ["## Findings (hand-written: `" + _rel(notes) + "`)", "", notes.read_text(), ""]
     if not done:
         lines += ["No run has data yet.", ""]
         out.parent.mkdir(parents=True, exist_ok=True)
