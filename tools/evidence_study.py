@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.reward_summary import summary
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = ROOT / "examples" / "evidence_cpu.yaml"
 DATA_DIR = ROOT / "docs" / "evidence" / "runs"
@@ -281,7 +283,7 @@ def run_one(plan: Plan, timeout_s: float) -> bool:
     log_dir = plan.work_dir / plan.stem
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"[evidence] {plan.stem}: running ({len(sets)} overrides, log {log_dir}/study.log)")
-    load0, t0 = _load(), time.monotonic()
+    load0, t0, commit = _load(), time.monotonic(), _commit()
     with open(log_dir / "study.log", "w") as log:
         try:
             rc = subprocess.run(
@@ -296,7 +298,7 @@ def run_one(plan: Plan, timeout_s: float) -> bool:
         "engine": plan.arm.engine,
         "sets": [s for s in plan.arm.sets] + plan.extra_sets,
         "task_length": length,
-        "commit": _commit(),
+        "commit": commit,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "wall_s": round(wall, 1),
         "loadavg_start": load0,
@@ -318,6 +320,11 @@ def run_one(plan: Plan, timeout_s: float) -> bool:
         meta["log_tail"] = (log_dir / "study.log").read_text()[-2000:]
     plan.meta.write_text(json.dumps(meta, indent=1) + "\n")
     print(f"[evidence] {plan.stem}: {meta['status']} in {wall:.0f} s (load {load0} -> {_load()})")
+    if meta["status"] == "ok" and meta["steps"] >= 2:
+        w = min(10, meta["steps"] // 2)  # as tools/reward_summary.py prints it for main.sh
+        first, last, _ = summary(str(plan.data), w)
+        rose = "ROSE" if last > first + 0.05 else "did NOT rise"
+        print(f"[evidence] {plan.stem}: reward first {w} {first:.4f}, last {w} {last:.4f}: {rose}")
     return meta["status"] == "ok"
 
 
