@@ -131,7 +131,7 @@ def test_unknown_key_in_file_and_in_set(tmp_path: Path) -> None:
         ("optim.lr=fast", "optim.lr='fast' must be a number; change optim.lr"),
         ("model.dtype=fp64", "model.dtype='fp64' is not one of bf16 | fp16 | fp32"),
         ("optim", "override 'optim' is not of the form section.key=value"),
-        ("reward.kind=mymodule", 'is not math, toy, http or "module:function"'),
+        ("reward.kind=mymodule", 'is not math, toy, pattern, http or "module:function"'),
     ],
 )
 def test_bad_values_name_the_key(tmp_path: Path, override: str, expected: str) -> None:
