@@ -205,8 +205,12 @@ def prepare_task(arm: Arm, work_dir: Path) -> tuple[Path, int]:
     task = pattern_task_config({k: int(v) for k, v in _task_sets(arm).items()})
     d = work_dir / f"task-L{task.length}-p{task.pattern_min}{task.pattern_max}-n{task.n}"
     if not (d / "pattern.jsonl").exists():
+        from transformers.utils import logging as hf_logging
+
         from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
         from megatron_gspo.data.toy import save_toy_tokenizer
+
+        hf_logging.disable_progress_bar()  # a sub-second "Writing model shards" bar is noise
 
         save_tiny_hf_checkpoint(d / "model", seed=0, perturb_norms=False)
         save_toy_tokenizer(d / "model")
