@@ -40,6 +40,7 @@ if __name__ == "__main__":  # run as a script: this checkout's package, Ctrl-C a
     quiet_ctrl_c(Path(__file__).name)
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -87,6 +88,8 @@ class Arm:
     """What the arm controls for (goes into the report)."""
     owner: str = ""
     """Where a missing key comes from (an issue-22 branch), for the skip message."""
+    needs_module: str = ""
+    """A module the arm needs besides its keys (a key that exists for another use)."""
 
 
 def _arms() -> dict[str, Arm]:
@@ -100,18 +103,26 @@ def _arms() -> dict[str, Arm]:
             Arm(f"grpo-{tag}", grpo, eng, "GRPO, engine log-probs as pi_old"),
             Arm(f"gspo-{tag}-mb1", gspo + mb1, eng, "GSPO, 1 mini-batch per rollout (on-policy)"),
             Arm(f"grpo-{tag}-mb1", grpo + mb1, eng, "GRPO, 1 mini-batch per rollout"),
+            Arm(f"gspo-{tag}-L64", gspo + ("task.length=64",), eng, "GSPO, responses of 64"),
+            Arm(f"grpo-{tag}-L64", grpo + ("task.length=64",), eng, "GRPO, responses of 64"),
             Arm(f"gspo-{tag}-L128", gspo + ("task.length=128",), eng, "GSPO, responses of 128"),
         ]
-    # Hooks for the other parts of issue 22: skipped until their config keys exist. The key
-    # names are the ones their briefs proposed; fix them here when those branches land.
+    # Hooks for the other parts of issue 22: skipped until their keys (and modules) exist
+    # here. The keys are those of their branches at the time of writing.
+    fp8 = ("rollout.launch.quantization=fp8",)
+    fp8_mod = "megatron_gspo.engines.embedded.fp8_emulation"
+    mask = ("loss.seq_mismatch_mask=[0.999,1.002]",)
+    replay = ("rl.routing_replay=true",)
     arms += [
-        Arm("gspo-fp8", gspo + ("rollout.launch.fp8_emulation=true",), "embedded",
-            "GSPO on the FP8-emulated embedded engine", "branch h22fp8"),
-        Arm("grpo-fp8", grpo + ("rollout.launch.fp8_emulation=true",), "embedded",
-            "GRPO on the FP8-emulated embedded engine", "branch h22fp8"),
-        Arm("gspo-bf16-seqmask", gspo + ("loss.seq_mask=true",), "sglang",
+        Arm("gspo-fp8", gspo + fp8, "embedded", "GSPO on the FP8-emulated embedded engine",
+            "branch h22fp8", fp8_mod),
+        Arm("grpo-fp8", grpo + fp8, "embedded", "GRPO on the FP8-emulated embedded engine",
+            "branch h22fp8", fp8_mod),
+        Arm("gspo-bf16-seqmask", gspo + mask, "sglang",
             "GSPO + sequence mask by the engine/trainer geometric-mean ratio", "branch h22mask"),
-        Arm("grpo-bf16-replay", grpo + ("rl.routing_replay=true",), "sglang",
+        Arm("grpo-bf16-replay", grpo + replay, "sglang",
+            "GRPO + Routing Replay (study control)", "branch h22replay"),
+        Arm("grpo-fp32-replay", grpo + replay, "embedded",
             "GRPO + Routing Replay (study control)", "branch h22replay"),
     ]  # fmt: skip
     return {a.name: a for a in arms}
@@ -184,6 +195,8 @@ def why_not(arm: Arm, check_engine: bool = True) -> str | None:
     key = missing_key(arm)
     if key is not None:
         return f"config key {key} does not exist here yet ({arm.owner or 'not built'})"
+    if arm.needs_module and importlib.util.find_spec(arm.needs_module) is None:
+        return f"module {arm.needs_module} does not exist here yet ({arm.owner or 'not built'})"
     if check_engine and arm.engine == "sglang" and engine_python() is None:
         return "the real SGLang engine venv is missing (bash scripts/engine_env.sh builds it)"
     return None
@@ -197,12 +210,22 @@ def _task_sets(arm: Arm) -> dict[str, str]:
     }
 
 
+def base_max_new_tokens() -> int:
+    """rollout.max_new_tokens of examples/evidence_cpu.yaml: the task length L of an arm
+    without a task.length key."""
+    from megatron_gspo.config_io import read_yaml
+
+    return int(read_yaml(BASE_CONFIG)["rollout"]["max_new_tokens"])
+
+
 def prepare_task(arm: Arm, work_dir: Path) -> tuple[Path, int]:
     """Write the tiny MoE and the task data for this arm's task keys (once); return the task
     directory and its length L."""
     from megatron_gspo.data.pattern import pattern_task_config, write_pattern_dataset
 
-    task = pattern_task_config({k: int(v) for k, v in _task_sets(arm).items()})
+    # The task length defaults to the base config's response budget (the yaml is sized for it).
+    values = {"length": base_max_new_tokens(), **{k: int(v) for k, v in _task_sets(arm).items()}}
+    task = pattern_task_config(values)
     d = work_dir / f"task-L{task.length}-p{task.pattern_min}{task.pattern_max}-n{task.n}"
     if not (d / "pattern.jsonl").exists():
         from transformers.utils import logging as hf_logging

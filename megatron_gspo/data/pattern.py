@@ -41,9 +41,10 @@ __all__ = [
 class PatternTaskConfig:
     """The repeat-a-pattern task (the `task:` keys of tools/evidence_study.py)."""
 
-    length: int = 64
+    length: int = 32
     """L: characters (= tokens with the toy tokenizer) of every answer; set
-    rollout.max_new_tokens to at least this (the study sets it to exactly L)."""
+    rollout.max_new_tokens to at least this (the study sets it to exactly L; its default is
+    rollout.max_new_tokens of examples/evidence_cpu.yaml, 32)."""
     pattern_min: int = 1
     """Fewest digits of the pattern that is repeated."""
     pattern_max: int = 2
