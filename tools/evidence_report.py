@@ -195,6 +195,9 @@ def write_report(
             status = "not run yet"
         if failed:
             status += f"; {len(failed)} failed (seeds {sorted(r['seed'] for r in failed)})"
+        status += "".join(
+            f"; seed {r['seed']}: {r['meta']['note']}" for r in rs if "note" in r["meta"]
+        )
         body.append([a, getattr(arms[a], "note", ""), status])
     lines += ["## Arms", ""] + _table(["arm", "what", "status"], body) + [""]
     notes = Path(data_dir).parent / "notes.md"
@@ -263,8 +266,9 @@ def write_report(
         "",
         "Per step: share of first-mini-batch sequences in the length bin whose engine-vs-"
         "trainer sequence log-ratio alone lies outside GSPO's clip band; averaged over the "
-        "steps and seeds that had sequences in the bin. In brackets: mean |sequence "
-        "log-ratio|.",
+        "steps and seeds that had sequences in the bin (a step with one sequence in a bin "
+        "weighs as much as a step with many: bins away from L are noisy). In brackets: mean "
+        "|sequence log-ratio|. GRPO arms measure against GRPO's own, 500x wider band.",
         "",
     ]
     if present:
