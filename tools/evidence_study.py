@@ -109,7 +109,7 @@ def _arms() -> dict[str, Arm]:
         ]
     # Hooks for the other parts of issue 22: skipped until their keys (and modules) exist
     # here. The keys are those of their branches at the time of writing.
-    fp8 = ("rollout.launch.quantization=fp8",)
+    fp8 = ("rollout.launch.quantization=fp8", "weights.fp8=true")
     fp8_mod = "megatron_gspo.engines.embedded.fp8_emulation"
     mask = ("loss.seq_mismatch_mask=[0.999,1.002]",)
     replay = ("rl.routing_replay=true",)
@@ -197,6 +197,15 @@ def why_not(arm: Arm, check_engine: bool = True) -> str | None:
         return f"config key {key} does not exist here yet ({arm.owner or 'not built'})"
     if arm.needs_module and importlib.util.find_spec(arm.needs_module) is None:
         return f"module {arm.needs_module} does not exist here yet ({arm.owner or 'not built'})"
+    from megatron_gspo.config import load_config
+    from megatron_gspo.config_io import ConfigError
+
+    engine = ["rollout.launch.backend=sglang", "rollout.launch.device=cpu"]
+    try:  # the arm's overrides pass the config's own checks (e.g. replay on SGLang CPU)
+        sets = [s for s in arm.sets if not s.startswith("task.")]
+        load_config(BASE_CONFIG, (engine if arm.engine == "sglang" else []) + sets)
+    except ConfigError as e:
+        return f"the config refuses it: {e}"
     if check_engine and arm.engine == "sglang" and engine_python() is None:
         return "the real SGLang engine venv is missing (bash scripts/engine_env.sh builds it)"
     return None
