@@ -60,7 +60,16 @@ WORK_DIR = ROOT / "runs" / "evidence"
 QUICK_DIR = ROOT / "runs" / "evidence_quick"
 
 # Per-step keys kept in the committed data (the whole metrics row is ~3 kB a step).
-KEEP_PREFIXES = ("reward/", "policy/", "mismatch/", "first_mb/", "drift/", "response/")
+KEEP_PREFIXES = (
+    "reward/",
+    "policy/",
+    "mismatch/",
+    "first_mb/",
+    "drift/",
+    "response/",
+    "loss/",
+    "tis/",
+)
 KEEP = (
     "step",
     "loss",
