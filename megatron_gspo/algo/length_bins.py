@@ -29,7 +29,7 @@ LENGTH_BINS: tuple[tuple[int, int | None], ...] = (
 
 
 def bin_label(lo: int, hi: int | None) -> str:
-    """"32-63", or "256+" for the open last bin."""
+    """The label of a bin: "32-63", or "256+" for the open last bin."""
     return f"{lo}+" if hi is None else f"{lo}-{hi}"
 
 
