@@ -116,16 +116,11 @@ def _check_ep_gather() -> None:
         )
 
 
-def _gather_to_ep_rank0(self: Any, weights: Any, module: Any, hf_param_name: Any) -> dict:
-    """`gather_from_ep_ranks` with a `gather` to EP rank 0 instead of an all-gather.
-
-    Returns the per-expert dict on EP rank 0 and `{}` elsewhere (the bridge then yields nothing
-    for those names there). Everything else (expert-id arithmetic, the PP-broadcast of the
-    experts-per-rank count) is kept call for call, so all ranks still issue the same collectives
-    in the same order."""
+def _expert_names_on_ep_ranks(self: Any, module: Any, hf_param_name: Any) -> list[str]:
+    """The HF name this rank's expert slot has on each EP rank, as the bridge numbers experts
+    (its PP broadcast of the experts-per-rank count included, call for call)."""
     import re
 
-    import torch
     from megatron.bridge.utils.common_utils import extract_expert_number_from_param
 
     per_rank = None if module is None else self._get_config(module).num_moe_experts
@@ -136,6 +131,19 @@ def _gather_to_ep_rank0(self: Any, weights: Any, module: Any, hf_param_name: Any
         re.sub(r"experts\.(\d+)", f"experts.{local + per_rank * i}", str(hf_param_name))
         for i in range(self.ep_size)
     ]
+    return names
+
+
+def _gather_to_ep_rank0(self: Any, weights: Any, module: Any, hf_param_name: Any) -> dict:
+    """`gather_from_ep_ranks` with a `gather` to EP rank 0 instead of an all-gather.
+
+    Returns the per-expert dict on EP rank 0 and `{}` elsewhere (the bridge then yields nothing
+    for those names there). Everything else (expert-id arithmetic, the PP-broadcast of the
+    experts-per-rank count) is kept call for call, so all ranks still issue the same collectives
+    in the same order."""
+    import torch
+
+    names = _expert_names_on_ep_ranks(self, module, hf_param_name)
     dst = torch.distributed.get_global_rank(self.ep_group, 0)
     weights = weights.contiguous()
     if self.ep_rank != 0:
@@ -155,18 +163,7 @@ def _keep_local(self: Any, weights: Any, module: Any, hf_param_name: Any) -> dic
     name, recorded in `_ep_local` with the names the same slot has on every EP rank (the same
     arithmetic as `_gather_to_ep_rank0`, including its cached PP broadcast), so that
     `weights.ep_batch` gathers many experts in one collective."""
-    import re
-
-    from megatron.bridge.utils.common_utils import extract_expert_number_from_param
-
-    per_rank = None if module is None else self._get_config(module).num_moe_experts
-    per_rank = per_rank // self.ep_size if per_rank is not None else None
-    per_rank = self.broadcast_obj_from_pp_rank(per_rank, "num_experts_per_rank")
-    local = extract_expert_number_from_param(self.megatron_param) % per_rank
-    names = [
-        re.sub(r"experts\.(\d+)", f"experts.{local + per_rank * i}", str(hf_param_name))
-        for i in range(self.ep_size)
-    ]
+    names = _expert_names_on_ep_ranks(self, module, hf_param_name)
     _ep_local[names[self.ep_rank]] = (names, self.ep_group)
     return {names[self.ep_rank]: weights}
 
