@@ -5,15 +5,8 @@ lives in `engines/fp8_blocks.py`, which the embedded engine's FP8 emulation read
 re-exported here. This module adds what the sender needs: the error bound checked on every
 quantised tensor, the checkpoint's `quantization_config`, and `quantise_named`.
 
-A weight `W [N, K]` is cut into 128x128 blocks; each block gets one fp32 scale
-`s = amax(|block|) / 448` and is stored as `q = round_e4m3(W / s)`. The scales are published as
-`<module>.weight_scale_inv` with shape `[ceil(N/128), ceil(K/128)]`, and dequantisation is
-`W ~= q * s` (the "inverse" in the name is historical: it is the multiplier of `q`).
-Only decoder linear weights are quantised; norms, the MoE router, embeddings and lm_head stay
-BF16, as in the published FP8 checkpoints.
-
-Shape legend: N rows (output features), K columns (input features), B = 128 block edge,
-Nb = ceil(N/B), Kb = ceil(K/B).
+The format (block scales, `weight_scale_inv`, which weights are quantised, the shape legend) is
+described once, in `engines/fp8_blocks.py`.
 
 Error bound (what `check_dequantised` enforces per block): e4m3 has 3 mantissa bits, so
 round-to-nearest of a normal value has relative error <= 2^-4; values below the smallest normal
