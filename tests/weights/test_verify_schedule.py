@@ -94,3 +94,21 @@ def test_default_schedule_is_sparse_but_starts_verified() -> None:
     cfg = WeightSyncConfig(transport="tensor", experts_to_first=False)
     sync = WeightSync(HFBridge(WEIGHTS), [engine], cfg)
     assert [sync.push([]).verified for _ in range(n)] == [True] + [False] * (n - 2) + [True]
+
+
+def test_engine_tp_sizes_come_from_the_receiver_protocol() -> None:
+    """What the sender shards its checksums for is what each receiver declares
+    (`WeightReceiver.engine_tp_sizes`), not an attribute it happens to have."""
+    from megatron_gspo.engines.client import ClientConfig, SGLangClient
+    from megatron_gspo.engines.protocols import WeightReceiver
+    from megatron_gspo.weights.sync import engine_tp_sizes
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    client = SGLangClient(ClientConfig(engine_urls=urls, engine_tp_sizes=[2, 4]))
+    try:
+        assert isinstance(client, WeightReceiver) and isinstance(FakeEngine(), WeightReceiver)
+        assert client.engine_tp_sizes() == [2, 4]
+        assert engine_tp_sizes([client, FakeEngine()]) == [1, 2, 4]
+        assert engine_tp_sizes([FakeEngine()]) == [1]
+    finally:
+        client.close()
