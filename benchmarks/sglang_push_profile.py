@@ -84,6 +84,8 @@ def main() -> None:
     from tests.engines.helpers import HFBridge
 
     python = sglang_server.engine_python()
+    if python is None:
+        raise SystemExit("no SGLang engine venv: run `bash scripts/engine_env.sh` first")
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="mgspo-sglang-push-") as tmp:
         out = Path(args.out or tmp)

@@ -102,8 +102,8 @@ def run_measured(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, i
 
 
 # ---- ours -----------------------------------------------------------------------------------
-def run_ours(toy: Path, out: Path, steps: int) -> dict[str, Any]:
-    sets = {
+def run_ours(toy: Path, out: Path, steps: int, engine: str = "embedded") -> dict[str, Any]:
+    sets: dict[str, Any] = {
         "model.hf_path": toy / "model",
         "data.train_path": toy / "toy.jsonl",
         "logging.dir": out / "ours",
@@ -120,6 +120,14 @@ def run_ours(toy: Path, out: Path, steps: int) -> dict[str, Any]:
         "logging.tensorboard": "false",
         "logging.progress": "false",
     }
+    if engine == "sglang":  # as `scripts/main.sh --engine sglang`: the real server, bf16
+        from megatron_gspo.testing.sglang_server import engine_python
+
+        sets |= {
+            "rollout.launch.backend": "sglang",
+            "rollout.launch.device": "cpu",
+            "rollout.launch.python": engine_python(),
+        }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     cmd += ["--master_port", str(_free_port()), "-m", "megatron_gspo.train"]
     cmd += ["--config", str(ROOT / "examples/tiny_moe_cpu.yaml")]
@@ -322,8 +330,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="rollout steps per run")
     ap.add_argument("--only", choices=("ours", "trl"), default=None)
+    ap.add_argument(
+        "--engine",
+        choices=("embedded", "sglang"),
+        default="embedded",
+        help="our rollout engine: the embedded one (scripts/main.sh) or the real SGLang CPU "
+        "server (scripts/main.sh --engine sglang)",
+    )
     ap.add_argument("--trl-python", default=os.environ.get("MGSPO_TRL_PYTHON", TRL_VENV_PYTHON))
-    ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run")
+    ap.add_argument(
+        "--trl-threads",
+        type=int,
+        default=1,
+        help="torch threads of the TRL run (2 on the shared 2-core machine: OpenMP threads "
+        "oversubscribed, 20x slower steps; docs/performance.md)",
+    )
     ap.add_argument("--out", default=None, help="keep logs and metrics here (default: tmp)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--toy", default=None, help=argparse.SUPPRESS)
@@ -344,13 +365,14 @@ def main() -> None:
                 continue
             load0 = os.getloadavg()
             if name == "ours":
-                res = run_ours(toy, out, args.steps)
+                res = run_ours(toy, out, args.steps, args.engine)
             else:
                 res = run_trl(toy, out, args.steps, str(args.trl_python), args.trl_threads)
             loads.append((name, load0, os.getloadavg()))
             rows.append(summarise(name, res))
     print(
-        f"\nGSPO step on CPU, ours vs TRL: {PROMPTS} prompts x {GROUP} responses, <= {MAX_NEW} "
+        f"\nGSPO step on CPU, ours ({args.engine} engine) vs TRL ({args.trl_threads} thread(s)): "
+        f"{PROMPTS} prompts x {GROUP} responses, <= {MAX_NEW} "
         f"new tokens, {MINI_BATCHES} optimizer steps per rollout, {args.steps} steps; means "
         "over steps 2..N (seconds)"
     )
