@@ -75,6 +75,7 @@ def main() -> None:
     size = SIZES[args.size]
 
     from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
+    from megatron_gspo.dist import free_port
     from megatron_gspo.engines.client import ClientConfig, SGLangClient
     from megatron_gspo.engines.launch import ServerGroup
     from megatron_gspo.testing import sglang_server
@@ -105,7 +106,10 @@ def main() -> None:
         )
         weights = {n: t.to(torch.bfloat16) for n, t in load_hf_state(str(hf)).items()}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        cfg = sglang_server.cpu_launch_config(str(hf), python=python, log_dir=str(out))
+        # A free port: the default (30000) may be another job's engine on a shared machine.
+        cfg = sglang_server.cpu_launch_config(
+            str(hf), python=python, log_dir=str(out), base_port=free_port()
+        )
         group = ServerGroup(cfg)
         t = time.perf_counter()
         group.start()
