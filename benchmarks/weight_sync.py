@@ -140,7 +140,14 @@ class CountCollectives:
 
 
 def rank_main(
-    rank: int, world: int, hf_dir: str, tmp: str, layout: dict, mb: float, repeats: int
+    rank: int,
+    world: int,
+    hf_dir: str,
+    tmp: str,
+    layout: dict,
+    mb: float,
+    repeats: int,
+    only: list[str] | None = None,
 ) -> Any:
     torch.set_num_threads(1)  # two ranks on a shared 2-core machine
     from megatron_gspo.megatron.model import (
@@ -195,6 +202,8 @@ def rank_main(
         "distributed": dict(transport="distributed", verify_every=0),
         "disk": dict(transport="disk", disk_dir=str(Path(tmp) / "disk"), verify_every=0),
     }
+    if only:  # --rows: the sync rows asked for (the export rows always run)
+        cases = {k: v for k, v in cases.items() if k in only}
     nbytes_sent = rows["export->r0"]["bytes"]
     memcpy = _memcpy_gbps(nbytes_sent) if rank == 0 else 0.0
     for name, cfg in cases.items():
@@ -312,12 +321,35 @@ def _fmt(x: float) -> str:
     return f"{x:7.3f}" if x < 100 else f"{x:7.1f}"
 
 
+def _verification_line(rows: dict[str, dict[str, Any]]) -> None:
+    """Verification's cost, counted as if nothing overlapped: the sender's sha256 (on the send
+    thread) plus the verify step (engine hashes + compare), against the fastest unverified
+    push; and the smallest `weights.verify_every` that keeps it <= 10% of sync time on average
+    (one verified push in N costs cost / N per push)."""
+    base = min(rows["tensor"]["wall"], rows["tensor seq"]["wall"])
+    ver = rows["tensor+ver"]["phases"]
+    cost = ver.get("checksum", 0.0) + ver.get("verify", 0.0)
+    n_default = max(1, math.ceil(cost / (0.1 * base)))
+    print(
+        f"verification: {cost:.3f} s = sender sha256 {ver.get('checksum', 0):.3f} s (send "
+        f"thread) + verify step {ver.get('verify', 0):.3f} s (engine hash "
+        f"{ver.get('engine_hash', 0):.3f} s + compare) = {100 * cost / base:.0f}% of a "
+        f"{base:.3f} s push -> verify_every >= {n_default} keeps it <= 10% of a sync"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="ep2", choices=sorted(LAYOUTS))
     ap.add_argument("--size", default="small", choices=sorted(SIZES), help="model preset")
     ap.add_argument("--bucket-mb", type=float, default=16.0)
     ap.add_argument("--repeats", type=int, default=3, help="measured pushes per row (fastest)")
+    ap.add_argument(
+        "--rows",
+        default="",
+        help="comma-separated sync rows to run (default: all), e.g. "
+        "'tensor,tensor seq,tensor+ver' for the verification line",
+    )
     args = ap.parse_args()
     size = SIZES[args.size]
 
@@ -340,7 +372,14 @@ def main() -> None:
         )
         t = time.perf_counter()
         res = spawn_ranks(
-            rank_main, 2, str(hf), tmp, LAYOUTS[args.layout], args.bucket_mb, args.repeats
+            rank_main,
+            2,
+            str(hf),
+            tmp,
+            LAYOUTS[args.layout],
+            args.bucket_mb,
+            args.repeats,
+            [r.strip() for r in args.rows.split(",") if r.strip()] or None,
         )[0]
         wall = time.perf_counter() - t
     memcpy = res["memcpy"]
@@ -367,24 +406,16 @@ def main() -> None:
             f"{r['collectives']:5d} {cells} "
             f"{r['wall']:7.3f} {gbps:6.3f} {gbps / memcpy:7.3f}"
         )
-    print(f"{'memcpy':<12} {rows['tensor']['bytes'] / 1e6:7.1f} {'':>7} {'':>5} {'':>5} "
+    print(f"{'memcpy':<12} {rows['export->r0']['bytes'] / 1e6:7.1f} {'':>7} {'':>5} {'':>5} "
           f"{'':>{8 * len(PHASES) - 1}} {'':>7} {memcpy:6.2f} {1.0:7.3f}")  # fmt: skip
 
-    # Verification's cost, counted as if nothing overlapped: the sender's sha256 (on the send
-    # thread) plus the verify step (engine hashes + compare), against the fastest unverified push.
-    base = min(rows["tensor"]["wall"], rows["tensor seq"]["wall"])
-    ver = rows["tensor+ver"]["phases"]
-    cost = ver.get("checksum", 0.0) + ver.get("verify", 0.0)
-    n_default = max(1, math.ceil(cost / (0.1 * base)))
     per_tensor_ms = 1e3 * rows["export bat"]["wall"] / rows["export bat"]["tensors"]
     print(
-        f"\nverification: {cost:.3f} s = sender sha256 {ver.get('checksum', 0):.3f} s (send "
-        f"thread) + verify step {ver.get('verify', 0):.3f} s (engine hash "
-        f"{ver.get('engine_hash', 0):.3f} s + compare) = {100 * cost / base:.0f}% of a "
-        f"{base:.3f} s push -> verify_every >= {n_default} keeps it <= 10% of a sync\n"
-        f"export (batched) per HF tensor: {per_tensor_ms:.2f} ms "
+        f"\nexport (batched) per HF tensor: {per_tensor_ms:.2f} ms "
         f"({rows['export bat']['tensors']} tensors)"
     )
+    if {"tensor", "tensor seq", "tensor+ver"} <= set(rows):
+        _verification_line(rows)
 
     print("\nQwen3 projection inputs (bf16 / block FP8, 512 MiB buckets):")
     print(f"{'model':<16} {'fmt':<5} {'HF tensors':>10} {'expert':>7} {'sent':>7} {'GB':>7} "

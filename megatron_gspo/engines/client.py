@@ -497,9 +497,11 @@ class SGLangClient(WeightCalls):
 
         return self._executor.submit(run)
 
-    def prepare_sync(self) -> None:
-        """Dropped engines that pass their health probe join this sync (full weights)."""
+    def prepare_sync(self) -> list[str]:
+        """Dropped engines that pass their health probe join this sync (full weights); returns
+        every engine still joining (back, but not yet through a verified sync)."""
         self.pool.probe_dead(self._healthy)
+        return sorted(self.pool.joining)
 
     def commit_sync(self, weight_version: str) -> None:
         self.pool.commit(weight_version)

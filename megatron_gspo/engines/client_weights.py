@@ -99,6 +99,10 @@ class WeightCalls:
         hosts = (urllib.parse.urlsplit(u).hostname for u in self.config.engine_urls)
         return [h for h in hosts if h]
 
+    def engine_tp_sizes(self) -> list[int]:
+        """TP size of each engine (`rollout.client.engine_tp_sizes`), in `engine_urls` order."""
+        return list(self.config.engine_tp_sizes or [1] * len(self.config.engine_urls))
+
     def weight_update_session(self, weight_version: str | None = None) -> Any:
         """`protocols.weight_update_session` on this client (a context manager)."""
         return weight_update_session(self, weight_version)

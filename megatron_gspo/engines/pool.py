@@ -9,9 +9,10 @@ An engine is in one of three states:
   When the job launched it, a restart is asked for (`ServerGroup.restart_engine`, bounded by
   `rollout.launch.max_restarts`);
 * joining: a dead engine that answers its health probe again (restarted, or back from a hang).
-  It takes part in the next weight sync, which always carries the full weights, and becomes
-  live only once that sync was verified (`commit`), so it never serves stale or initial
-  weights.
+  It takes part in the next weight sync, which always carries the full weights and is always
+  verified (`WeightSync` verifies every push an engine joins, whatever `weights.verify_every`),
+  and becomes live only once that sync was verified (`commit`), so it never serves stale or
+  initial weights.
 
 Every drop, restart and return prints one line on stderr naming the URL and the reason. When
 no engine is left (none live, none joining), `NoEnginesLeft` is raised.

@@ -172,13 +172,20 @@ class WeightReceiver(Protocol):
         """Per-engine weight checksums (`per_engine_checksum` and per-tensor `checksums`)."""
         ...
 
-    def prepare_sync(self) -> None:
+    def prepare_sync(self) -> list[str]:
         """Before a weight sync (sender only): engines that were dropped and answer again join
-        this sync; they receive the full weights and serve only after `commit_sync`."""
+        this sync; they receive the full weights and serve only after `commit_sync`. Returns
+        the ids of every engine still joining (this sync must be verified for them)."""
         ...
 
     def commit_sync(self, weight_version: str) -> None:
         """After a sync that was verified on every engine: engines that joined it serve again."""
+        ...
+
+    def engine_tp_sizes(self) -> list[int]:
+        """TP size of each engine, in engine order: over how many ranks each reports its
+        checksums (SGLang's `/weights_checker`: one entry per TP rank); 1 for an engine that
+        reports whole HF tensors."""
         ...
 
 

@@ -17,8 +17,9 @@ device, so that what it would do on the GPU cluster runs here for a couple of st
   moe-TP ranks (in 128-row blocks for FP8); 2 layers per pipeline stage; vocab 128.
 
 Everything else (transport, FP8, verification, colocation, recompute, dispatcher, loss, GSPO
-settings) stays the recipe's; the device-only changes (`device_sets`) are fp32 on CPU, no
-grouped GEMM (Transformer Engine) and a small batch / response length.
+settings) stays the recipe's, but for the verification schedule (every push: a rehearsal runs
+a couple of steps); the device-only changes (`device_sets`) are fp32 on CPU, no grouped GEMM
+(Transformer Engine) and a small batch / response length.
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ def shrink(
             num_experts_per_tok=min(int(hf.get("num_experts_per_tok", 2)), experts // 2),
             moe_intermediate_size=unit * max(moe_tp, etp),
         )
-    sets = [f"parallel.ep={ep}"]
+    # A rehearsal runs a couple of steps: every push verified (the recipe's schedule, e.g.
+    # every 100th, would check only the first), so each step exercises sharded verification.
+    sets = [f"parallel.ep={ep}", "weights.verify_every=1"]
     if launch:
         sets += [f"rollout.launch.tp_size={etp_engine}", f"rollout.launch.ep_size={eep_engine}"]
     return Rehearsal(

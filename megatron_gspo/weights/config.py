@@ -32,11 +32,14 @@ class WeightSyncConfig:
     rest go as `dtype` or bf16. The engines must serve an FP8 block checkpoint config."""
     fp8_check: bool = True
     """Dequantise every FP8 weight on the sender and check the e4m3 error bound per block."""
-    verify_every: int = 1
-    """Compare per-tensor checksums with the engines every N syncs and on the first (an
-    engine serving another model is refused before step 1); 0 = never. A verified push costs
-    about one sha256 per sent byte on each side: 55-74% of a push on CPU, ~10x a push for
-    Qwen3-30B-A3B on GPUs (docs/performance.md); set e.g. 100 there."""
+    verify_every: int = 20
+    """Compare per-tensor checksums with the engines on the first push, on every push whose
+    version is a multiple of N, and on every push that an engine re-joins (restarted, or back
+    from a hang: it serves only once verified); 0 = never. A verified push costs about one
+    sha256 per sent byte on each side: measured on CPU at 55%, 74% and 98% of an unverified
+    push (benchmarks/weight_sync.py, three runs at load 8-24; docs/performance.md), so N=20
+    costs <= 5% of sync time per push on average, <= 10% counting the first push from the
+    10th push on. At Qwen3-30B-A3B scale on GPUs the projection is ~10x a push: set ~100."""
     overlap: bool = True
     """Double buffering on the sender: checksum and send each bucket on a worker thread while
     the next one is exported (`weights.pipeline`); holds up to 3 buckets at once. False:

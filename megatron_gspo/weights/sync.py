@@ -111,11 +111,18 @@ def engine_tensor_checksums(info: dict[str, Any], engine_id: str = "") -> dict[s
 
 
 def engine_tp_sizes(engines: Sequence[WeightReceiver]) -> list[int]:
-    """TP sizes of the engines a sync reaches (the HTTP client's `engine_tp_sizes`; 1 else)."""
-    sizes = {1}
-    for engine in engines:
-        sizes.update(getattr(getattr(engine, "config", None), "engine_tp_sizes", None) or [1])
-    return sorted(sizes)
+    """The distinct TP sizes of the engines a sync reaches (`WeightReceiver.engine_tp_sizes`)."""
+    return sorted({tp for engine in engines for tp in engine.engine_tp_sizes()} or {1})
+
+
+def verification_due(version: int, verify_every: int, *, verified_before: bool) -> bool:
+    """Whether push `version` is verified by schedule: never with `verify_every` 0; else the
+    first push of this `WeightSync` (an engine serving another model is refused before step 1)
+    and every push whose version is a multiple of `verify_every`. (`WeightSync.push` also
+    verifies every push that an engine re-joins.)"""
+    if verify_every <= 0:
+        return False
+    return not verified_before or version % verify_every == 0
 
 
 def verify_engines(
@@ -200,7 +207,7 @@ class WeightSync:
         self.sender = is_sender(self.config.sender_rank)
         self.transport: Transport | None = self._make_transport() if self.sender else None
         self._ready = False
-        self._verified_once = False  # the first push is always verified (another model?)
+        self._verified = False  # until a push was verified, every push is (another model?)
         self._namings: frozenset[str] | None = None
         """What the engines' checksums are named in (learnt at the first verified push)."""
         self.local_stats = StreamStats()
@@ -246,10 +253,8 @@ class WeightSync:
         self.version += 1
         version = str(self.version)
         report = SyncReport(version=self.version)
-        due = self.version % cfg.verify_every == 0 if cfg.verify_every else False
         # The first push is always verified: an engine serving another model must not train.
-        verify = cfg.verify_every > 0 and (due or not self._verified_once)
-        sent_sums = self._checksums() if verify and self.sender else None
+        verify = verification_due(self.version, cfg.verify_every, verified_before=self._verified)
         error: BaseException | None = None
         start = time.perf_counter()
         try:
@@ -257,12 +262,15 @@ class WeightSync:
                 self.transport.setup()
                 self._ready = True
             if self.sender and cfg.transport != "distributed":  # its groups have fixed members
-                for engine in self.engines:
-                    engine.prepare_sync()  # dropped engines that answer again get these weights
+                joining = [j for engine in self.engines for j in engine.prepare_sync()]
+                # An engine that re-joins (restarted, or back from a hang) serves only once a
+                # verified push reached it, whatever the schedule.
+                verify = verify or (cfg.verify_every > 0 and bool(joining))
             if self.sender:
                 self.transport.begin(version)
         except BaseException as e:  # noqa: BLE001 - reported on every rank below
             error = e
+        sent_sums = self._checksums() if verify and self.sender else None
         stats = report.stats
         stats.add_seconds("begin", time.perf_counter() - start)
         buckets = model_buckets(
@@ -312,7 +320,7 @@ class WeightSync:
         report.seconds = time.perf_counter() - start
         self.local_stats = report.stats
         outcome = self._agree(report, error)
-        self._verified_once = self._verified_once or verify
+        self._verified = self._verified or outcome.verified
         return outcome
 
     def _expert_batch_bytes(self) -> int:

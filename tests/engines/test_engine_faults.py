@@ -162,9 +162,8 @@ def test_sync_goes_on_without_a_dead_engine_and_the_restarted_one_gets_the_weigh
     url0, url1 = group.cfg.engine_urls
     client = _client(group.cfg.engine_urls, max_batch_per_request=1)
     client.pool.restart = group.restart_engine
-    sync = WeightSync(
-        HFBridge(weights_b), [client], WeightSyncConfig(transport="tensor", experts_to_first=False)
-    )
+    cfg = WeightSyncConfig(transport="tensor", experts_to_first=False, verify_every=1)
+    sync = WeightSync(HFBridge(weights_b), [client], cfg)  # every push verified
     assert sync.push([]).verified
     assert client.weight_version() == {url0: "1", url1: "1"}
 
@@ -201,9 +200,8 @@ def test_hung_engine_is_dropped_then_rejoins_with_the_weights(group, weights_b):
     url0, url1 = group.cfg.engine_urls
     client = _client(group.cfg.engine_urls, max_batch_per_request=1, request_timeout_s=2.0)
     client.pool.restart = None
-    sync = WeightSync(
-        HFBridge(weights_b), [client], WeightSyncConfig(transport="tensor", experts_to_first=False)
-    )
+    cfg = WeightSyncConfig(transport="tensor", experts_to_first=False, verify_every=1)
+    sync = WeightSync(HFBridge(weights_b), [client], cfg)  # every push verified
     _wait_answering(client, url0)
     sync.push([])
     pid = group.engines[1].pid

@@ -142,6 +142,7 @@ def phases(
         "rollout.launch.startup_timeout_s": 300,
         "rollout.launch.extra_args": "[" + ",".join(ENGINE_EXTRA) + "]",
         "weights.dtype": "bfloat16",
+        "weights.verify_every": 1,  # "verified" below: every step's push, not the schedule's
         "logging.tensorboard": "false",
         "logging.progress": "false",
         "checkpoint.save_every": 0,

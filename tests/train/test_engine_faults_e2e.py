@@ -45,6 +45,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "rollout.client.engine_cooldown_s": 0.2,
         "rollout.client.backoff_s": 0.05,
         "rollout.client.control_timeout_s": 30,
+        "weights.verify_every": 1,  # every step's push is checked as verified below
     }
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",

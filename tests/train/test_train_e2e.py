@@ -53,6 +53,7 @@ def _command(
         # the distributed optimizer (the GPU default) also for its checkpoint/resume path; the
         # plain one is covered by tests/megatron/test_checkpoint.py
         "optim.use_distributed_optimizer": "true",
+        "weights.verify_every": 1,  # the checks below read every step's push as verified
     }
     cmd = [
         sys.executable,

@@ -59,6 +59,7 @@ def run(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "logging.progress": "false",
         "rollout.launch.backend": "sglang",
         "rollout.launch.device": "cpu",
+        "weights.verify_every": 1,  # every push verified against the real server
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     cmd += ["--master_port", str(free_port()), "-m", "megatron_gspo.train"]

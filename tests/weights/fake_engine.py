@@ -189,8 +189,13 @@ class FakeEngine:
     def engine_hosts(self) -> list[str]:
         return ["127.0.0.1"]
 
-    def prepare_sync(self) -> None:
-        return None
+    def prepare_sync(self) -> list[str]:
+        return []
+
+    def engine_tp_sizes(self) -> list[int]:
+        # It stores and hashes whole HF tensors (one checksum set), whatever `tp_size`
+        # payloads it is sent.
+        return [1]
 
     def commit_sync(self, weight_version: str) -> None:
         return None

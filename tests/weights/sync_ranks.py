@@ -234,6 +234,8 @@ def main(rank: int, world: int, hf_dir: str, tmp: str, layouts: dict[str, dict])
 
     def sync(engine_: FakeEngine | None, **cfg: Any) -> tuple[WeightSync, Any]:
         engines = [engine_] if engine_ is not None else []
+        # verify_every=1: each layout's push (same WeightSync) is checked, the corruption too
+        cfg = {"verify_every": 1, **cfg}
         return WeightSync(bridge, engines, WeightSyncConfig(bucket_mb=BUCKET_MB, **cfg)), engine_
 
     syncs = {
