@@ -8,9 +8,14 @@ Slurm script does, in its order: the real planner (`python -m megatron_gspo.plan
 --emit-launch`, refusing a bad topology), the emitted engine command lines (served by
 `rehearsal_engine`, which shards, loads and reports checksums per TP rank as SGLang, with
 `sglang.launch_server` swapped for it), the emitted router command line (the real
-sglang-router), and the real trainer (`torchrun -m megatron_gspo.train --config RECIPE` with
-the emitted `--set`s) for 2 steps with the recipe's transport, FP8 and verification. Checked:
-the run exits 0 after 2 steps with every weight push verified on every engine TP rank.
+sglang-router), and the real trainer (`torchrun` running `megatron_gspo.train --config RECIPE`
+with the emitted `--set`s) for 2 steps with the recipe's transport, FP8 and verification.
+Checked: the run exits 0 after 2 steps with every verified push (the recipe's `verify_every`)
+verified on every engine TP rank. Only for time: the trainer's ranks import while the engines
+start and run the trainer once the health probes pass (tests/plan/rehearsal_rank.py).
+
+Defects 2-4 of issue 20 planted back into a recipe (`PLANTED`) end the rehearsal at the planner
+(exit 2, one refusal line), before anything starts.
 """
 
 from __future__ import annotations
@@ -150,6 +155,27 @@ def rehearse(
                         cmd, cwd=ROOT, env=_env(), stdout=log, stderr=log, start_new_session=True
                     )  # fmt: skip
                 )
+        # The trainer (torchrun, one rank per CPU "GPU") with the emitted `--set`s starts now
+        # and pays its imports while the engines start; it runs `megatron_gspo.train` once the
+        # health probes pass (tests/plan/rehearsal_rank.py), as the Slurm script starts it then.
+        emitted = _nul(launch_dir / "trainer.sets")
+        go = tmp / "engines_healthy"
+        train = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
+        train += [str(r.trainer_world), "--master_port", str(free_port())]
+        train += ["-m", "tests.plan.rehearsal_rank", str(go), "--config", config]
+        train += [a for s in sets + emitted for a in ("--set", s)]
+        # output to a file: torch's shm manager (CPU tensor IPC) outlives the ranks holding
+        # inherited pipes until the engines are gone
+        with open(logs / "trainer.log", "w") as log:
+            trainer = subprocess.Popen(
+                train,
+                cwd=ROOT,
+                env=_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        procs.append(trainer)
         _wait([f"{u}/health_generate" for u in urls], procs)
         times["engines"] = time.monotonic() - t0
         if (launch_dir / "router.argv").exists():
@@ -176,25 +202,17 @@ def rehearse(
             router = (launch_dir / "router_url").read_text().strip()
             _wait([f"{router}/health"], procs)
             times["router"] = time.monotonic() - t0
-        emitted = _nul(launch_dir / "trainer.sets")
-        train = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
-        train += [str(r.trainer_world), "--master_port", str(free_port())]
-        train += ["-m", "megatron_gspo.train", "--config", config]
-        train += [a for s in sets + emitted for a in ("--set", s)]
-        # output to a file: torch's shm manager (CPU tensor IPC) outlives the ranks holding
-        # inherited pipes until the engines are gone
-        with open(logs / "trainer.log", "w") as log:
-            p = subprocess.run(train, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                               timeout=600)  # fmt: skip
+        go.write_text("")  # the engines (and router) are healthy: the trainer starts now
+        rc = trainer.wait(timeout=600)
         times["trainer"] = time.monotonic() - t0
         out = (logs / "trainer.log").read_text()[-4000:]
-        if p.returncode != 0:
+        if rc != 0:
             out += "".join(
                 f"\n--- {f.name}\n" + f.read_text()[-1500:]
                 for f in logs.iterdir()
                 if f.name != "trainer.log"
             )
-            return {"stage": "train", "rc": p.returncode, "out": out}
+            return {"stage": "train", "rc": rc, "out": out}
         rows = read_metrics(tmp / "run/metrics.jsonl")
         return {"stage": "done", "rc": 0, "out": out, "metrics": rows, "emitted": emitted,
                 "times": times}  # fmt: skip
@@ -276,3 +294,4 @@ def test_planted_defect_refused_before_launch(
     refusals = [x for x in got["out"].splitlines() if x.startswith("plan: refused: ")]
     assert len(refusals) == 1 and line in refusals[0], got["out"][-2000:]
     assert not (tmp_path / "logs").exists()  # nothing was started
+    print(f"[{defect}] {refusals[0]}")
