@@ -106,15 +106,7 @@ _SLOW_DIRS = ("train",)
 
 def pytest_collection_modifyitems(config, items):
     root = os.path.dirname(os.path.abspath(__file__))
-    rehearse = bool(os.environ.get("MGSPO_REHEARSE"))
     for item in items:
-        if not rehearse and item.get_closest_marker("rehearsal"):
-            item.add_marker(
-                pytest.mark.skip(
-                    reason="recipe rehearsals run with MGSPO_REHEARSE=1 (3-9 min each on 2 "
-                    "cores; outside the suite's time budget)"
-                )
-            )
         rel = os.path.relpath(str(item.path), root).split(os.sep)
         if rel[0] in _SLOW_DIRS or "engine_python" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)

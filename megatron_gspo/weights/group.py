@@ -82,13 +82,22 @@ def init_weight_update_group(
         PrefixStore,
         _new_process_group_helper,
         _world,
-        rendezvous,
     )
 
     timeout = timedelta(seconds=timeout_s)
-    init_method = tcp_init_method(master_address, master_port)
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store SGLang's `rendezvous(tcp://...)` builds, made explicitly: under torchrun
+    # (TORCHELASTIC_USE_AGENT_STORE=True in every worker's environment) `rendezvous` makes
+    # rank 0 a client of a store it expects torchrun's agent to host, so nobody hosts this one
+    # and trainer and engines wait for each other until the timeout.
+    store = dist.TCPStore(
+        host_name=master_address,
+        port=master_port,
+        world_size=world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+        use_libuv=True,
+    )
     store = PrefixStore(group_name, store)
     device = gloo_device_on(master_address) if backend == "gloo" else contextlib.nullcontext()
     # Private torch API, as in SGLang: it is the only way to build a group that does not

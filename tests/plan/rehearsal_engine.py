@@ -27,6 +27,7 @@ import argparse
 import json
 import logging
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,31 @@ class ShardedPolicy(HFPolicy):
         return out
 
 
+def join_gloo_rank(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta = timedelta(minutes=30),
+) -> Any:
+    """One rank of a weight-update group joined as SGLang's `init_custom_process_group` does
+    (the same store keys), as a bare gloo backend not registered under `group_name`.
+
+    SGLang's TP workers are processes of their own, each registering the group under its
+    name; here TP ranks are threads of one process, where a name registers once, and the
+    store keys `_new_process_group_helper` uses derive from that name (a second name would
+    never meet the trainer). Use `pg.broadcast(tensor, root).wait()` on it.
+    """
+    from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo, rendezvous
+
+    init = f"tcp://{master_address}:{master_port}"
+    store, _, _ = next(rendezvous(init, rank, world_size, timeout=timeout))
+    # init_custom_process_group's prefix, then _new_process_group_helper's and its device's
+    store = PrefixStore("cpu/", PrefixStore(f"{group_name}/", PrefixStore(group_name, store)))
+    return ProcessGroupGloo(store, rank, world_size, timeout=timeout)
+
+
 class RehearsalTokenizerManager(embedded.EmbeddedTokenizerManager):
     """The embedded control plane; the weight-update group is joined by every TP rank (one
     thread and gloo group each, at ranks rank_offset + r, as SGLang's TP workers join it), and
@@ -149,12 +175,17 @@ class RehearsalTokenizerManager(embedded.EmbeddedTokenizerManager):
         tp = self.policy.layout.tp_size
 
         def join(r: int) -> Any:
+            if r:  # TP ranks 1..: see join_gloo_rank
+                return join_gloo_rank(
+                    obj.master_address, obj.master_port, obj.world_size, obj.rank_offset + r,
+                    obj.group_name,
+                )  # fmt: skip
             return init_custom_process_group(
                 backend=obj.backend,
                 init_method=f"tcp://{obj.master_address}:{obj.master_port}",
                 world_size=obj.world_size,
-                rank=obj.rank_offset + r,
-                group_name=obj.group_name if r == 0 else f"{obj.group_name}@tp{r}",
+                rank=obj.rank_offset,
+                group_name=obj.group_name,
             )
 
         try:
@@ -166,8 +197,7 @@ class RehearsalTokenizerManager(embedded.EmbeddedTokenizerManager):
         return True, "Succeeded to initialize custom process group."
 
     async def destroy_weights_update_group(self, obj: Any, request: Any = None):
-        for pg in self._extra.pop(obj.group_name, []):
-            torch.distributed.destroy_process_group(pg)
+        self._extra.pop(obj.group_name, None)  # unregistered backends: dropped with the ref
         return await super().destroy_weights_update_group(obj, request)
 
     async def update_weights_from_distributed(self, obj: Any, request: Any = None):
@@ -180,10 +210,10 @@ class RehearsalTokenizerManager(embedded.EmbeddedTokenizerManager):
         def receive(pg: Any) -> None:  # what TP ranks 1.. receive (rank 0 loads for all)
             if obj.load_format == "flattened_bucket":
                 b = FlattenedTensorBucket.empty(obj.names, dtypes, obj.shapes, "cpu")
-                torch.distributed.broadcast(b.get_flattened_tensor(), src=0, group=pg)
+                pg.broadcast(b.get_flattened_tensor(), 0).wait()
             else:
                 for dtype, shape in zip(dtypes, obj.shapes, strict=True):
-                    torch.distributed.broadcast(torch.empty(shape, dtype=dtype), src=0, group=pg)
+                    pg.broadcast(torch.empty(shape, dtype=dtype), 0).wait()
 
         extra = self._extra.get(obj.group_name, []) if self._session_open else []
         others = [asyncio.create_task(asyncio.to_thread(receive, pg)) for pg in extra]

@@ -8,9 +8,14 @@ Slurm script does, in its order: the real planner (`python -m megatron_gspo.plan
 --emit-launch`, refusing a bad topology), the emitted engine command lines (served by
 `rehearsal_engine`, which shards, loads and reports checksums per TP rank as SGLang, with
 `sglang.launch_server` swapped for it), the emitted router command line (the real
-sglang-router), and the real trainer (`torchrun -m megatron_gspo.train --config RECIPE` with
-the emitted `--set`s) for 2 steps with the recipe's transport, FP8 and verification. Checked:
-the run exits 0 after 2 steps with every weight push verified on every engine TP rank.
+sglang-router), and the real trainer (`torchrun` running `megatron_gspo.train --config RECIPE`
+with the emitted `--set`s) for 2 steps with the recipe's transport, FP8 and verification.
+Checked: the run exits 0 after 2 steps with every verified push (the recipe's `verify_every`)
+verified on every engine TP rank. Only for time: the trainer's ranks import while the engines
+start and run the trainer once the health probes pass (tests/plan/rehearsal_rank.py).
+
+Defects 2-4 of issue 20 planted back into a recipe (`PLANTED`) end the rehearsal at the planner
+(exit 2, one refusal line), before anything starts.
 """
 
 from __future__ import annotations
@@ -73,8 +78,18 @@ def _nul(path: Path) -> list[str]:
     return [a.decode() for a in path.read_bytes().split(b"\0")[:-1]]
 
 
-def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] = ()) -> dict:
-    """Run one rehearsal; returns {"stage", "rc", "out", "metrics"}."""
+def rehearse(
+    recipe: str,
+    tmp: Path,
+    engine_python: str,
+    extra: tuple[str, ...] = (),
+    counts_cache: Path | None = None,
+) -> dict:
+    """Run one rehearsal; returns {"stage", "rc", "out", "metrics", "times"}. `counts_cache`:
+    the planner's parameter-count cache (the Slurm script passes one too), shared by the tests
+    of one session so that a planted defect's planner run skips the megatron import."""
+    times: dict[str, float] = {}
+    t0 = time.monotonic()
     script, nodes, rollout_nodes, gpus = RECIPES[recipe]
     config = str(ROOT / "examples/recipes" / f"{recipe}.yaml")
     cfg = load_config(config, list(extra))
@@ -116,9 +131,13 @@ def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] 
     plan += ["--gpu-mem-gb", "141", "--rollout-nodes", str(r.rollout_nodes)]
     plan += ["--hosts", ",".join(hosts), "--emit-launch", str(launch_dir)]
     plan += ["--engine-python", engine_python, "--quiet"]
+    if counts_cache is not None:
+        plan += ["--counts-cache", str(counts_cache)]
     if script == "colocated.sbatch":
         plan.append("--engines-external")  # as the script plans it
+    times["setup"] = time.monotonic() - t0
     p = subprocess.run(plan, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    times["plan"] = time.monotonic() - t0
     if p.returncode not in (0,):
         return {"stage": "plan", "rc": p.returncode, "out": p.stdout + p.stderr}
     procs: list[subprocess.Popen] = []
@@ -136,7 +155,29 @@ def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] 
                         cmd, cwd=ROOT, env=_env(), stdout=log, stderr=log, start_new_session=True
                     )  # fmt: skip
                 )
+        # The trainer (torchrun, one rank per CPU "GPU") with the emitted `--set`s starts now
+        # and pays its imports while the engines start; it runs `megatron_gspo.train` once the
+        # health probes pass (tests/plan/rehearsal_rank.py), as the Slurm script starts it then.
+        emitted = _nul(launch_dir / "trainer.sets")
+        go = tmp / "engines_healthy"
+        train = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
+        train += [str(r.trainer_world), "--master_port", str(free_port())]
+        train += ["-m", "tests.plan.rehearsal_rank", str(go), "--config", config]
+        train += [a for s in sets + emitted for a in ("--set", s)]
+        # output to a file: torch's shm manager (CPU tensor IPC) outlives the ranks holding
+        # inherited pipes until the engines are gone
+        with open(logs / "trainer.log", "w") as log:
+            trainer = subprocess.Popen(
+                train,
+                cwd=ROOT,
+                env=_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        procs.append(trainer)
         _wait([f"{u}/health_generate" for u in urls], procs)
+        times["engines"] = time.monotonic() - t0
         if (launch_dir / "router.argv").exists():
             router_argv = _nul(launch_dir / "router.argv")
             # the real router from whichever venv has it (the engine venv may not)
@@ -160,26 +201,21 @@ def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] 
                 )
             router = (launch_dir / "router_url").read_text().strip()
             _wait([f"{router}/health"], procs)
-        emitted = _nul(launch_dir / "trainer.sets")
-        train = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
-        train += [str(r.trainer_world), "--master_port", str(free_port())]
-        train += ["-m", "megatron_gspo.train", "--config", config]
-        train += [a for s in sets + emitted for a in ("--set", s)]
-        # output to a file: torch's shm manager (CPU tensor IPC) outlives the ranks holding
-        # inherited pipes until the engines are gone
-        with open(logs / "trainer.log", "w") as log:
-            p = subprocess.run(train, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                               timeout=600)  # fmt: skip
+            times["router"] = time.monotonic() - t0
+        go.write_text("")  # the engines (and router) are healthy: the trainer starts now
+        rc = trainer.wait(timeout=600)
+        times["trainer"] = time.monotonic() - t0
         out = (logs / "trainer.log").read_text()[-4000:]
-        if p.returncode != 0:
+        if rc != 0:
             out += "".join(
                 f"\n--- {f.name}\n" + f.read_text()[-1500:]
                 for f in logs.iterdir()
                 if f.name != "trainer.log"
             )
-            return {"stage": "train", "rc": p.returncode, "out": out}
+            return {"stage": "train", "rc": rc, "out": out}
         rows = read_metrics(tmp / "run/metrics.jsonl")
-        return {"stage": "done", "rc": 0, "out": out, "metrics": rows, "emitted": emitted}
+        return {"stage": "done", "rc": 0, "out": out, "metrics": rows, "emitted": emitted,
+                "times": times}  # fmt: skip
     finally:
         for proc in procs:
             try:
@@ -191,18 +227,71 @@ def rehearse(recipe: str, tmp: Path, engine_python: str, extra: tuple[str, ...] 
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        times["teardown"] = time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def counts_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("plan") / "param_counts.json"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_rehearsal(recipe: str, tmp_path: Path, engine_python: str) -> None:
+def test_recipe_rehearsal(
+    recipe: str, tmp_path: Path, engine_python: str, counts_cache: Path
+) -> None:
     t0 = time.monotonic()
-    got = rehearse(recipe, tmp_path, engine_python)
+    got = rehearse(recipe, tmp_path, engine_python, counts_cache=counts_cache)
     if got["stage"] == "skip":
         pytest.skip(got["out"])
     assert got["stage"] == "done", f"{got['stage']} exited {got['rc']}:\n{got['out']}"
     rows = got["metrics"]
     assert sorted(rows) == list(range(1, STEPS + 1))
+    # the recipe's verification schedule: the first push (version 1, before step 1) always,
+    # then every `verify_every`-th version; a verified push checks every TP rank of every engine
+    every = load_config(str(ROOT / "examples/recipes" / f"{recipe}.yaml")).weights.verify_every
+    assert every > 0, "the recipe turned verification off"
     for step, m in rows.items():
-        assert m["weights/verified"] == 1.0, (step, m)  # every TP rank of every engine
         assert m["weights/version"] == step + 1
-    print(f"{recipe}: {time.monotonic() - t0:.0f} s")
+        if (step + 1) % every == 0:
+            assert m["weights/verified"] == 1.0, (step, m)
+    ends = " ".join(f"{k}@{v:.0f}" for k, v in got["times"].items())
+    print(f"{recipe}: {time.monotonic() - t0:.0f} s ({ends})")
+
+
+# Defects 2-4 of the issue planted back into a recipe: the rehearsal must stop at the planner's
+# topology check (exit 2, one refusal line naming the key), before any engine or trainer starts.
+# (On CPU over gloo each of them would run: only the check stands between them and a GPU job
+# that fails.)
+PLANTED = {
+    # 2: colocated engines in the trainer's NCCL weight-update group (one GPU, two ranks)
+    "nccl_same_gpu": (
+        "qwen3_30b_a3b_bf16",
+        ("weights.transport=distributed",),
+        "weights.transport=distributed with engines on the trainer's GPUs",
+    ),
+    # 3: FP8 pushes into engines started from the BF16 checkpoint (online FP8, no scales)
+    "fp8_engine_from_bf16": (
+        "qwen3_30b_a3b_fp8",
+        ('rollout.launch.model_path=""',),  # model.hf_path: the BF16 one
+        "weights.fp8=true pushes block-FP8 weights with weight_scale_inv, but the engines start",
+    ),
+    # 4: the weight-update master pinned to the first Slurm host of a multi-node trainer
+    "master_address_pinned": (
+        "qwen3_235b_a22b_bf16",
+        ("weights.master_address=rehearsal-trainer-0",),
+        "weights.master_address=rehearsal-trainer-0 is pinned",
+    ),
+}
+
+
+@pytest.mark.parametrize("defect", PLANTED)
+def test_planted_defect_refused_before_launch(
+    defect: str, tmp_path: Path, engine_python: str, counts_cache: Path
+) -> None:
+    recipe, sets, line = PLANTED[defect]
+    got = rehearse(recipe, tmp_path, engine_python, extra=sets, counts_cache=counts_cache)
+    assert (got["stage"], got["rc"]) == ("plan", 2), got["out"][-2000:]
+    refusals = [x for x in got["out"].splitlines() if x.startswith("plan: refused: ")]
+    assert len(refusals) == 1 and line in refusals[0], got["out"][-2000:]
+    assert not (tmp_path / "logs").exists()  # nothing was started
+    print(f"[{defect}] {refusals[0]}")
