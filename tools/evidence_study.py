@@ -130,6 +130,9 @@ def _arms() -> dict[str, Arm]:
             "branch h22fp8", fp8_mod),
         Arm("gspo-bf16-seqmask", gspo + mask, "sglang",
             "GSPO + sequence mask by the engine/trainer geometric-mean ratio", "branch h22mask"),
+        Arm("gspo-bf16-fp32head", gspo + ("rollout.launch.extra_args=[--enable-fp32-lm-head]",),
+            "sglang", "GSPO, the bf16 SGLang server computing its logits in fp32 "
+            "(benchmarks/mismatch_sources.py: the bf16 logits are most of the grown mismatch)"),
         Arm("grpo-bf16-replay", grpo + replay, "sglang",
             "GRPO + Routing Replay (study control)", "branch h22replay"),
         Arm("grpo-fp32-replay", grpo + replay, "embedded",
