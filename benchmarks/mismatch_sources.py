@@ -20,10 +20,12 @@ in-process, CPU):
 Per variant v against fp32, over the response tokens: mean |logp_v - logp_fp32| per token,
 mean |sequence mean of (logp_v - logp_fp32)| (GSPO's sequence log-ratio), and the RMS over the
 vocabulary of the centred logit error dz - mean(dz). Per model and scale: the fp32 policy's
-mean entropy per token, the mean probability of the sampled token, and the RMS of the centred
-fp32 logits (the logit scale). The difference of log-probs is first order in the logit error:
-dlogp_y = dz_y - sum_j p_j dz_j, so it shrinks as p_y -> 1 and grows with the logit error,
-which bf16 makes proportional to the logits' magnitude (8 significant bits).
+mean entropy per token, the mean probability and logit of the sampled token, the mean top
+logit, and the RMS of the centred fp32 logits (the logit scale). The difference of log-probs
+is first order in the logit error, dlogp_y = dz_y - sum_j p_j dz_j: it shrinks as p_y -> 1 and
+grows with the logit error, which bf16 makes proportional to the logits' magnitude (8
+significant bits). Results of one invocation: docs/evidence.md ("What makes the mismatch
+grow").
 """
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ def measure(model: Any, seqs: list[list[int]], plens: list[int]) -> dict[str, An
         "entropy": float(ent.mean()),
         "p_token": float(p_tok.mean()),
         "logit_rms": float(centred.pow(2).mean().sqrt()),
+        "logit_token": float(
+            torch.cat([z.gather(1, t[:, None])[:, 0] for z, t in zip(ref, toks)]).mean()
+        ),
+        "logit_top": float(torch.cat([z.max(-1).values for z in ref]).mean()),
         "tokens": int(p_tok.numel()),
     }
     for name, (m, head) in variants(model).items():
@@ -183,13 +189,13 @@ def sglang_row(label: str, path: str, pids: list[list[int]], a: Any) -> dict[str
 
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: one row per model and scale."""
-    head = ["model", "scale", "entropy", "p(token)", "logit RMS"]
+    head = ["model", "scale", "entropy", "p(token)", "logit RMS", "logit(token)", "top logit"]
     for v in VARIANTS:
         head += [f"{v} dlogp/tok", f"{v} seq", f"{v} dz RMS"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        cells = [r["model"], f"{r['scale']:g}", f"{r['entropy']:.2f}", f"{r['p_token']:.2f}",
-                 f"{r['logit_rms']:.2f}"]  # fmt: skip
+        cells = [r["model"], f"{r['scale']:g}", f"{r['entropy']:.2f}", f"{r['p_token']:.2f}"]
+        cells += [f"{r[k]:.2f}" for k in ("logit_rms", "logit_token", "logit_top")]
         for v in VARIANTS:
             x = r[v]
             cells += [f"{x['abs_dlogp_token']:.1e}", f"{x['abs_seq_log_ratio']:.1e}",
