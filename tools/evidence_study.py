@@ -80,6 +80,7 @@ KEEP = (
     "time/step_s",
     "time/rollout_s",
     "time/train_s",
+    "time/mismatch_logp_s",  # the cost of the mismatch masks' extra forward (engine pi_old)
 )
 _DROP = ("reward/time_s", "reward/timeouts", "reward/retries", "reward/failures")
 
