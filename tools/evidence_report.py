@@ -286,14 +286,27 @@ def write_report(
     lines += [
         "## Router flip rate",
         "",
-        "`moe/routing_flip_rate`: share of (token, MoE layer) whose top-k experts differ "
-        "between the rollout policy and the policy after the step's last mini-batch (the "
-        "trainer does not log it per mini-batch index).",
+        "`moe/routing_flip_rate`: share of probed (token, MoE layer) whose top-k experts differ "
+        "between the rollout policy and the policy after the step's last mini-batch; `mb k`: "
+        "`moe/routing_flip_rate_mb/<k>`, the same against the weights mini-batch k trains at "
+        "(after k - 1 optimizer steps), as first 10 / last 10 step means (runs made before "
+        "`train.routing_flip_per_minibatch` existed lack it: `-`).",
         "",
     ]
-    fns = [_first("moe/routing_flip_rate"), _head("moe/routing_flip_rate")]
-    fns += [_last("moe/routing_flip_rate")]
-    lines += _table(["arm", "step 1", "first 10", "last 10"], rows_for(fns)) + [""]
+    flip = "moe/routing_flip_rate"
+    fns = [_first(flip), _head(flip), _last(flip)]
+    ks = sorted(
+        {int(k.rsplit("/", 1)[1]) for a in done for r in runs[a] for row in r["rows"].values()
+         for k in row if k.startswith(flip + "_mb/")}
+    )  # fmt: skip
+    body = rows_for(fns)
+    for row, a in zip(body, done, strict=True):
+        for k in ks:
+            key = f"{flip}_mb/{k}"
+            head, last = (_over_seeds(_per_run(runs[a], f(key))) for f in (_head, _last))
+            row.append("-" if head == "-" else f"{head} / {last}")
+    header = ["arm", "step 1", "first 10", "last 10"] + [f"mb {k}" for k in ks]
+    lines += _table(header, body) + [""]
     link = img_dir.relative_to(out.parent).as_posix()
     plots = _plots({a: runs[a] for a in done}, img_dir, link)
     lines += ["## Plots", ""] + [p + "\n" for p in plots]

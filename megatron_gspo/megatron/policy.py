@@ -16,6 +16,10 @@ Metric names say what they measure:
                         first_mb/kl/mean is 0 up to rounding at step 1 (policy == reference)
     kl/reward_penalty   loss.kl_in_reward: mean kl_coef * sum_t KL_t(pi_old || pi_ref) taken off
                         the rewards before the advantages were recomputed
+    moe/routing_flip_rate       share of probed (token, MoE layer) whose top-k experts differ
+                        between the rollout weights and the weights after the step's updates;
+                        moe/routing_flip_rate_mb/<k> (train.routing_flip_per_minibatch): the
+                        same against the weights mini-batch k trains at (k = 2..n)
     time/mismatch_logp_s  loss.*_mismatch_mask with rl.pi_old=engine: the extra forward that
                         gives the later mini-batches the trainer's log-probs at rollout weights
 """
@@ -47,7 +51,12 @@ from megatron_gspo.megatron.model import (
 )
 from megatron_gspo.megatron.packing import PackedMicroBatch, TrainSequence
 from megatron_gspo.megatron.reference import ReferenceModel
-from megatron_gspo.megatron.routing import RoutingRecorder, routing_flip_rate, routing_snapshot
+from megatron_gspo.megatron.routing import (
+    RoutingRecorder,
+    Snapshot,
+    routing_flip_rate,
+    routing_snapshot,
+)
 
 __all__ = ["Policy"]
 
@@ -126,23 +135,36 @@ class Policy:
         if seqs and every and step % every == 0 and RoutingRecorder(self.model).routers:
             probe = self.plan(seqs[::n])[: self.layout.pp if self.layout.vpp else 1]
             before = routing_snapshot(self.model, probe)
+        per_index = before if cfg.train.routing_flip_per_minibatch else None
+        flips: dict[str, float] = {}
         per_mb: list[dict[str, float]] = []
         lr = float("nan")
         for i in range(n):
             mini = seqs[i::n]
             if not mini:
                 continue
+            if i and per_index is not None and probe is not None:  # weights after i updates
+                flips |= self._flip_at_minibatch(per_index, probe, i + 1)
             lr = float(self.optimizer.param_groups[0]["lr"])
             m = mstep.train_step(self.model, self.optimizer, self.plan(mini), step_cfg)
             if m["update_successful"]:
                 self.scheduler.step(1)
             per_mb.append(m)
-        out = summarise(per_mb) | reward_kl
+        out = summarise(per_mb) | reward_kl | flips
         out["optim/lr"] = lr
         if before is not None and probe is not None:
             after = routing_snapshot(self.model, probe)
             out |= routing_flip_rate(before, after, probe, sequence_parallel=self.layout.sp)
         return out
+
+    def _flip_at_minibatch(
+        self, before: Snapshot, probe: list[PackedMicroBatch], k: int
+    ) -> dict[str, float]:
+        """`moe/routing_flip_rate_mb/<k>`: the probe's routing at the weights mini-batch k
+        (1-based) is about to train at against its routing at the rollout weights (`before`)."""
+        now = routing_snapshot(self.model, probe)
+        rate = routing_flip_rate(before, now, probe, sequence_parallel=self.layout.sp)
+        return {f"moe/routing_flip_rate_mb/{k}": rate["moe/routing_flip_rate"]}
 
     def _trainer_old_logprobs(self, seqs: list[TrainSequence], n: int) -> dict[str, float]:
         """The mismatch masks with pi_old from the engine need the trainer's log-probs at the
