@@ -18,11 +18,13 @@ Two translations happen where the cause is known:
 * `first_push`: the weight sync before step 1 failing (a tensor of another shape refused by
   the engine, a checksum that differs, a parameter the engine holds that the push did not
   write, one it lacks) means the engine serves another model than `model.hf_path`: bad input,
-  naming both models.
+  naming both models. Where every engine reports a checkpoint of this run, the message names
+  the engines' layout instead (a TP size the trainer does not expect, say).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -86,21 +88,36 @@ def build_policy(cfg: Any, build: Callable[[Any], Any] | None = None) -> Any:
         ) from None
 
 
-def _engine_models(engines: list[Any]) -> str:
+def _served_paths(engines: list[Any]) -> dict[str, str]:
     found: dict[str, str] = {}
     for engine in engines:
         try:
             found |= engine.model_paths()
         except Exception:  # noqa: BLE001 - the message names what it can
             continue
+    return found
+
+
+def _describe(found: dict[str, str]) -> str:
     if not found:
         return "the engines' model is unknown (no /model_info)"
     return ", ".join(f"{url} serves {path}" for url, path in sorted(found.items()))
 
 
+def _trainer_paths(cfg: Any) -> set[str]:
+    """Where engines of this run may start from: model.hf_path, or the engines' own checkpoint
+    (rollout.launch.model_path, e.g. block FP8)."""
+    paths = {cfg.model.hf_path}
+    launch = getattr(getattr(cfg, "rollout", None), "launch", None)
+    if launch is not None and getattr(launch, "model_path", None):
+        paths.add(launch.model_path)
+    return {os.path.realpath(str(p)) for p in paths if p}
+
+
 def first_push(push: Callable[[], Any], cfg: Any, engines: list[Any]) -> Any:
     """The weight sync before step 1 (every rank); its failure as an `EngineModelMismatch`
-    naming the trainer's model and each engine's."""
+    naming the trainer's model and each engine's. Where every engine reports a checkpoint of
+    this run, the engines' layout (not their model) is named as what to check."""
     from megatron_gspo.weights.checksum import WeightIntegrityError
     from megatron_gspo.weights.sync import WeightSyncError
 
@@ -108,9 +125,17 @@ def first_push(push: Callable[[], Any], cfg: Any, engines: list[Any]) -> Any:
         return push()
     except (WeightIntegrityError, WeightSyncError) as e:
         why = str(e).splitlines()[0][:400]
+        found = _served_paths(engines)
+        ours = _trainer_paths(cfg)
+        if found and all(os.path.realpath(p) in ours for p in found.values()):
+            raise EngineModelMismatch(
+                f"the first weight sync failed although the engines serve this run's model "
+                f"({_describe(found)}): {why}. Check that rollout.launch.tp_size / ep_size "
+                "(or rollout.client.engine_tp_sizes) match how the engines were started"
+            ) from None
         raise EngineModelMismatch(
             f"the rollout engines serve another model than the trainer: "
-            f"{_engine_models(engines)}; the trainer has model.hf_path={cfg.model.hf_path} "
+            f"{_describe(found)}; the trainer has model.hf_path={cfg.model.hf_path} "
             f"(first weight sync: {why}). Start the engines from model.hf_path, or point "
             "rollout.client.engine_urls at engines that serve it"
         ) from None

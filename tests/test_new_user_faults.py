@@ -154,6 +154,26 @@ def test_first_push_failing_names_both_models(error: Exception) -> None:
     assert "\n" not in text and exit_code(got.value) == 2
 
 
+def test_first_push_failing_on_engines_of_this_run_names_their_layout(tmp_path: Path) -> None:
+    """An engine that serves model.hf_path (same directory, another spelling) but whose first
+    push fails, e.g. on a TP size the trainer did not expect, is not called "another model":
+    the message names the layout keys to check (before: "serve another model")."""
+    (tmp_path / "toy").mkdir()
+    cfg = type("C", (), {"model": type("M", (), {"hf_path": str(tmp_path / "toy")})})()
+
+    def push() -> None:
+        raise WeightSyncError("engine http://127.0.0.1:1: 2 TP ranks, expected 1")
+
+    with pytest.raises(EngineModelMismatch) as got:
+        first_push(push, cfg, [_Engine({}, path=f"{tmp_path}/./toy")])
+    text = str(got.value)
+    assert "another model" not in text and "rollout.launch.tp_size" in text, text
+    assert "2 TP ranks, expected 1" in text and exit_code(got.value) == 2
+    # the same failure from an engine on another directory is still "another model"
+    with pytest.raises(EngineModelMismatch, match="serve another model"):
+        first_push(push, cfg, [_Engine({}, path=str(tmp_path / "other"))])
+
+
 # ---- 2 and 3: resume with a changed config, or another model ----------------------------
 def test_resume_with_another_model_is_refused_naming_both(tmp_path: Path) -> None:
     """Case 3: the checkpoint was trained from a 2-layer model, the run names a 3-layer one.

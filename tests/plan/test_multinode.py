@@ -40,6 +40,7 @@ def _train_args(tmp: Path, name: str) -> list[str]:
         "logging.progress": "false",
         "checkpoint.dir": "null",
         "checkpoint.save_every": 0,
+        "weights.verify_every": 1,  # every push is checked below
     }
     args = ["-m", "megatron_gspo.train", "--config", str(ROOT / "examples/tiny_moe_cpu.yaml")]
     for k, v in sets.items():
