@@ -30,7 +30,12 @@ Ratios are against the straightforward row of the same size.
 --profile: chunked and fused in ONE process (paired, alternating, min of --repeat steps), the
 fused/chunked time ratio, and a torch.profiler breakdown of one step of each (self CPU time per
 aten op, grouped; see `_category`) against the GEMM floor: the fused path does 4 [T, V, H] GEMM
-passes (forward logits, backward recompute, dH, dW) to the chunked path's 3.
+passes (forward logits, backward recompute, dH, dW) to the chunked path's 3. Also the peak
+memory of each: tensor peak (all three) and the run's RSS high-water mark (chunked, fused).
+
+    python benchmarks/logprob_loss.py --sweep 1024x8192,512x8192 --tokens 2048 --hidden 4096
+
+--sweep: fused step time per token chunk x vocab chunk setting, in one process (alternating).
 """
 
 from __future__ import annotations
@@ -104,15 +109,18 @@ def _logprobs(args: argparse.Namespace, h: torch.Tensor, w: torch.Tensor, target
     )
 
 
-def _make_step(args: argparse.Namespace, variant: str):
+def _make_step(args: argparse.Namespace, variant: str, leaves: tuple | None = None):
     """(h, w, step): bf16 h [T, H] and W [V, H] leaves and one forward + backward of `variant`
-    (the same inputs for every variant: seed 0). The step wraps its forward and its backward
-    in profiler ranges "fwd" / "bwd" (no cost without a profiler)."""
+    (the same inputs for every variant: seed 0; `leaves` = (h, w) of another step to share
+    them, so that several variants in one process hold one copy of W). The step wraps its
+    forward and its backward in profiler ranges "fwd" / "bwd" (no cost without a profiler)."""
     torch.manual_seed(0)
     dev = torch.device(args.device)
     t, v, hd = args.tokens, args.vocab, args.hidden
     h = torch.randn(t, hd, dtype=torch.bfloat16, device=dev).requires_grad_(True)
     w = (torch.randn(v, hd, device=dev) * (3 / hd**0.5)).bfloat16().requires_grad_(True)
+    if leaves is not None:
+        h, w = leaves
     target = torch.randint(0, v, (t,), device=dev)
     seq_len = max(1, t // args.seqs)
     seq_index = (torch.arange(t, device=dev) // seq_len).clamp(max=args.seqs - 1)
@@ -279,16 +287,16 @@ _ROWS = (*_GEMM_ROWS, *_CATEGORIES, "other")
 
 def _category(name: str, shapes: list, phase: str, t: int, hd: int) -> str:
     """The breakdown row of one aten op. GEMMs (aten::mm/addmm) [a, K] @ [K, c] are told apart
-    by shape: K == H is a logits block (forward, or the backward's recompute); otherwise the
-    output rows a are tokens (a <= T: dH) or vocab/hidden rows (dW, incl. autograd's
-    h^T @ dlogits). Needs T < every vocab block and T != H (checked by the caller), and the
-    fused backward's block width Vb != H (else its dH GEMMs count as recompute)."""
+    by their inner size K: K == H is a logits block (forward, or the fused backward's
+    recompute); K == T (a sum over all tokens) is dL/dW, either orientation; any other K (a
+    vocab block or the whole vocab) is dL/dh. Needs T != H and T, H != every vocab block width
+    (V, and the fused backward's Vb), checked by the caller."""
     if name in ("aten::mm", "aten::addmm"):
         # input_shapes: mm (self, mat2[, out]); addmm (bias, mat1, mat2[, out]).
-        a, k = shapes[1] if name == "aten::addmm" else shapes[0]
+        _, k = shapes[1] if name == "aten::addmm" else shapes[0]
         if k == hd:
             return "GEMM fwd logits" if phase == "fwd" else "GEMM bwd recompute"
-        return "GEMM dH" if a <= t else "GEMM dW"
+        return "GEMM dW" if k == t else "GEMM dH"
     for cat, names in _CATEGORIES.items():
         if name in names:
             return cat
@@ -324,8 +332,12 @@ def _profile_one(step, t: int, hd: int) -> tuple[float, dict[str, float]]:
 def profile_main(args: argparse.Namespace) -> None:
     """Paired chunked vs fused timing and a per-category breakdown, in this process."""
     t, hd, v = int(args.tokens), int(args.hidden), args.vocab
-    if not (t < min(args.vocab_chunk, v % args.vocab_chunk or v) and t != hd):
-        raise SystemExit(f"--profile: needs T < vocab blocks and T != H (got T={t}, H={hd})")
+    vb = min(v, max(1, min(t, args.chunk) * args.vocab_chunk // t))  # fused backward block
+    if len({t, hd, v, vb}) != 4:
+        raise SystemExit(
+            f"--profile: T, H, V and the fused backward's block Vb must differ to tell the GEMMs "
+            f"apart (got T={t}, H={hd}, V={v}, Vb={vb}); change --chunk or --vocab-chunk"
+        )
     if args.device == "cpu":
         torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     args.tokens, args.hidden = t, hd
@@ -336,21 +348,50 @@ def profile_main(args: argparse.Namespace) -> None:
         f"if the GEMMs dominate and run equally fast); load: {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    steps = {name: _make_step(args, name)[2] for name in ("chunked", "fused", "gemm")}
+    names = ["chunked", "fused"] + (["gemm"] if args.gemm_unit else [])
+    h, w, first = _make_step(args, names[0])
+    steps = {names[0]: first, **{n: _make_step(args, n, (h, w))[2] for n in names[1:]}}
+    peaks = {n: tensor_peak(n, t, hd, args) / MIB for n in ("straightforward", "chunked", "fused")}
     for _ in range(args.warmup):
         for st in steps.values():
             st()
     runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in steps}
-    for _ in range(args.repeat):  # alternate, so that load drifts hit both paths alike
+    rss: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(args.repeat):  # alternate, so that load drifts hit both paths alike
         for name, st in steps.items():
+            h.grad = w.grad = None  # the last step's gradients are not part of this one's peak
+            _reset_rss_hwm()
+            base = _rss_hwm_bytes()
             runs[name].append(_profile_one(st, t, hd))
+            rss[name].append((_rss_hwm_bytes() - base) / MIB)
+            print(
+                f"  step {i} {name}: {runs[name][-1][0]:.2f} s, RSS peak +{rss[name][-1]:.0f} MiB,"
+                f" load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
     fastest = {n: min(r, key=lambda x: x[0]) for n, r in runs.items()}
     best = {n: f[0] for n, f in fastest.items()}
+    unit = best.get("gemm")
     print(
         f"time s (min of {args.repeat}, paired): chunked {best['chunked']:.2f}  fused "
-        f"{best['fused']:.2f}  one GEMM {best['gemm']:.2f}  ->  fused/chunked "
-        f"{best['fused'] / best['chunked']:.3f}  (chunked = {best['chunked'] / best['gemm']:.2f} "
-        f"GEMMs, fused = {best['fused'] / best['gemm']:.2f} GEMMs)",
+        f"{best['fused']:.2f}  ->  fused/chunked {best['fused'] / best['chunked']:.3f}"
+        + (
+            f"  (one GEMM {unit:.2f}: chunked = {best['chunked'] / unit:.2f} GEMMs, fused = "
+            f"{best['fused'] / unit:.2f} GEMMs)"
+            if unit
+            else ""
+        ),
+        flush=True,
+    )
+    sf = peaks["straightforward"]
+    print(
+        "peak MiB above the inputs (tensor peak, FakeTensorMode; run: RSS high-water mark, max "
+        "over steps): "
+        + "; ".join(
+            f"{n} {peaks[n]:.0f} (1/{sf / peaks[n]:.2f})"
+            + (f" run {max(rss[n]):.0f}" if n in rss else " not run")
+            for n in peaks
+        ),
         flush=True,
     )
     prof = {name: fastest[name][1] for name in ("chunked", "fused")}
@@ -371,6 +412,44 @@ def profile_main(args: argparse.Namespace) -> None:
     )
 
 
+def sweep_main(args: argparse.Namespace) -> None:
+    """Fused step time per (token chunk, vocab chunk) of `--sweep`, in this process (the same
+    h and W; alternating over the settings, min of --repeat): to pick the default chunks."""
+    t, hd = int(args.tokens), int(args.hidden)
+    if args.device == "cpu":
+        torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    args.tokens, args.hidden = t, hd
+    settings = [tuple(int(x) for x in pair.split("x")) for pair in args.sweep.split(",")]
+    print(
+        f"sweep: fused, T={t} H={hd} V={args.vocab} bf16, settings chunk x vocab_chunk "
+        f"{settings}; load: {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    h = w = None
+    steps = {}
+    for c, vc in settings:
+        ns = argparse.Namespace(**{**vars(args), "chunk": c, "vocab_chunk": vc})
+        h, w, steps[(c, vc)] = _make_step(ns, "fused", None if h is None else (h, w))
+    times: dict[tuple[int, int], list[float]] = {k: [] for k in steps}
+    for i in range(args.repeat):
+        for k, st in steps.items():
+            t0 = time.perf_counter()
+            st()
+            times[k].append(time.perf_counter() - t0)
+            print(
+                f"  round {i} chunk {k[0]:>5} vocab_chunk {k[1]:>6}: {times[k][-1]:7.2f} s, "
+                f"load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+    base = min(times[settings[0]])
+    for k, ts in times.items():
+        print(
+            f"chunk {k[0]:>5} vocab_chunk {k[1]:>6}: min {min(ts):7.2f} s  "
+            f"({min(ts) / base:.3f}x the first setting)  block buffers 12*C*Vc = "
+            f"{12 * k[0] * k[1] / MIB:.0f} MiB"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
@@ -383,6 +462,13 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024, help="tokens per chunk (chunked, fused)")
     p.add_argument("--vocab-chunk", type=int, default=8192, help="vocab rows per block (fused)")
     p.add_argument("--profile", action="store_true", help="paired time + breakdown (see top)")
+    p.add_argument(
+        "--no-gemm-unit",
+        dest="gemm_unit",
+        action="store_false",
+        help="--profile: skip the one-GEMM reference step (saves a GEMM's time at large T)",
+    )
+    p.add_argument("--sweep", help="CxVc,CxVc,...: fused step time per chunk setting (see top)")
     p.add_argument("--mem-limit-gib", type=float, default=12.0)
     p.add_argument("--max-tflop", type=float, default=60.0)
     p.add_argument("--repeat", type=int, default=None, help="timed steps (min is reported)")
@@ -394,6 +480,9 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else (2 if cuda else 0)
     if args.profile:
         profile_main(args)
+        return
+    if args.sweep:
+        sweep_main(args)
         return
     if args.variant:
         args.tokens, args.hidden = int(args.tokens), int(args.hidden)

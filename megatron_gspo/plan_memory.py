@@ -219,10 +219,14 @@ memory per GPU (most loaded pipeline stage; P = its parameters, Pd dense + Pe ex
        moe        (b*3h + 8E + 8k) * T/(cp*tp) + imb * k*T*etp/(cp*tp) * b*(h + 6*f/etp)
                   (dense MLP: b*(3h + 3f) * T/(cp*tp))
      per_layer (recompute full) = b*h*T/(cp*tp), plus one layer's full working set
-     lm head    model.fused_lm_head (default): 12 * min(T/cp, 1024) * min(V/tp, 8192)
-                (three fp32 [token chunk, vocab chunk] blocks) + (b + 4) * T/cp * h (hidden
-                states gathered over SP, fp32 hidden-gradient accumulator) + b * V/tp * h
-                (the output weight's gradient before DDP adds it to the grad buffer)
+     lm head    model.fused_lm_head (default), t = T/cp, C = min(t, 1024), Vc = min(V/tp, 8192),
+                Vb = min(V/tp, max(C * 8192 / t, min(h, 8192))) (the backward's vocab
+                block): b * t * h (hidden states gathered over SP) + max(forward
+                10 * C * Vc (bf16 logit block, fp32 z and exp), backward 10 * C * Vb
+                + b * t * Vb (bf16 logit block, fp32 log p and p; bf16 [t, Vb] dlogits)
+                + (4 + b) * t * h (fp32 hidden-gradient accumulator and its cast)
+                + b * V/tp * h (the output weight's gradient before DDP adds it to the
+                grad buffer))
                 unfused: 6 * T/cp * V/tp (bf16 logits + gradient + fp32 log-softmax chunk)
      inflight   = min(pp - stage, micro-batches), * (1 + (pp-1)/(pp*vpp)) if interleaved
      *selective recompute re-runs core attention only, which flash attention does not store
@@ -277,7 +281,12 @@ def _lm_head(cfg: Config, layout: Layout, b: int, h: int, v: int) -> float:
     tok, vp = cfg.train.micro_batch_tokens / layout.cp, v / layout.tp
     if not cfg.model.fused_lm_head:
         return 6 * tok * vp
-    return 12 * min(tok, LOGPROB_CHUNK) * min(vp, VOCAB_CHUNK) + (b + 4) * tok * h + b * vp * h
+    # The buffers megatron_gspo.algo.lm_head allocates once per pass (tests/plan measures it).
+    c = min(tok, LOGPROB_CHUNK)
+    vb = min(vp, max(1, c * VOCAB_CHUNK // tok, min(h, VOCAB_CHUNK)))  # backward vocab block
+    forward = 10 * c * min(vp, VOCAB_CHUNK)
+    backward = 10 * c * vb + b * tok * vb + (4 + b) * tok * h + b * vp * h
+    return b * tok * h + max(forward, backward)
 
 
 def _micro_batches(cfg: Config, dp: int, prompt_tokens: int) -> int:

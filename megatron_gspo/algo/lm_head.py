@@ -18,16 +18,16 @@ With z = (hidden @ W^T) / temperature (the logits, never built whole), the outpu
 Forward: per token chunk, an online (running max) log-sum-exp over vocab chunks of [C, Vc]
 logits; one MAX and one SUM all-reduce per token chunk over `group` combine the shards' partial
 statistics (max m, sum e = sum exp(z - m), sum e (z - m), owner-only target logit). Backward:
-vocab blocks of Vb = min(Vc, C Vc / T) rows outer, token chunks inner; each [C, Vb] logit block
-is recomputed from the saved hidden states and W, turned into its gradient (cast to W's dtype
-into a [T, Vb] buffer) and multiplied into dL/dhidden ([T, H], compute dtype); after the token
-chunks, dL/dW of the block is one GEMM over all T tokens, written once. The per-block buffers
-are allocated once and reused (a fresh large block per chunk costs page faults on CPU).
-So the largest buffers are [C, Vc]-element blocks, [T, H] and [Vp, H] (the gradient W needs
-anyway): no [T, V] or [T, Vp] tensor exists in either pass. Logit blocks are computed in the
-inputs' dtype (a bf16 GEMM, as the unfused output layer does) and upcast to float32 (float64 for
-float64 inputs) for the softmax statistics; the gradient blocks are cast back to W's dtype for
-the two backward GEMMs, as the unfused path's bf16 logits gradient is.
+vocab blocks of Vb = min(Vc, max(C Vc / T, H)) rows outer, token chunks inner; each [C, Vb]
+logit block is recomputed from the saved hidden states and W, turned into its gradient (cast to
+W's dtype into a [T, Vb] buffer) and multiplied into dL/dhidden ([T, H], compute dtype); after
+the token chunks, dL/dW of the block is one GEMM over all T tokens, written once. The per-block
+buffers are allocated once and reused (a fresh large block per chunk costs page faults on CPU).
+So the largest buffers are [C, Vc]-element blocks, [T, H]-element ones and [Vp, H] (the gradient
+W needs anyway): no [T, V] or [T, Vp] tensor exists in either pass. Logit blocks are computed in
+the inputs' dtype (a bf16 GEMM, as the unfused output layer does) and upcast to float32 (float64
+for float64 inputs) for the softmax statistics; the gradient blocks are cast back to W's dtype
+for the two backward GEMMs, as the unfused path's bf16 logits gradient is.
 
 Cost: 4 [T, Vp, H] GEMMs (forward, backward recompute, dH, dW) to the unfused path's 3, and
 the same softmax work; measured breakdown in docs/lm_head.md.
@@ -170,15 +170,19 @@ class _FusedLMHead(torch.autograd.Function):
         rows_list = _spans(num_tok, chunk_size)
         nc0, wdt = (rows_list[0].stop if rows_list else 0), weight.dtype
         # Vocab block width of the backward: the [T, Vb] dL/dlogits buffer (W's dtype) holds no
-        # more elements than one [C, Vc] block, so dL/dW of a block is ONE GEMM over all T
-        # tokens, written once (no float32 [Vb, H] accumulator summed over token chunks).
-        vb = min(vp, max(1, nc0 * vocab_chunk // num_tok)) if num_tok else vp
+        # more elements than one [C, Vc] block or one [T, H] (the size of `hidden`), so dL/dW of
+        # a block is ONE GEMM over all T tokens, written once (no float32 [Vb, H] accumulator
+        # summed over token chunks). Vb >= min(H, Vc): each block adds a [T, H] product into the
+        # float32 dL/dhidden, T H Vp / Vb element updates in all; with Vb = C Vc / T alone that
+        # was 4 T Vp at T=8192, H=4096 and cost more than the softmax (docs/lm_head.md).
+        hd = hidden.shape[1]
+        vb = min(vp, max(1, nc0 * vocab_chunk // num_tok, min(hd, vocab_chunk))) if num_tok else vp
         blk = nc0 * vb
         lo_buf = hidden.new_empty(blk)  # recomputed [C, Vb] logits, inputs' dtype
         lq_buf = lse.new_empty(blk)  # log p, then dL/dz (compute dtype)
         p_buf = lse.new_empty(blk) if g_h is not None else None  # p (entropy term)
         gz_buf = weight.new_empty(num_tok * vb)  # [T, Vb] dL/dlogits, W's dtype
-        dh_buf = hidden.new_empty(nc0 * hidden.shape[1], dtype=wdt)  # [C, H] dH block
+        dh_buf = hidden.new_empty(nc0 * hd, dtype=wdt)  # [C, H] dH block
         for vc in _spans(vp, vb):
             w = weight[vc]
             nv = w.shape[0]
@@ -206,8 +210,8 @@ class _FusedLMHead(torch.autograd.Function):
                 gz = gz_all[rows]
                 gz.copy_(grad)  # dL/dlogits block, in W's dtype
                 del grad, logq
-                if grad_hidden is not None:
-                    grad_hidden[rows] += torch.mm(gz, w, out=_view(dh_buf, nc, hidden.shape[1]))
+                if grad_hidden is not None:  # add_ on the view: no __setitem__ copy back
+                    grad_hidden[rows].add_(torch.mm(gz, w, out=_view(dh_buf, nc, hd)))
             if grad_weight is not None:
                 torch.mm(gz_all.T, hidden, out=grad_weight[vc])
         if grad_hidden is not None and reduce_grad_hidden:
