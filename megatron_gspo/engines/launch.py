@@ -155,7 +155,7 @@ def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list
     python = python or (cfg.python if cfg.backend == "sglang" else None) or sys.executable
     port = str(cfg.base_port + i)
     if cfg.backend == "embedded":
-        cmd = [python, "-m", "megatron_gspo.engines.embedded.server"]
+        cmd = [python, "-m", "megatron_gspo.engines.embedded.cli"]
         cmd += ["--model-path", cfg.model_path]
         cmd += ["--port", port, "--weight-version", cfg.weight_version]
         if cfg.api_key:

@@ -325,7 +325,7 @@ def test_fp8_push_is_held_bitwise(client_fp8, engine_fp8, ckpt_b, weights_a, wei
 
 
 def test_quantization_flag_reaches_the_embedded_engine() -> None:
-    from megatron_gspo.engines.embedded.server import parser
+    from megatron_gspo.engines.embedded.cli import parser
     from megatron_gspo.engines.launch import LaunchConfig, engine_command
 
     cmd = engine_command(LaunchConfig(model_path="m", backend="embedded", quantization="fp8"), 0)

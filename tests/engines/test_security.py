@@ -25,7 +25,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_gspo.engines.embedded.server import EmbeddedServer, parser
+from megatron_gspo.engines.embedded.cli import parser
+from megatron_gspo.engines.embedded.server import EmbeddedServer
 from megatron_gspo.engines.launch import LaunchConfig, engine_command
 from megatron_gspo.engines.wire import deserialize_named_tensors
 

@@ -81,7 +81,7 @@ def _engine(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     import urllib.request
 
     port = free_port()
-    cmd = [sys.executable, "-m", "megatron_gspo.engines.embedded.server"]
+    cmd = [sys.executable, "-m", "megatron_gspo.engines.embedded.cli"]
     cmd += ["--model-path", str(model)]
     with log.open("w") as out:
         proc = subprocess.Popen(

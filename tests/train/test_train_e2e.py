@@ -124,7 +124,7 @@ def _engines_of(model_dir: Path) -> list[int]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(p.info["cmdline"] or [])
-        if "megatron_gspo.engines.embedded.server" in cmdline and str(model_dir) in cmdline:
+        if "megatron_gspo.engines.embedded.cli" in cmdline and str(model_dir) in cmdline:
             found.append(p.pid)
     return found
 
