@@ -1,0 +1,136 @@
+"""The start-up patches (megatron_gspo/patches/startup.py): a rank no longer imports what it
+never uses, and nothing that the plain imports offered is lost.
+
+Reference: a second process that imports megatron-bridge the plain way (our other bridge
+patches only), whose list of supported architectures the lazy registry must reproduce once an
+AutoBridge of a non-Qwen architecture was asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_gspo.patches import PatchError
+from megatron_gspo.patches import startup as st
+
+_NOT_NEEDED = ("torch._inductor.compile_fx", "megatron.bridge.models.llama")
+_NOT_NEEDED += ("megatron.bridge.diffusion.models",)
+
+
+def _tiny(config_cls: type, arch: str, **extra: int) -> object:
+    return config_cls(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        architectures=[arch],
+        **extra,
+    )
+
+
+def _lazy() -> None:  # runs in a subprocess: what a trainer rank does
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    from megatron_gspo.patches import apply_bridge_imports
+
+    apply_bridge_imports()
+    from megatron.bridge import AutoBridge
+
+    qwen = AutoBridge.from_hf_config(
+        _tiny(Qwen3MoeConfig, "Qwen3MoeForCausalLM", num_experts=4, moe_intermediate_size=8)
+    )
+    seen = {"qwen": type(qwen._model_bridge).__name__}
+    seen["left_out"] = [m for m in _NOT_NEEDED if m in sys.modules]
+    llama = AutoBridge.from_hf_config(_tiny(LlamaConfig, "LlamaForCausalLM"))
+    seen["llama"] = type(llama._model_bridge).__name__
+    seen["supported"] = AutoBridge.list_supported_models()
+    import megatron.bridge
+    import megatron.bridge.models
+
+    seen["names"] = sorted(set(dir(megatron.bridge)) | set(dir(megatron.bridge.models)))
+    print(json.dumps(seen))
+
+
+def _plain() -> None:  # runs in a subprocess: the imports as they were before the patches
+    from megatron_gspo.patches import BRIDGE_PATCHES
+
+    for patch in BRIDGE_PATCHES:
+        patch.apply()
+    import megatron.bridge
+    import megatron.bridge.models
+    from megatron.bridge import AutoBridge
+
+    seen = {"left_out": [m for m in _NOT_NEEDED if m in sys.modules]}
+    seen["supported"] = AutoBridge.list_supported_models()
+    seen["names"] = sorted(set(dir(megatron.bridge)) | set(dir(megatron.bridge.models)))
+    print(json.dumps(seen))
+
+
+def test_deferred_compile_compiles_on_first_call_once() -> None:
+    """Against the undecorated function: same results; the compiler runs on the first call
+    only, with the decorator's keyword arguments, and never for a function never called."""
+    calls: list[tuple[str, dict]] = []
+
+    def compiler(fn, **kwargs):  # stands in for torch.compile
+        calls.append((fn.__name__, kwargs))
+        return lambda *a, **k: fn(*a, **k) * 10  # a "compiled" function we can tell apart
+
+    deferred = st.deferred_compile(compiler)
+
+    def f(x: int, y: int = 1) -> int:
+        return x + y
+
+    @deferred
+    def never(x: int) -> int:
+        return x
+
+    g, h = deferred(f), deferred(mode="max-autotune")(f)
+    assert calls == [] and g.__name__ == "f" and never.__wrapped__(3) == 3
+    assert (g(1), g(2, y=3), h(4)) == (f(1) * 10, f(2, y=3) * 10, f(4) * 10)
+    assert calls == [("f", {}), ("f", {"mode": "max-autotune"})]
+
+
+def test_self_checks_fail_when_upstream_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each patch's check reads the upstream source it relies on; a changed source fails it."""
+    st._check_deferred_jit()
+    st._check_lazy_registry()
+    monkeypatch.setattr(st, "_source", lambda module, rel: "")
+    for check in (st._check_deferred_jit, st._check_lazy_registry):
+        with pytest.raises(PatchError, match="review patch|no longer"):
+            check()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the jit patch is CPU-only")
+def test_rank_imports_only_what_it_uses_and_loses_nothing() -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    here = "import tests.patches.test_startup_patches as t; t."
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", here + fn + "()"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for fn in ("_lazy", "_plain")
+    ]
+    (lazy, err), (plain, err_plain) = (p.communicate(timeout=300) for p in procs)
+    assert procs[0].returncode == 0, err[-4000:]
+    assert procs[1].returncode == 0, err_plain[-4000:]
+    lazy, plain = json.loads(lazy.splitlines()[-1]), json.loads(plain.splitlines()[-1])
+    # the plain imports load all three (what makes this test fail without the patches) ...
+    assert plain["left_out"] == list(_NOT_NEEDED)
+    # ... a Qwen3-MoE bridge needs none of them ...
+    assert lazy["qwen"] == "Qwen3MoEBridge" and lazy["left_out"] == []
+    # ... and a Llama asked for later gets its bridge: every architecture, every name as before
+    assert lazy["llama"] == "LlamaBridge"
+    assert lazy["supported"] == plain["supported"] and "LlamaForCausalLM" in lazy["supported"]
+    assert set(plain["names"]) <= set(lazy["names"])
