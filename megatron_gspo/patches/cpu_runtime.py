@@ -368,9 +368,6 @@ def apply_cpu_runtime(force: bool = False) -> bool:
     if torch.cuda.is_available() and not force:
         return False
     # The paged-stash stub must be in place before megatron.core is first imported.
-    from megatron_gspo.patches.startup import DEFERRED_JIT_PATCH
-
-    DEFERRED_JIT_PATCH.apply()  # imports megatron.core (the stub first): see startup.py
     CPU_PATCHES[0].apply()
     for patch in CPU_PATCHES[1:]:
         patch.apply()

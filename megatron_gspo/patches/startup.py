@@ -1,23 +1,16 @@
-"""Start-up time fixes: what every trainer rank imports and never uses.
+"""Start-up time fix: what every trainer rank imports and never uses.
 
-Every rank of a launch (and every process that builds a model) imports megatron-core and
-megatron-bridge; on a 2-core CPU machine that is most of a launch's start-up. Two parts of it are
-pure waste for the models this package trains, and each is cut by a `Patch` here:
-
-* `mcore-deferred-jit-fuser` (CPU only): megatron-core decorates ~15 fused kernels with
-  `torch.compile` while it is imported (`megatron.core.jit.jit_fuser`); the first such call
-  imports torch._inductor's compiler (`compile_fx`, seconds per process on 2 cores; a rank
-  imports torch._dynamo anyway, through transformers). On CPU every fusion is
-  off (`megatron.model.make_provider`), so none of those kernels ever runs. During the import of
-  megatron-core, `torch.compile` is a deferred version that compiles on the decorated function's
-  first call, exactly as `torch.compile` itself does (it compiles lazily too).
-* `bridge-lazy-model-registry`: `import megatron.bridge` imports all of its ~60 model bridges
-  (and the diffusion ones), each with its Hugging Face modelling code, to register them. Here
-  `megatron.bridge` and `megatron.bridge.models` are installed as their packages without running
-  their `__init__`: `AutoBridge` and the Qwen bridges are imported on first use, and
-  `load_model_bridges(architectures)` (called before a model is loaded) registers the bridge of
-  any other architecture by running the two `__init__`s in full, as the plain import would have.
-  Any other attribute of either package runs them too: nothing the plain import offered is lost.
+Every rank of a launch (and every process that builds a model) imports megatron-bridge; on a
+2-core CPU machine that is a large part of a launch's start-up. `bridge-lazy-model-registry`:
+`import megatron.bridge` imports all of its ~60 model bridges (and the diffusion ones), each
+with its Hugging Face modelling code, to register them. Here `megatron.bridge` and
+`megatron.bridge.models` are installed as their packages without running their `__init__`:
+`AutoBridge` and the Qwen bridges are imported on first use, and `AutoBridge` calls
+`load_model_bridges(architectures)` before it looks a model up, which registers the bridge of
+any other architecture by running the two `__init__`s in full, as the plain import would have.
+Any other attribute of either package runs them too: nothing the plain import offered is lost.
+(Deferring megatron-core's `torch.compile` decorations was tried and dropped: the MoE router
+runs a compiled kernel on CPU too, so it only moved the compiler's import into the first step.)
 """
 
 from __future__ import annotations
@@ -32,7 +25,6 @@ from typing import Any
 
 from megatron_gspo.patches.base import Patch, PatchError
 
-MCORE_VERSIONS = ("0.19.2",)
 BRIDGE_VERSIONS = ("0.6.2",)
 
 
@@ -42,74 +34,6 @@ def _source(module: str, rel: str) -> str:
         raise PatchError(f"{module} is not installed")
     with open(f"{list(spec.submodule_search_locations)[0]}/{rel}", encoding="utf-8") as f:
         return f.read()
-
-
-# --- mcore-deferred-jit-fuser ----------------------------------------------------------------
-
-
-def deferred_compile(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`torch.compile` (`compile_fn`) that compiles on the first call, not at decoration.
-
-    `deferred_compile(c)(fn, **kw)` (or `@deferred_compile(c)` / `deferred_compile(c)(**kw)(fn)`)
-    returns a function that, on its first call, runs `c(fn, **kw)` once and from then on calls
-    what that returned; `c` is never called for a function that is never called."""
-
-    def compile_(model: Any = None, **kwargs: Any) -> Any:
-        if model is None:  # used as `@torch.compile(...)`
-            return functools.partial(compile_, **kwargs)
-        compiled: list[Any] = []
-        lock = threading.Lock()
-
-        @functools.wraps(model)
-        def call(*args: Any, **kw: Any) -> Any:
-            if not compiled:
-                with lock:
-                    if not compiled:
-                        compiled.append(compile_fn(model, **kwargs))
-            return compiled[0](*args, **kw)
-
-        return call
-
-    return compile_
-
-
-def _check_deferred_jit() -> None:
-    if "jit_fuser = torch.compile" not in _source("megatron.core", "jit.py"):
-        raise PatchError(
-            "megatron.core.jit no longer binds torch.compile as jit_fuser: review "
-            "patch mcore-deferred-jit-fuser (megatron_gspo/patches/startup.py)"
-        )
-
-
-def _apply_deferred_jit() -> None:
-    if "megatron.core" in sys.modules:  # its kernels are decorated already: nothing to defer
-        return
-    import torch
-
-    from megatron_gspo.patches.cpu_runtime import CPU_PATCHES
-
-    real = torch.compile
-    torch.compile = deferred_compile(real)  # type: ignore[assignment]
-    try:  # the paged-stash stub (whose check imports megatron.core) first, as apply_cpu_runtime
-        CPU_PATCHES[0].apply()
-        import megatron.core.jit  # noqa: F401  (imports megatron.core, decorating every kernel)
-    finally:
-        torch.compile = real
-
-
-DEFERRED_JIT_PATCH = Patch(
-    name="mcore-deferred-jit-fuser",
-    package="megatron-core",
-    versions=MCORE_VERSIONS,
-    why="`import megatron.core` decorates its fused kernels with torch.compile "
-    "(megatron.core.jit.jit_fuser), which imports torch._inductor's compile_fx: seconds of "
-    "every process's start-up on 2 CPU cores, for kernels that never run on CPU (every "
-    "fusion is off there). CPU only: the decorated kernels compile on their first call.",
-    remove_when="megatron-core decorates lazily, or torch.compile stops importing the "
-    "inductor at decoration time.",
-    apply_fn=_apply_deferred_jit,
-    check_fn=_check_deferred_jit,
-)
 
 
 # --- bridge-lazy-model-registry --------------------------------------------------------------
@@ -258,4 +182,4 @@ LAZY_REGISTRY_PATCH = Patch(
     check_fn=_check_lazy_registry,
 )
 
-STARTUP_PATCHES: tuple[Patch, ...] = (DEFERRED_JIT_PATCH, LAZY_REGISTRY_PATCH)
+STARTUP_PATCHES: tuple[Patch, ...] = (LAZY_REGISTRY_PATCH,)

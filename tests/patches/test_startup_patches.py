@@ -1,4 +1,4 @@
-"""The start-up patches (megatron_gspo/patches/startup.py): a rank no longer imports what it
+"""The start-up patch (megatron_gspo/patches/startup.py): a rank no longer imports what it
 never uses, and nothing that the plain imports offered is lost.
 
 Reference: a second process that imports megatron-bridge the plain way (our other bridge
@@ -18,8 +18,7 @@ import pytest
 from megatron_gspo.patches import PatchError
 from megatron_gspo.patches import startup as st
 
-_NOT_NEEDED = ("torch._inductor.compile_fx", "megatron.bridge.models.llama")
-_NOT_NEEDED += ("megatron.bridge.diffusion.models",)
+_NOT_NEEDED = ("megatron.bridge.models.llama", "megatron.bridge.diffusion.models")
 
 
 def _tiny(config_cls: type, arch: str, **extra: int) -> object:
@@ -73,42 +72,15 @@ def _plain() -> None:  # runs in a subprocess: the imports as they were before t
     print(json.dumps(seen))
 
 
-def test_deferred_compile_compiles_on_first_call_once() -> None:
-    """Against the undecorated function: same results; the compiler runs on the first call
-    only, with the decorator's keyword arguments, and never for a function never called."""
-    calls: list[tuple[str, dict]] = []
-
-    def compiler(fn, **kwargs):  # stands in for torch.compile
-        calls.append((fn.__name__, kwargs))
-        return lambda *a, **k: fn(*a, **k) * 10  # a "compiled" function we can tell apart
-
-    deferred = st.deferred_compile(compiler)
-
-    def f(x: int, y: int = 1) -> int:
-        return x + y
-
-    @deferred
-    def never(x: int) -> int:
-        return x
-
-    g, h = deferred(f), deferred(mode="max-autotune")(f)
-    assert calls == [] and g.__name__ == "f" and never.__wrapped__(3) == 3
-    assert (g(1), g(2, y=3), h(4)) == (f(1) * 10, f(2, y=3) * 10, f(4) * 10)
-    assert calls == [("f", {}), ("f", {"mode": "max-autotune"})]
-
-
 def test_self_checks_fail_when_upstream_changes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each patch's check reads the upstream source it relies on; a changed source fails it."""
-    st._check_deferred_jit()
+    """The patch's check reads the upstream source it relies on; a changed source fails it."""
     st._check_lazy_registry()
     monkeypatch.setattr(st, "_source", lambda module, rel: "")
-    for check in (st._check_deferred_jit, st._check_lazy_registry):
-        with pytest.raises(PatchError, match="review patch|no longer"):
-            check()
+    with pytest.raises(PatchError, match="review patch"):
+        st._check_lazy_registry()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the jit patch is CPU-only")
 def test_rank_imports_only_what_it_uses_and_loses_nothing() -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     here = "import tests.patches.test_startup_patches as t; t."
