@@ -22,8 +22,10 @@ from megatron_gspo.patches.bridge import BRIDGE_PATCHES, apply_bridge_imports
 from megatron_gspo.patches.cpu_runtime import CPU_PATCHES, apply_cpu_runtime, cpu_runtime_active
 from megatron_gspo.patches.optimizer import OPTIMIZER_PATCHES, OPTIMIZER_STATE_PATCH
 from megatron_gspo.patches.pipeline import P2P_ORDER_PATCH, PIPELINE_PATCHES
+from megatron_gspo.patches.startup import STARTUP_PATCHES, load_model_bridges
 
 ALL_PATCHES: tuple[Patch, ...] = (
+    *STARTUP_PATCHES,
     *CPU_PATCHES,
     *BRIDGE_PATCHES,
     *PIPELINE_PATCHES,
@@ -40,7 +42,9 @@ __all__ = [
     "PIPELINE_PATCHES",
     "Patch",
     "PatchError",
+    "STARTUP_PATCHES",
     "apply_bridge_imports",
     "apply_cpu_runtime",
     "cpu_runtime_active",
+    "load_model_bridges",
 ]

@@ -258,6 +258,11 @@ EP_GATHER_PATCH = BRIDGE_PATCHES[-1]
 
 def apply_bridge_imports() -> None:
     """Make `import megatron.bridge` and HF export work without TE / modelopt, and install the
-    EP-gather override (inert outside `ep_gather_to_rank0()`). Idempotent."""
+    EP-gather override (inert outside `ep_gather_to_rank0()`). Idempotent. First the start-up
+    fix (megatron_gspo/patches/startup.py): megatron-bridge's model bridges registered on
+    first use."""
+    from megatron_gspo.patches.startup import LAZY_REGISTRY_PATCH
+
+    LAZY_REGISTRY_PATCH.apply()
     for patch in BRIDGE_PATCHES:
         patch.apply()

@@ -22,7 +22,7 @@ with contextlib.suppress(Exception):
             from megatron_gspo.patches.bridge import apply_bridge_imports
 
             apply_bridge_imports()
-            import megatron.bridge  # noqa: F401
             import megatron.core.models.gpt  # noqa: F401
+            from megatron.bridge import AutoBridge  # noqa: F401  (and the Qwen bridges)
         finally:
             logging.disable(logging.NOTSET)

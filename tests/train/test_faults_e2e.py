@@ -1,14 +1,15 @@
 """Trainer faults end to end: signals, a rank raising or dying, SIGKILL at three points.
 
 2 CPU ranks (EP=2) under torchrun with the embedded engine, 6 steps, a checkpoint every 2. One
-reference run trains straight through. A second run is interrupted by each fault of `CHAIN` in
-turn, every launch resuming (`--resume`) from whatever checkpoint the previous one left; the
-faults are planted by `MGSPO_FAULT` (megatron_gspo/faults.py), at exact points rather
-than by timing. Checks, per launch: it ends within `BOUND_S` (after a signal torchrun waits
-its --shutdown-timeout, set far above it, so a rank that does not end by itself fails the test;
-after a rank FAILS, torchrun 2.13 SIGKILLs the others 30 s later whatever that flag says), the
-`latest` checkpoint is the expected one, no process of the job (rank, engine, reward worker) is
-left running. At the end: every step's metrics and the final weights equal the reference run's.
+reference run trains straight through (the session's, shared: tests/train/reference.py). A
+second run is interrupted by each fault of `CHAIN` in turn, every launch resuming (`--resume`)
+from whatever checkpoint the previous one left; the faults are planted by `MGSPO_FAULT`
+(megatron_gspo/faults.py), at exact points rather than by timing. Checks, per launch: it ends
+within `BOUND_S` (after a signal torchrun waits its --shutdown-timeout, set far above it, so a
+rank that does not end by itself fails the test; after a rank FAILS, torchrun 2.13 SIGKILLs
+the others 30 s later whatever that flag says), the `latest` checkpoint is the expected one, no
+process of the job (rank, engine, reward worker) is left running. At the end: every step's
+metrics and the final weights equal the reference run's.
 """
 
 from __future__ import annotations
@@ -27,13 +28,11 @@ import psutil
 import pytest
 
 from megatron_gspo.dist import free_port
-from tools import make_tiny_toy
+from tests.train.reference import GRACE_S, ROOT, STEPS, TORCHRUN_SHUTDOWN_S, command
 
 pytestmark = pytest.mark.multirank
-ROOT = Path(__file__).resolve().parents[2]
-STEPS, SAVE_EVERY, GRACE_S = 6, 2, 10
 BOUND_S = 150  # a whole launch, start-up included (~25 s); the planted hang would take 600 s
-TORCHRUN_SHUTDOWN_S = 600
+assert TORCHRUN_SHUTDOWN_S > BOUND_S
 
 # (MGSPO_FAULT, the checkpoint `latest` names afterwards, lines the job prints, the exit code:
 #  0, "non-zero", or None for torchrun's own on a signal)
@@ -75,29 +74,6 @@ CHAIN: list[tuple[str, int, tuple[str, ...], int | str | None]] = [
 ]
 
 
-def _command(tmp: Path, run: str) -> list[str]:
-    sets = {
-        "model.hf_path": f"{tmp}/toy/model",
-        "data.train_path": f"{tmp}/toy/toy.jsonl",
-        "logging.dir": f"{tmp}/{run}",
-        "checkpoint.dir": f"{tmp}/{run}/ckpt",
-        "checkpoint.save_every": SAVE_EVERY,
-        "checkpoint.export_hf_at_end": "true",
-        "train.steps": STEPS,
-        "train.stop_grace_s": GRACE_S,
-        "rl.prompts_per_rollout": 4,
-        "rl.group_size": 4,
-        "logging.tensorboard": "false",
-        "logging.progress": "false",
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_port", str(free_port()), "--shutdown-timeout", str(TORCHRUN_SHUTDOWN_S)]
-    cmd += ["-m", "megatron_gspo.train", "--config", str(ROOT / "examples/tiny_moe_cpu.yaml")]
-    for key, value in sets.items():
-        cmd += ["--set", f"{key}={value}"]
-    return cmd
-
-
 def _job_processes(marker: str) -> list[psutil.Process]:
     """Every live process started by the launch tagged `marker` (environment or arguments)."""
     found = []
@@ -114,7 +90,7 @@ def _launch(tmp: Path, run: str, fault: str, resume: bool) -> dict[str, Any]:
     marker = uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     env |= {"MGSPO_FAULT": fault, "MGSPO_TEST_JOB": marker}
-    cmd = _command(tmp, run) + (["--resume"] if resume else [])
+    cmd = command(tmp, run) + (["--resume"] if resume else [])
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -152,14 +128,13 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("faults")
-    make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
+def runs(reference_run: dict[str, Any]) -> dict[str, Any]:
+    """The chain in run "b", next to the shared reference run "ref" (tests/train/reference.py,
+    also run A of test_train_e2e.py) and its toy."""
+    tmp = reference_run["tmp"]
     t0 = time.monotonic()
-    reference = _launch(tmp, "ref", "", resume=False)
-    assert reference["rc"] == 0, reference["output"][-4000:]
     chain = [_launch(tmp, "b", fault, resume=i > 0) for i, (fault, *_) in enumerate(CHAIN)]
-    return {"tmp": tmp, "ref": reference, "chain": chain, "seconds": time.monotonic() - t0}
+    return {"tmp": tmp, "ref": reference_run, "chain": chain, "seconds": time.monotonic() - t0}
 
 
 @pytest.mark.parametrize("i", range(len(CHAIN)), ids=[c[0] or "finish" for c in CHAIN])
@@ -197,14 +172,16 @@ def test_interrupted_run_reproduces_the_reference(runs) -> None:
     assert a.keys() == b.keys() and a
     for k in a:
         assert (a[k] - b[k]).abs().max().item() <= 1e-6, k
-    each = " ".join(f"{r['seconds']:.0f}" for r in [runs["ref"], *runs["chain"]])
-    print(f"\n[faults e2e] {1 + len(CHAIN)} launches in {runs['seconds']:.0f} s ({each})")
+    each = " ".join(f"{r['seconds']:.0f}" for r in runs["chain"])
+    ref_s = runs["ref"]["seconds"]
+    print(f"\n[faults e2e] {len(CHAIN)} launches in {runs['seconds']:.0f} s ({each})", end="")
+    print(f"; the reference run {ref_s:.0f} s")
 
 
 def _ranks(tmp: Path, run: str, world: int, *extra: str) -> list[subprocess.CompletedProcess]:
     """The trainer's entry point as `world` ranks started by hand (what torchrun sets up), so
     that each rank's exit code and output are seen without torchrun's own report."""
-    cmd = _command(tmp, run)
+    cmd = command(tmp, run)
     cmd = [sys.executable, *cmd[cmd.index("-m", 3) :], "--resume", *extra]
     port = str(free_port())
     procs = []

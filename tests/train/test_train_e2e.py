@@ -1,7 +1,8 @@
 """The GSPO trainer end to end on 2 CPU ranks (EP=2) with the embedded engine.
 
-Run A trains 4 steps straight. Run B is SIGKILLed (torchrun and its ranks) right after its
-step-2 checkpoint; run C resumes it to step 4. Run D trains 2 steps colocated (engine memory
+Run A trains 6 steps straight (the session's shared reference run, tests/train/reference.py,
+also the fault chain's). Run B is SIGKILLed (torchrun and its ranks) right after its step-2
+checkpoint; run C resumes it to step 4. Run D trains 2 steps colocated (engine memory
 released during updates) on the same prompts from a Parquet file, evaluating a held-out set
 saved with Hugging Face `datasets` every step (greedy). Checks: every step trains on prompts x
 group_size sequences with finite metrics, run D (colocation, Parquet, evaluation) trains
@@ -29,20 +30,18 @@ import pytest
 import torch
 
 from megatron_gspo.dist import free_port
-from tools import make_tiny_toy
+from tests.train.reference import GROUP, PROMPTS, ROOT, STEPS
 
 pytestmark = pytest.mark.multirank
-ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-PROMPTS, GROUP = 4, 4
 
 
 def _command(
     tmp: Path, name: str, ckpt: str, steps: int, *extra: str, module: str = "megatron_gspo.train"
 ) -> list[str]:
     sets = {
-        "model.hf_path": f"{tmp}/toy/model",
-        "data.train_path": f"{tmp}/toy/toy.jsonl",
+        "model.hf_path": f"{_toy(tmp)}/model",
+        "data.train_path": f"{_toy(tmp)}/toy.jsonl",
         "logging.dir": f"{tmp}/{name}",
         "checkpoint.dir": f"{tmp}/{ckpt}",
         "train.steps": steps,
@@ -71,6 +70,11 @@ def _command(
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
     return cmd + list(extra)
+
+
+def _toy(tmp: Path) -> Path:
+    """The reference run's toy: the runs here live in <its tmp>/e2e and are compared with it."""
+    return tmp.parent / "toy"
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -137,14 +141,13 @@ def _wait_for_no_engines(model_dir: Path, timeout: float = 20.0) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
-    tmp = tmp_path_factory.mktemp("e2e")
-    make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
-    out: dict[str, Any] = {
-        "a": _train(tmp, "a", "ckpt_a", 4, "--set", "checkpoint.export_hf_at_end=true")
-    }
+def runs(reference_run: dict[str, Any]) -> dict:
+    tmp = reference_run["tmp"] / "e2e"
+    tmp.mkdir()
+    assert _toy(tmp) == reference_run["toy"]
+    out: dict[str, Any] = {"a": _metrics(reference_run["dir"]), "a_dir": reference_run["dir"]}
     out["b"] = _train_until_killed(tmp, "b", "ckpt_b", 2)
-    out["orphans"] = _wait_for_no_engines(tmp / "toy/model")
+    out["orphans"] = _wait_for_no_engines(_toy(tmp) / "model")
     out["c"] = _train(tmp, "c", "ckpt_b", 4, "--resume")
     data = _parquet_and_held_out(tmp)
     out["d"] = _train(
@@ -175,7 +178,7 @@ def _parquet_and_held_out(tmp: Path) -> Path:
     from megatron_gspo.data.toy import write_toy_dataset
 
     out = tmp / "data"
-    rows = [json.loads(line) for line in (tmp / "toy/toy.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (_toy(tmp) / "toy.jsonl").read_text().splitlines()]
     out.mkdir()
     pq.write_table(pa.Table.from_pylist(rows), out / "toy.parquet")
     held = write_toy_dataset(out / "held.jsonl", 6, seed=1, ops=("copy",), min_len=3, max_len=3)
@@ -186,7 +189,7 @@ def _parquet_and_held_out(tmp: Path) -> Path:
 
 def test_every_step_trains_full_groups_with_finite_metrics(runs) -> None:
     a = runs["a"]
-    assert [m["step"] for m in a] == [1, 2, 3, 4]
+    assert [m["step"] for m in a] == list(range(1, STEPS + 1))
     for m in a:
         assert m["rollout/num_samples"] == PROMPTS * GROUP
         assert m["rollout/num_rejected"] == 0
@@ -227,9 +230,10 @@ def test_final_hf_export_equals_the_converted_last_checkpoint(runs) -> None:
     end (EP=2 job) and tools/convert_megatron_to_hf.py on its last checkpoint (one rank)."""
     from safetensors.torch import load_file
 
-    tmp = runs["tmp"]
+    tmp, a_dir = runs["tmp"], runs["a_dir"]
     out = tmp / "converted"
-    cmd = [sys.executable, "tools/convert_megatron_to_hf.py", "-i", str(tmp / "ckpt_a/step_000004")]
+    last = a_dir / f"ckpt/step_{STEPS:06d}"
+    cmd = [sys.executable, "tools/convert_megatron_to_hf.py", "-i", str(last)]
     proc = subprocess.run(
         [*cmd, "-o", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
     )
@@ -238,8 +242,8 @@ def test_final_hf_export_equals_the_converted_last_checkpoint(runs) -> None:
     def weights(d: Path) -> dict:
         return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
 
-    exported, converted = weights(tmp / "ckpt_a/hf_final"), weights(out)
-    initial = weights(tmp / "toy/model")
+    exported, converted = weights(a_dir / "ckpt/hf_final"), weights(out)
+    initial = weights(_toy(tmp) / "model")
     assert exported.keys() == converted.keys() == initial.keys()
     for k in exported:
         assert torch.equal(exported[k], converted[k]), k
@@ -261,7 +265,7 @@ def test_colocated_release_and_resume_change_nothing(runs) -> None:
 def test_resume_after_kill_continues_exactly(runs) -> None:
     a, b, c = runs["a"], runs["b"], runs["c"]
     assert [m["step"] for m in b] == [1, 2] and [m["step"] for m in c] == [3, 4]
-    for got, want in zip(b + c, a, strict=True):
+    for got, want in zip(b + c, a[:4], strict=True):
         for k in ("loss", "reward/mean", "grad_norm", "policy/clip_frac", "moe/routing_flip_rate"):
             assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
 
@@ -306,8 +310,8 @@ def test_held_out_evaluation_every_step_equals_greedy_decoding_at_step_0(runs) -
     for m in rows.values():
         assert m["eval/num_prompts"] == 6 and m["eval/failed"] == 0
         assert m["eval/reward_failures"] == 0 and 0 <= m["eval/pass@1"] <= 1
-    tok = AutoTokenizer.from_pretrained(tmp / "toy/model")
-    model = AutoModelForCausalLM.from_pretrained(tmp / "toy/model", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(_toy(tmp) / "model")
+    model = AutoModelForCausalLM.from_pretrained(_toy(tmp) / "model", dtype=torch.float32).eval()
     held = PromptDataset(
         load_prompt_records(tmp / "data/held_out", fmt="hf"), tok, chat_template=False
     )
