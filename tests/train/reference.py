@@ -43,6 +43,7 @@ def command(tmp: Path, run: str, *, toy: Path | None = None) -> list[str]:
         "rl.group_size": GROUP,
         "logging.tensorboard": "false",
         "logging.progress": "false",
+        "weights.verify_every": 1,  # test_train_e2e checks every push as verified
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     cmd += ["--master_port", str(free_port()), "--shutdown-timeout", str(TORCHRUN_SHUTDOWN_S)]
