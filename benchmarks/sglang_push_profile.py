@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.weight_sync import SIZES  # noqa: E402
+from benchmarks.weight_sync import SIZES, save_bench_model  # noqa: E402
 
 
 def _tree(pid: int) -> list[int]:
@@ -72,9 +72,7 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--out", default=None, help="keep the server log and profile here")
     args = ap.parse_args()
-    size = SIZES[args.size]
 
-    from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
     from megatron_gspo.dist import free_port
     from megatron_gspo.engines.client import ClientConfig, SGLangClient
     from megatron_gspo.engines.launch import ServerGroup
@@ -91,19 +89,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mgspo-sglang-push-") as tmp:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
-        hf = save_tiny_hf_checkpoint(
-            Path(tmp) / "hf",
-            seed=0,
-            hidden_size=size["hidden"],
-            num_hidden_layers=size["layers"],
-            num_experts=size["experts"],
-            moe_intermediate_size=size["moe"],
-            intermediate_size=size["hidden"] * 2,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=size["hidden"] // 8,
-            vocab_size=8192,
-        )
+        hf = save_bench_model(Path(tmp) / "hf", args.size)
         weights = {n: t.to(torch.bfloat16) for n, t in load_hf_state(str(hf)).items()}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         # A free port: the default (30000) may be another job's engine on a shared machine.

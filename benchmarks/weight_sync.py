@@ -60,6 +60,26 @@ SIZES = {  # hidden, layers, experts, moe_intermediate (fp32 bytes ~ 4 x params)
 PHASES = ("export", "convert", "checksum", "ser", "load", "xfer", "drain", "finish", "verify")
 
 
+def save_bench_model(out: Path, size: str) -> Path:
+    """The tiny Qwen3-MoE of `SIZES[size]` as an HF checkpoint in `out` (seed 0)."""
+    from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
+
+    dims = SIZES[size]
+    return save_tiny_hf_checkpoint(
+        out,
+        seed=0,
+        hidden_size=dims["hidden"],
+        num_hidden_layers=dims["layers"],
+        num_experts=dims["experts"],
+        moe_intermediate_size=dims["moe"],
+        intermediate_size=dims["hidden"] * 2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=dims["hidden"] // 8,
+        vocab_size=8192,
+    )
+
+
 def _memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src).fill_(0)  # touch pages first: measure copying, not page faults
@@ -353,23 +373,9 @@ def main() -> None:
     args = ap.parse_args()
     size = SIZES[args.size]
 
-    from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
-
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="mgspo-bench-") as tmp:
-        hf = save_tiny_hf_checkpoint(
-            Path(tmp) / "hf",
-            seed=0,
-            hidden_size=size["hidden"],
-            num_hidden_layers=size["layers"],
-            num_experts=size["experts"],
-            moe_intermediate_size=size["moe"],
-            intermediate_size=size["hidden"] * 2,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=size["hidden"] // 8,
-            vocab_size=8192,
-        )
+        hf = save_bench_model(Path(tmp) / "hf", args.size)
         t = time.perf_counter()
         res = spawn_ranks(
             rank_main,
