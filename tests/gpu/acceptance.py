@@ -27,7 +27,7 @@ Then one table: per-phase times, weight versions, verification, first-mini-batch
 before/while offloaded; exit 0 only if every check passes.
 
 What one machine cannot cover (needs a multi-node run; see ../shared/notes/gpu-topology.md):
-engines started by each node's local rank 0 on other nodes (rollout/node_engines.py) and rank 0
+engines started by each node's local rank 0 on other nodes (engines/nodes.py) and rank 0
 reaching them; torchrun's c10d rendezvous placing global rank 0 on another node than the
 first host; a weight-update group whose NCCL ranks span nodes (and CUDA IPC being refused
 across them); inter-node expert all-to-all and pipeline stages over InfiniBand; the recipes'
@@ -238,7 +238,7 @@ def check_command(phase: Phase, cmd: list[str], engines: list[list[str]]) -> lis
     assert launch.extra_args == ENGINE_EXTRA, launch.extra_args
     assert launch.colocated == phase.colocated
     assert cfg.parallel.ep == expert_parallel(phase.nproc), cfg.parallel
-    # As the job does (rollout/node_engines.py): reserved ports from base_port 0 at launch.
+    # As the job does (engines/nodes.py): reserved ports from base_port 0 at launch.
     base = free_port(launch.host)
     # The first and the last engine: the others differ from them only in port and GPU.
     for i in sorted({0, launch.num_engines - 1}):
