@@ -19,12 +19,6 @@ import torch
 import torch.distributed as dist
 
 
-def tcp_init_method(address: str, port: int) -> str:
-    """`tcp://host:port`, IPv6 literals in brackets (as SGLang's `NetworkAddress.to_tcp`)."""
-    host = f"[{address}]" if ":" in address else address
-    return f"tcp://{host}:{port}"
-
-
 def interface_of(address: str) -> str | None:
     """The local network interface that holds `address` (None if none does, or on loopback).
 
