@@ -16,16 +16,22 @@ in-process, CPU):
     bf16-h32   bf16 weights and compute up to the lm_head, then the logits in fp32 from the
                bf16 hidden state and the bf16 lm_head weight, both upcast (what SGLang's
                `--enable-fp32-lm-head` computes: the bf16 rounding of the logits taken out)
+    fp8        block-FP8 inference as the embedded engine emulates it
+               (`engines/embedded/fp8_emulation.py`: e4m3 weights in 128x128 blocks quantised
+               from the fp32 weights, as the FP8 push sends them; per-token-group e4m3
+               activations before each decoder GEMM; everything else fp32)
 
-Per variant v against fp32, over the response tokens: mean |logp_v - logp_fp32| per token,
-mean |sequence mean of (logp_v - logp_fp32)| (GSPO's sequence log-ratio), and the RMS over the
-vocabulary of the centred logit error dz - mean(dz). Per model and scale: the fp32 policy's
-mean entropy per token, the mean probability and logit of the sampled token, the mean top
-logit, and the RMS of the centred fp32 logits (the logit scale). The difference of log-probs
-is first order in the logit error, dlogp_y = dz_y - sum_j p_j dz_j: it shrinks as p_y -> 1 and
-grows with the logit error, which bf16 makes proportional to the logits' magnitude (8
-significant bits). Results of one invocation: docs/evidence.md ("What makes the mismatch
-grow").
+Per variant v against fp32, over the response tokens: mean |logp_v - logp_fp32| per token, mean
+|sequence mean of (logp_v - logp_fp32)| (GSPO's sequence log-ratio), and the RMS over the
+vocabulary of the centred logit error dz - mean(dz), and the share of sequences whose
+first-mini-batch GSPO ratio exp(mean_t(logp_fp32 - logp_v)) lies outside the clip band [1 -
+3e-4, 1 + 4e-4] from this mismatch alone. `--lengths 16,64,256` repeats everything per response
+length (how the mismatch scales with length at token and sequence level). Per model and scale:
+the fp32 policy's mean entropy per token, the mean probability and logit of the sampled token,
+the mean top logit, and the RMS of the centred fp32 logits (the logit scale). The difference of
+log-probs is first order in the logit error, dlogp_y = dz_y - sum_j p_j dz_j: it shrinks as p_y
+-> 1 and grows with the logit error, which bf16 makes proportional to the logits' magnitude (8
+significant bits). Results of one invocation: docs/evidence.md ("What makes the mismatch grow").
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ from typing import Any
 
 import torch
 
-VARIANTS = ("w-bf16", "bf16", "bf16-h32")
+VARIANTS = ("w-bf16", "bf16", "bf16-h32", "fp8")
+EPS_LOW, EPS_HIGH = 3e-4, 4e-4
+"""GSPO's sequence clip band (the paper's and the study's), for the share outside it."""
 
 
 def load(path: str, scale: float) -> Any:
@@ -101,7 +109,16 @@ def variants(model: Any) -> dict[str, tuple[Any, Any]]:
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     half = copy.deepcopy(model).to(torch.bfloat16)
-    return {"w-bf16": (rounded, None), "bf16": (half, None), "bf16-h32": (half, rounded.lm_head)}
+    from megatron_gspo.engines.embedded.fp8_emulation import emulate
+
+    fp8 = copy.deepcopy(model)
+    emulate(fp8, "fp8")  # quantises the fp32 weights in place, as a pushed fp32 weight is
+    return {
+        "w-bf16": (rounded, None),
+        "bf16": (half, None),
+        "bf16-h32": (half, rounded.lm_head),
+        "fp8": (fp8, None),
+    }
 
 
 def measure(model: Any, seqs: list[list[int]], plens: list[int]) -> dict[str, Any]:
@@ -123,7 +140,7 @@ def measure(model: Any, seqs: list[list[int]], plens: list[int]) -> dict[str, An
         "tokens": int(p_tok.numel()),
     }
     for name, (m, head) in variants(model).items():
-        tok_d, seq_d, dz_rms = [], [], []
+        tok_d, seq_d, dz_rms, outside = [], [], [], 0
         for s, p, z0, lp0, t in zip(seqs, plens, ref, ref_lp, toks, strict=True):
             z = response_logits(m, s, p, head)
             d = (
@@ -132,12 +149,15 @@ def measure(model: Any, seqs: list[list[int]], plens: list[int]) -> dict[str, An
             )
             tok_d.append(d.abs())
             seq_d.append(abs(float(d.mean())))
+            log_ratio = -float(d.mean())  # log of GSPO's s_i before the trainer moves
+            outside += not math.log(1 - EPS_LOW) <= log_ratio <= math.log(1 + EPS_HIGH)
             dz = z - z0
             dz_rms.append((dz - dz.mean(-1, keepdim=True)).pow(2).mean(-1))
         out[name] = {
             "abs_dlogp_token": float(torch.cat(tok_d).mean()),
             "abs_seq_log_ratio": sum(seq_d) / len(seq_d),
             "logit_err_rms": float(torch.cat(dz_rms).mean().sqrt()),
+            "outside_band": outside / len(seqs),
         }
     return out
 
@@ -189,17 +209,23 @@ def sglang_row(label: str, path: str, pids: list[list[int]], a: Any) -> dict[str
 
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: one row per model and scale."""
-    head = ["model", "scale", "entropy", "p(token)", "logit RMS", "logit(token)", "top logit"]
+    head = ["model", "L", "scale", "entropy", "p(token)", "logit RMS", "logit(token)", "top logit"]
     for v in VARIANTS:
-        head += [f"{v} dlogp/tok", f"{v} seq", f"{v} dz RMS"]
+        head += [f"{v} dlogp/tok", f"{v} seq", f"{v} dz RMS", f"{v} out"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        cells = [r["model"], f"{r['scale']:g}", f"{r['entropy']:.2f}", f"{r['p_token']:.2f}"]
+        cells = [
+            r["model"],
+            str(r["length"]),
+            f"{r['scale']:g}",
+            f"{r['entropy']:.2f}",
+            f"{r['p_token']:.2f}",
+        ]
         cells += [f"{r[k]:.2f}" for k in ("logit_rms", "logit_token", "logit_top")]
         for v in VARIANTS:
             x = r[v]
             cells += [f"{x['abs_dlogp_token']:.1e}", f"{x['abs_seq_log_ratio']:.1e}",
-                      f"{x['logit_err_rms']:.1e}"]  # fmt: skip
+                      f"{x['logit_err_rms']:.1e}", f"{x['outside_band']:.2f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -211,6 +237,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--data", help="pattern-task jsonl (default: <first model>/../pattern.jsonl)")
     p.add_argument("--sequences", type=int, default=16)
     p.add_argument("--length", type=int, default=32)
+    p.add_argument("--lengths", help="comma-separated response lengths (overrides --length)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--sglang", help="engine venv python: also measure the real SGLang server")
@@ -223,16 +250,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     data = a.data or str(Path(first).parent / "pattern.jsonl")
     pids = prompts(data, first, a.sequences)
     results = []
+    lengths = [int(x) for x in a.lengths.split(",")] if a.lengths else [a.length]
     for label, path in [] if a.skip_hf else models:
         for scale in (float(s) for s in a.scales.split(",")):
             model = load(path, scale)
-            seqs = sample(model, pids, a.length, a.seed)
-            r = measure(model, seqs, [len(x) for x in pids])
-            results.append({"model": label, "scale": scale, **r})
-            print(json.dumps(results[-1]), flush=True)
-    print(f"\n{a.sequences} sequences x {a.length} tokens per row (T = 1 samples of the fp32 "
-          "model); dlogp/tok: mean |logp_v - logp_fp32| per token; seq: mean |sequence mean of "
-          "the difference|; dz RMS: RMS of the centred logit error\n")  # fmt: skip
+            for length in lengths:
+                seqs = sample(model, pids, length, a.seed)
+                r = measure(model, seqs, [len(x) for x in pids])
+                results.append({"model": label, "length": length, "scale": scale, **r})
+                print(json.dumps(results[-1]), flush=True)
+    print(
+        f"\n{a.sequences} sequences x L tokens per row (T = 1 samples of the fp32 "
+        "model); dlogp/tok: mean |logp_v - logp_fp32| per token; seq: mean |sequence mean of "
+        "the difference|; dz RMS: RMS of the centred logit error; out: share of sequences "
+        "whose GSPO ratio lies outside [1 - 3e-4, 1 + 4e-4] from the mismatch alone\n"
+    )
     print(table(results))
     engine = [sglang_row(label, path, pids, a) for label, path in models] if a.sglang else []
     if engine:
