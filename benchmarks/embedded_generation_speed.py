@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="save tokens and log-probs here (torch.save)")
     p.add_argument("--compare", default=None, help="a saved --out file to compare bit for bit")
     p.add_argument("--profile", default=None, help="write a cProfile of one step here")
+    p.add_argument(
+        "--ab",
+        action="store_true",
+        help="fp8: alternate the fast and the reference path (the pre-fast-path code) in this "
+        "process, and check that both sample the same tokens and log-probs",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -76,13 +82,28 @@ def main(argv: list[str] | None = None) -> None:
     policy = HFPolicy(model, quantization=quant)
     prompts = _prompts(args.prompts, args.max_new_tokens)
     run(policy, prompts[:1], 1, 2)  # warm-up (first-call allocations, lazy imports)
-    best_wall = best_cpu = float("inf")
-    outs = []
+    paths = ["fast", "reference"] if args.ab else ["fast"]
+    best = {k: [float("inf"), float("inf")] for k in paths}
+    got: dict[str, list] = {}
     for _ in range(args.repeats):
-        w0, c0 = time.perf_counter(), time.process_time()
-        outs = run(policy, prompts, args.n, args.max_new_tokens)
-        best_wall = min(best_wall, time.perf_counter() - w0)
-        best_cpu = min(best_cpu, time.process_time() - c0)
+        for path in paths:
+            if policy.fp8 is not None:
+                policy.fp8.cache.reference = path == "reference"
+            w0, c0 = time.perf_counter(), time.process_time()
+            got[path] = run(policy, prompts, args.n, args.max_new_tokens)
+            best[path][0] = min(best[path][0], time.perf_counter() - w0)
+            best[path][1] = min(best[path][1], time.process_time() - c0)
+    if policy.fp8 is not None:
+        policy.fp8.cache.reference = False
+    outs = got["fast"]
+    best_wall, best_cpu = best["fast"]
+    if args.ab:
+        ref_wall, ref_cpu = best["reference"]
+        print(
+            f"reference path: wall {ref_wall:.3f} s, cpu {ref_cpu:.3f} s per step; fast/reference "
+            f"wall {best_wall / ref_wall:.3f}, cpu {best_cpu / ref_cpu:.3f}; same outputs: "
+            f"{got['fast'] == got['reference']}"
+        )
     if args.profile:
         import cProfile
 

@@ -149,18 +149,48 @@ def experts_forward(
     hidden [T, H], top_k_index / top_k_weights [T, k], gemms[e] = (gate, up, down). The hidden
     states are quantised once for all experts (per-token rows), gate and up share them.
     """
-    out = torch.zeros_like(hidden)
     a_all, s_all = quantise(hidden)
-    single = hidden.shape[0] == 1
+    if hidden.shape[0] == 1:  # decode: one token, its k distinct experts in increasing id
+        return _one_token(hidden, a_all, s_all, top_k_index, top_k_weights, gemms, act_fn)
+    out = torch.zeros_like(hidden)
     for e in top_k_index.unique().tolist():
         token_idx, slot = torch.where(top_k_index == e)
-        if single:  # the one token: its rows are the quantised batch itself
-            a, s = a_all, s_all
-        else:
-            a, s = a_all[token_idx], s_all[token_idx]
-        gate, up, down = gemms[e]
-        h = act_fn(gemm(a, s, gate).to(hidden.dtype)) * gemm(a, s, up).to(hidden.dtype)
-        a_h, s_h = quantise(h)
-        y = gemm(a_h, s_h, down).to(h.dtype)
+        a, s = a_all[token_idx], s_all[token_idx]
+        y = _expert(hidden, a, s, gemms[e], act_fn)
         out.index_add_(0, token_idx, (y * top_k_weights[token_idx, slot, None]).to(out.dtype))
+    return out
+
+
+def _expert(
+    hidden: torch.Tensor,
+    a: torch.Tensor,
+    s: torch.Tensor,
+    gemm3: tuple[Gemm, Gemm, Gemm],
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """One expert on its tokens' quantised hidden states `(a, s)`: `down(act(gate) * up)`."""
+    gate, up, down = gemm3
+    h = act_fn(gemm(a, s, gate).to(hidden.dtype)) * gemm(a, s, up).to(hidden.dtype)
+    a_h, s_h = quantise(h)
+    return gemm(a_h, s_h, down).to(h.dtype)
+
+
+def _one_token(
+    hidden: torch.Tensor,
+    a: torch.Tensor,
+    s: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gemms: list[tuple[Gemm, Gemm, Gemm]],
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """`experts_forward` of a single token without the gather/scatter: the reference's
+    `zeros.index_add_(row)` per expert is `out = 0 + v_first`, then `out + v` in increasing
+    expert id (the same fp32 additions)."""
+    ids = top_k_index[0].tolist()
+    out = torch.zeros_like(hidden)
+    for e in sorted(set(ids)):
+        slot = ids.index(e)  # top-k ids are distinct
+        y = _expert(hidden, a, s, gemms[e], act_fn)
+        out += (y * top_k_weights[:, slot : slot + 1]).to(out.dtype)
     return out
