@@ -21,6 +21,11 @@ differs in two known ways this does not model: Hopper's FP8 tensor cores keep fe
 mantissa bits inside a block, and SGLang writes the output in bf16 (here it stays fp32, like the
 rest of the embedded model, so the mismatch measured is FP8's alone).
 
+The functions below are the reference implementation. The swapped-in modules compute through
+`fp8_fast.py`, which gives the same tensors bit for bit with far fewer ops
+(`tests/engines/test_fp8_fast.py`); `Fp8Weights.cache.reference = True` switches a model back
+to the reference path.
+
 Shape legend: M tokens, N output features, K input features, E experts, I expert intermediate
 size, H hidden size, B = G = 128.
 """
