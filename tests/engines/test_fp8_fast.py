@@ -90,6 +90,7 @@ def test_fast_generation_is_the_reference_bitwise(tmp_path, overrides) -> None:
 
     policy = HFPolicy(save_tiny_hf_checkpoint(tmp_path / "m", seed=0, **overrides),
                       quantization="fp8")  # fmt: skip
+    assert policy.fp8 is not None
     first = None
     for version in range(2):
         fast = _generations(policy, reference=False)
