@@ -21,6 +21,11 @@ differs in two known ways this does not model: Hopper's FP8 tensor cores keep fe
 mantissa bits inside a block, and SGLang writes the output in bf16 (here it stays fp32, like the
 rest of the embedded model, so the mismatch measured is FP8's alone).
 
+The functions below are the reference implementation. The swapped-in modules compute through
+`fp8_fast.py`, which gives the same tensors bit for bit with far fewer ops
+(`tests/engines/test_fp8_fast.py`); `Fp8Weights.cache.reference = True` switches a model back
+to the reference path.
+
 Shape legend: M tokens, N output features, K input features, E experts, I expert intermediate
 size, H hidden size, B = G = 128.
 """
@@ -34,6 +39,7 @@ import torch
 from torch import nn
 
 from megatron_gspo.engines import fp8_blocks as fp8_lib
+from megatron_gspo.engines.embedded import fp8_fast
 
 GROUP = fp8_lib.BLOCK
 """Activation group size along K (= the weight block edge, as SGLang requires)."""
@@ -117,11 +123,21 @@ def fp8_linear(
 
 
 class _PreparedCache:
-    """`prepare_weight` results per weight; emptied by every weight load (`Fp8Weights.load`).
-    Loads and forward passes never overlap (`HFPolicy.lock`)."""
+    """GEMM operands per weight (`prepare_weight` for the reference path, `fp8_fast.Gemm` for
+    the fast one) and the last quantised activation (`fp8_fast.ActivationCache`); emptied by
+    every weight load (`Fp8Weights.load`). Loads and forward passes never overlap
+    (`HFPolicy.lock`)."""
 
     def __init__(self) -> None:
         self.entries: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.gemms: dict[object, fp8_fast.Gemm] = {}
+        self.expert_gemms: dict[
+            object, list[tuple[fp8_fast.Gemm, fp8_fast.Gemm, fp8_fast.Gemm]]
+        ] = {}
+        self.acts = fp8_fast.ActivationCache()
+        self.reference = False
+        """Compute with the reference functions (`fp8_linear`, `reference_forward`): slow, the
+        same numbers bit for bit (tests compare the two)."""
 
     def get(
         self, key: object, q_w: torch.Tensor, s_w: torch.Tensor
@@ -130,6 +146,18 @@ class _PreparedCache:
         if hit is None:
             hit = self.entries[key] = prepare_weight(q_w, s_w)
         return hit
+
+    def gemm(self, key: object, q_w: torch.Tensor, s_w: torch.Tensor) -> fp8_fast.Gemm:
+        hit = self.gemms.get(key)
+        if hit is None:
+            hit = self.gemms[key] = fp8_fast.prepare(q_w, s_w)
+        return hit
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.gemms.clear()
+        self.expert_gemms.clear()
+        self.acts.clear()
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -150,8 +178,12 @@ class BlockFp8Linear(nn.Module):
         self.bias = None if linear.bias is None else _frozen(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        prepared = self._cache.get(self, self.weight, self.weight_scale_inv)
-        y = fp8_linear(x, self.weight, self.weight_scale_inv, prepared)
+        if self._cache.reference:
+            prepared = self._cache.get(self, self.weight, self.weight_scale_inv)
+            y = fp8_linear(x, self.weight, self.weight_scale_inv, prepared)
+        else:
+            gemm = self._cache.gemm(self, self.weight, self.weight_scale_inv)
+            y = fp8_fast.linear(x, gemm, self._cache.acts)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -185,6 +217,24 @@ class BlockFp8Experts(nn.Module):
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self._cache.reference:
+            return self.reference_forward(hidden, top_k_index, top_k_weights)
+        gemms = self._cache.expert_gemms.get(self)
+        if gemms is None:  # (gate, up, down) per expert, once per weight version
+            gemms = self._cache.expert_gemms[self] = [
+                (self._gemm("gate", e), self._gemm("up", e), self._gemm("down", e))
+                for e in range(self.num_experts)
+            ]
+        return fp8_fast.experts_forward(hidden, top_k_index, top_k_weights, gemms, self.act_fn)
+
+    def _gemm(self, proj: str, e: int) -> fp8_fast.Gemm:
+        q, s = getattr(self, f"{proj}_proj")[e], getattr(self, f"{proj}_proj_scale_inv")[e]
+        return fp8_fast.prepare(q, s)
+
+    def reference_forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Expert by expert, every linear through `fp8_linear` (the fast path's reference)."""
         out = torch.zeros_like(hidden)
         for e in top_k_index.unique().tolist():
             token_idx, slot = torch.where(top_k_index == e)
@@ -248,7 +298,7 @@ class Fp8Weights:
         """
         if self.target(name) is None:
             return False
-        self.cache.entries.clear()  # the GEMM operands of the old weights
+        self.cache.clear()  # the GEMM operands of the old weights
         if name.endswith(fp8_lib.SCALE_SUFFIX):
             entry = self.held[name[: -len(fp8_lib.SCALE_SUFFIX)]]
             _copy(name, entry[1], tensor)
