@@ -218,7 +218,7 @@ def trl_worker(toy: Path, out: Path, steps: int, threads: int) -> None:
     trainer = GRPOTrainer(
         model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok
     )
-    times: dict[str, float] = {"gen": 0.0, "score": 0.0, "step": 0.0}
+    times: dict[str, float] = {"gen": 0.0, "score": 0.0, "step": 0.0, "cpu": 0.0}
     events: list[dict[str, Any]] = []
 
     def timed(fn: Any, key: str) -> Any:
@@ -239,10 +239,11 @@ def trl_worker(toy: Path, out: Path, steps: int, threads: int) -> None:
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.t = time.perf_counter()
+            self.t, self.cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             times["step"] += time.perf_counter() - self.t
+            times["cpu"] += time.process_time() - self.cpu  # the process's CPU seconds
             if state.global_step % MINI_BATCHES == 0:  # one rollout and its optimizer steps
                 events.append({"times": dict(times)})
                 for k in times:
@@ -278,6 +279,7 @@ def run_trl(toy: Path, out: Path, steps: int, python: str, threads: int) -> dict
                 train=t["step"] - t["score"],
                 sync=0.0,
                 step=t["step"],
+                cpu=t.get("cpu", float("nan")),
                 tokens=tokens,
                 reward=float(log["reward"]),
             )
@@ -294,6 +296,7 @@ def summarise(name: str, res: dict[str, Any]) -> dict[str, Any]:
         return sum(s[key] for s in warm) / len(warm)
 
     last3 = [s["reward"] for s in steps[-3:]]
+    cpu = [s["cpu"] for s in warm if "cpu" in s]
     return dict(
         name=name,
         steps=len(steps),
@@ -304,6 +307,7 @@ def summarise(name: str, res: dict[str, Any]) -> dict[str, Any]:
         reward_last=steps[-1]["reward"],
         reward_last3=sum(last3) / len(last3),
         wall=res["wall"],
+        cpu=sum(cpu) / len(cpu) if cpu else None,
     )
 
 
@@ -321,6 +325,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['rss_gb']:7.2f} {r['reward_first']:10.3f} {r['reward_last']:6.3f} "
             f"{r['reward_last3']:6.3f} {r['wall']:6.0f}"
         )
+    for r in rows:
+        if r["cpu"] is not None:  # a loaded machine stretches wall time, not CPU time
+            print(f"{r['name']}: {r['cpu']:.3f} CPU s per step (process time, 1 process)")
     if len(rows) == 2:
         ours, trl = rows
         print(f"ours / TRL step time: {ours['step'] / trl['step']:.2f}x")
