@@ -102,7 +102,11 @@ def run_measured(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, i
 
 
 # ---- ours -----------------------------------------------------------------------------------
-def run_ours(toy: Path, out: Path, steps: int, engine: str = "embedded") -> dict[str, Any]:
+def ours_command(
+    toy: Path, out: Path, steps: int, engine: str = "embedded"
+) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line and environment of our run (benchmarks/profile_step.py
+    times the same run)."""
     sets: dict[str, Any] = {
         "model.hf_path": toy / "model",
         "data.train_path": toy / "toy.jsonl",
@@ -135,6 +139,11 @@ def run_ours(toy: Path, out: Path, steps: int, engine: str = "embedded") -> dict
         cmd += ["--set", f"{k}={v}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     env["OMP_NUM_THREADS"] = "1"  # as scripts/main.sh: 2 ranks on 2 cores
+    return cmd, env
+
+
+def run_ours(toy: Path, out: Path, steps: int, engine: str = "embedded") -> dict[str, Any]:
+    cmd, env = ours_command(toy, out, steps, engine)
     rc, peak, wall = run_measured(cmd, env, out / "ours.log")
     if rc:
         raise SystemExit(f"ours exited {rc}; see {out / 'ours.log'}")
