@@ -31,7 +31,9 @@ Per step (one rollout + its 4 optimizer steps), the mean over the steps after th
 `old_lp`), `train` = the optimizer steps, `sync` = the weight push (TRL: none), `step`; peak
 RSS of the whole process tree (ours: trainer ranks + engine + reward worker), sampled every
 0.1 s; tokens/s = prompt + response tokens of the rollout / step time; reward = mean reward of
-the last step's rollout and the mean over the last 3 steps.
+the last step's rollout and the mean over the last 3 steps. For TRL (one process) also its CPU
+seconds per step (process time): on a shared machine wall time stretches, CPU time does not.
+Where our step's time goes: benchmarks/profile_step.py.
 """
 
 from __future__ import annotations
