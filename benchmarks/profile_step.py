@@ -10,7 +10,9 @@ schedule (forward + backward, the loss), the optimizer step, the metric reductio
 the gradient finiteness check, the routing probe; every torch.distributed collective (count
 and time: on a shared machine a collective's wall time is mostly waiting for the other rank to
 be scheduled); the rollout (rank 0: `Rollout.next_batch`, and the engine's own per-request
-`e2e_latency`, the rest being ours: HTTP, scheduler, reward, sample building); the broadcast of
+`e2e_latency`, the rest being ours: HTTP, scheduler, reward, sample building; SGLang runs the
+requests together, the embedded engine one at a time, so there the longest request is not the
+engine's total); the broadcast of
 the sequences to the other ranks; the weight push. CPU time (`time.process_time`) is what a
 loaded machine does not stretch; wall time is what the step costs there.
 
