@@ -31,7 +31,9 @@ Per step (one rollout + its 4 optimizer steps), the mean over the steps after th
 `old_lp`), `train` = the optimizer steps, `sync` = the weight push (TRL: none), `step`; peak
 RSS of the whole process tree (ours: trainer ranks + engine + reward worker), sampled every
 0.1 s; tokens/s = prompt + response tokens of the rollout / step time; reward = mean reward of
-the last step's rollout and the mean over the last 3 steps.
+the last step's rollout and the mean over the last 3 steps. For TRL (one process) also its CPU
+seconds per step (process time): on a shared machine wall time stretches, CPU time does not.
+Where our step's time goes: benchmarks/profile_step.py.
 """
 
 from __future__ import annotations
@@ -102,7 +104,11 @@ def run_measured(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, i
 
 
 # ---- ours -----------------------------------------------------------------------------------
-def run_ours(toy: Path, out: Path, steps: int, engine: str = "embedded") -> dict[str, Any]:
+def ours_command(
+    toy: Path, out: Path, steps: int, engine: str = "embedded"
+) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line and environment of our run (benchmarks/profile_step.py
+    times the same run)."""
     sets: dict[str, Any] = {
         "model.hf_path": toy / "model",
         "data.train_path": toy / "toy.jsonl",
@@ -135,6 +141,11 @@ def run_ours(toy: Path, out: Path, steps: int, engine: str = "embedded") -> dict
         cmd += ["--set", f"{k}={v}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     env["OMP_NUM_THREADS"] = "1"  # as scripts/main.sh: 2 ranks on 2 cores
+    return cmd, env
+
+
+def run_ours(toy: Path, out: Path, steps: int, engine: str = "embedded") -> dict[str, Any]:
+    cmd, env = ours_command(toy, out, steps, engine)
     rc, peak, wall = run_measured(cmd, env, out / "ours.log")
     if rc:
         raise SystemExit(f"ours exited {rc}; see {out / 'ours.log'}")
@@ -218,7 +229,7 @@ def trl_worker(toy: Path, out: Path, steps: int, threads: int) -> None:
     trainer = GRPOTrainer(
         model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok
     )
-    times: dict[str, float] = {"gen": 0.0, "score": 0.0, "step": 0.0}
+    times: dict[str, float] = {"gen": 0.0, "score": 0.0, "step": 0.0, "cpu": 0.0}
     events: list[dict[str, Any]] = []
 
     def timed(fn: Any, key: str) -> Any:
@@ -239,10 +250,11 @@ def trl_worker(toy: Path, out: Path, steps: int, threads: int) -> None:
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.t = time.perf_counter()
+            self.t, self.cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             times["step"] += time.perf_counter() - self.t
+            times["cpu"] += time.process_time() - self.cpu  # the process's CPU seconds
             if state.global_step % MINI_BATCHES == 0:  # one rollout and its optimizer steps
                 events.append({"times": dict(times)})
                 for k in times:
@@ -278,6 +290,7 @@ def run_trl(toy: Path, out: Path, steps: int, python: str, threads: int) -> dict
                 train=t["step"] - t["score"],
                 sync=0.0,
                 step=t["step"],
+                cpu=t.get("cpu", float("nan")),
                 tokens=tokens,
                 reward=float(log["reward"]),
             )
@@ -294,6 +307,7 @@ def summarise(name: str, res: dict[str, Any]) -> dict[str, Any]:
         return sum(s[key] for s in warm) / len(warm)
 
     last3 = [s["reward"] for s in steps[-3:]]
+    cpu = [s["cpu"] for s in warm if "cpu" in s]
     return dict(
         name=name,
         steps=len(steps),
@@ -304,6 +318,7 @@ def summarise(name: str, res: dict[str, Any]) -> dict[str, Any]:
         reward_last=steps[-1]["reward"],
         reward_last3=sum(last3) / len(last3),
         wall=res["wall"],
+        cpu=sum(cpu) / len(cpu) if cpu else None,
     )
 
 
@@ -321,6 +336,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['rss_gb']:7.2f} {r['reward_first']:10.3f} {r['reward_last']:6.3f} "
             f"{r['reward_last3']:6.3f} {r['wall']:6.0f}"
         )
+    for r in rows:
+        if r["cpu"] is not None:  # a loaded machine stretches wall time, not CPU time
+            print(f"{r['name']}: {r['cpu']:.3f} CPU s per step (process time, 1 process)")
     if len(rows) == 2:
         ours, trl = rows
         print(f"ours / TRL step time: {ours['step'] / trl['step']:.2f}x")

@@ -26,6 +26,7 @@ Metric names say what they measure:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -132,7 +133,13 @@ class Policy:
         )
         every = cfg.train.routing_flip_every
         before = probe = None
-        if seqs and every and step % every == 0 and RoutingRecorder(self.model).routers:
+        probing = bool(seqs) and every > 0 and step % every == 0 and self._has_routers
+        # The probe is the first micro-batch of the first mini-batch (seqs[::n]), which the
+        # first optimizer step's forward runs at the rollout weights: its routing is recorded
+        # there, not in a forward of its own, where that forward routes each token once
+        # (no pipeline, no recomputation; routing replay replays in both, kept apart anyway).
+        in_step = probing and self._probe_in_first_step()
+        if probing and not in_step:
             probe = self.plan(seqs[::n])[: self.layout.pp if self.layout.vpp else 1]
             before = routing_snapshot(self.model, probe)
         per_index = before if cfg.train.routing_flip_per_minibatch else None
@@ -146,7 +153,15 @@ class Policy:
             if i and per_index is not None and probe is not None:  # weights after i updates
                 flips |= self._flip_at_minibatch(per_index, probe, i + 1)
             lr = float(self.optimizer.param_groups[0]["lr"])
-            m = mstep.train_step(self.model, self.optimizer, self.plan(mini), step_cfg)
+            planned = self.plan(mini)
+            if i == 0 and in_step:
+                probe = planned[:1]
+                with RoutingRecorder(self.model) as rec:
+                    m = mstep.train_step(self.model, self.optimizer, planned, step_cfg)
+                before = first_routing(rec.maps, len(planned))
+                per_index = before if cfg.train.routing_flip_per_minibatch else None
+            else:
+                m = mstep.train_step(self.model, self.optimizer, planned, step_cfg)
             if m["update_successful"]:
                 self.scheduler.step(1)
             per_mb.append(m)
@@ -156,6 +171,23 @@ class Policy:
             after = routing_snapshot(self.model, probe)
             out |= routing_flip_rate(before, after, probe, sequence_parallel=self.layout.sp)
         return out
+
+    @functools.cached_property
+    def _has_routers(self) -> bool:
+        """Whether the model has MoE routers (the flip rate is measured only then)."""
+        return bool(RoutingRecorder(self.model).routers)
+
+    def _probe_in_first_step(self) -> bool:
+        """Whether the first optimizer step's forward can record the routing probe's "before"
+        snapshot: one model chunk, no pipeline stages, every router run once per micro-batch
+        (no activation recomputation), no routing replay."""
+        cfg = self.cfg
+        return (
+            len(self.model) == 1
+            and self.layout.pp == 1
+            and cfg.model.activation_recompute == "none"
+            and not cfg.rl.routing_replay
+        )
 
     def _flip_at_minibatch(
         self, before: Snapshot, probe: list[PackedMicroBatch], k: int
@@ -244,6 +276,17 @@ def apply_kl_reward(
     for s, a in zip(seqs, adv.tolist(), strict=True):
         s.advantage = a
     return {"kl/reward_penalty": sum(pens) / len(pens)}
+
+
+def first_routing(maps: Snapshot, micro_batches: int) -> Snapshot:
+    """The first micro-batch's routing maps out of those a training step recorded for its
+    `micro_batches` (one router call each per micro-batch, in order)."""
+    for name, got in maps.items():
+        if len(got) != micro_batches:
+            raise RuntimeError(
+                f"router {name} ran {len(got)} times for {micro_batches} micro-batches"
+            )
+    return {name: got[:1] for name, got in maps.items()}
 
 
 def summarise(per_mb: list[dict[str, float]]) -> dict[str, float]:
