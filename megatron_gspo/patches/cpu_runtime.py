@@ -202,10 +202,20 @@ def _is_cuda(device: Any) -> bool:
     return isinstance(device, str) and device.startswith("cuda")
 
 
+_REWRITTEN = frozenset(
+    (torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.type, torch.Tensor.pin_memory)
+)
+"""The methods `CudaToCpuMode` rewrites even without keyword arguments."""
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA placements to CPU for every torch call made on this thread."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # Fast path: most calls (views, math, collectives) name no device; this mode sees every
+        # torch call of the process, e.g. ~45 per tensor of a weight export.
+        if not kwargs and func not in _REWRITTEN:
+            return func(*args)
         kwargs = dict(kwargs or {})
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = torch.device("cpu")
