@@ -4,11 +4,15 @@ a projection for Qwen3-30B-A3B and Qwen3-235B-A22B (docs/performance.md).
     python benchmarks/weight_sync.py                       # small: ~100 MB fp32 MoE, EP=2
     python benchmarks/weight_sync.py --layout tp2
     python benchmarks/weight_sync.py --size 2gb            # >= 2 GB (needs an idle machine)
+    python benchmarks/weight_sync.py --engine sglang       # into the real SGLang CPU server
 
 Two gloo ranks build a Qwen3-MoE-shaped model locally; rank 0 (the sender) pushes it to an
 in-process engine that decodes every payload exactly as SGLang's server does (its allow-list
 unpickler on `FlattenedTensorBucket` payloads; SGLang's own group code in a receiver process
-for `distributed`; safetensors for `disk`) and times its side. Rows:
+for `distributed`; safetensors for `disk`) and times its side; with `--engine sglang` to the
+real SGLang 0.5.23 CPU server (engine venv) instead, in bf16, whose side is inside `xfer`
+(tensor, distributed: decode, load, store) or `finish` (disk: the reload), and its hashing
+inside `verify`. Rows:
 
   export       drain `bridge.export_hf_weights` (TP/EP all-gathers, PP broadcasts), keep nothing
   export->r0   the same with experts gathered to EP rank 0 only, one gather per expert tensor
