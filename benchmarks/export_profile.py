@@ -134,21 +134,6 @@ def rank_main(rank: int, world: int, hf_dir: str, layout: dict, mb: float, passe
         prof.dump_stats(f"{os.environ['MGSPO_PROFILE_DUMP']}.rank{rank}")
     ref = _references(expert_bytes if layout.get("ep") else nbytes, nbytes, rank)
     stats = pstats.Stats(prof)
-    key = (
-        "build_conversion_tasks",
-        "megatron_to_hf",
-        "_gather",
-        "gather",
-        "all_gather",
-        "export_hf_weights",
-        "stream_weights_megatron_to_hf",
-        "batched_expert_gather",
-    )
-    cumulative = {
-        f"{Path(file).name}:{func}": cum
-        for (file, _, func), (_, _, _, cum, _) in stats.stats.items()  # type: ignore[attr-defined]
-        if func in key
-    }
     owners: collections.Counter = collections.Counter()
     funcs = []
     for (file, line, func), (_, calls, tottime, _cum, _) in stats.stats.items():  # type: ignore[attr-defined]
@@ -156,7 +141,6 @@ def rank_main(rank: int, world: int, hf_dir: str, layout: dict, mb: float, passe
         funcs.append((tottime, calls, f"{Path(file).name}:{line} {func}"))
     funcs.sort(reverse=True)
     out = dict(walls=walls, tensors=n, bytes=nbytes, owners=owners, funcs=funcs[:25], **ref)
-    out["cumulative"] = cumulative
     out["plan_s"] = plan_s
     return out
 
@@ -198,9 +182,6 @@ def main() -> None:
         print(f"\nrank {rank} self time by owner ({tot:.3f} s over {args.passes} passes):")
         for owner, sec in r["owners"].most_common():
             print(f"  {100 * sec / tot:5.1f}%  {sec:7.3f} s  {owner}")
-        print(f"rank {rank} inclusive time of the export's parts (over {args.passes} passes):")
-        for where, cum in sorted(r["cumulative"].items(), key=lambda kv: -kv[1]):
-            print(f"  {100 * cum / tot:5.1f}%  {cum:7.3f} s  {where}")
         print(f"rank {rank} functions with the most self time:")
         for tottime, calls, where in r["funcs"][:15]:
             print(f"  {100 * tottime / tot:5.1f}%  {tottime:7.3f} s  {calls:7d} calls  {where}")
