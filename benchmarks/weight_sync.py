@@ -4,11 +4,15 @@ a projection for Qwen3-30B-A3B and Qwen3-235B-A22B (docs/performance.md).
     python benchmarks/weight_sync.py                       # small: ~100 MB fp32 MoE, EP=2
     python benchmarks/weight_sync.py --layout tp2
     python benchmarks/weight_sync.py --size 2gb            # >= 2 GB (needs an idle machine)
+    python benchmarks/weight_sync.py --engine sglang       # into the real SGLang CPU server
 
 Two gloo ranks build a Qwen3-MoE-shaped model locally; rank 0 (the sender) pushes it to an
 in-process engine that decodes every payload exactly as SGLang's server does (its allow-list
 unpickler on `FlattenedTensorBucket` payloads; SGLang's own group code in a receiver process
-for `distributed`; safetensors for `disk`) and times its side. Rows:
+for `distributed`; safetensors for `disk`) and times its side; with `--engine sglang` to the
+real SGLang 0.5.23 CPU server (engine venv) instead, in bf16, whose side is inside `xfer`
+(tensor, distributed: decode, load, store) or `finish` (disk: the reload), and its hashing
+inside `verify`. Rows:
 
   export       drain `bridge.export_hf_weights` (TP/EP all-gathers, PP broadcasts), keep nothing
   export->r0   the same with experts gathered to EP rank 0 only, one gather per expert tensor
@@ -35,12 +39,14 @@ Phase columns (seconds on the sender; overlapped phases add up to more than `wal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +135,14 @@ def _timing_engine(name: str) -> Any:
     return TimingEngine()
 
 
+def _sglang_client(urls: list[str]) -> Any:
+    """A client of the real SGLang server(s) at `urls` (its side is not timed apart: its
+    decode, load and store are inside the sender's `send`, its hashing inside `verify`)."""
+    from megatron_gspo.engines.client import ClientConfig, SGLangClient
+
+    return SGLangClient(ClientConfig(engine_urls=urls))
+
+
 _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "gather", "broadcast", "all_reduce",
                 "all_gather_object", "broadcast_object_list", "gather_object")  # fmt: skip
 
@@ -168,6 +182,7 @@ def rank_main(
     mb: float,
     repeats: int,
     only: list[str] | None = None,
+    engine_urls: list[str] | None = None,
 ) -> Any:
     torch.set_num_threads(1)  # two ranks on a shared 2-core machine
     from megatron_gspo.megatron.model import (
@@ -222,6 +237,9 @@ def rank_main(
         "distributed": dict(transport="distributed", verify_every=0),
         "disk": dict(transport="disk", disk_dir=str(Path(tmp) / "disk"), verify_every=0),
     }
+    if engine_urls:  # the real server: bf16 (what it serves), its own group for distributed
+        cases = {k: dict(v, dtype="bfloat16") for k, v in cases.items() if k != "tensor fp8"}
+        cases["distributed"]["backend"] = "gloo"
     if only:  # --rows: the sync rows asked for (the export rows always run)
         cases = {k: v for k, v in cases.items() if k in only}
     nbytes_sent = rows["export->r0"]["bytes"]
@@ -229,12 +247,14 @@ def rank_main(
     for name, cfg in cases.items():
         if rank == 0:  # the best memcpy of the run: the ratios are never flattered by a slow one
             memcpy = max(memcpy, _memcpy_gbps(nbytes_sent))
-        engine = _timing_engine(name) if rank == 0 else None
+        engine: Any = None
+        if rank == 0:
+            engine = _sglang_client(engine_urls) if engine_urls else _timing_engine(name)
         sync = WeightSync(bridge, [engine] if engine else [], WeightSyncConfig(bucket_mb=mb, **cfg))
         sync.push(model)  # warm-up (and group setup for the distributed transport)
         best = None
         for _ in range(repeats):  # the fastest of `repeats` (the machine is shared)
-            if engine is not None:
+            if engine is not None and hasattr(engine, "seconds"):
                 engine.seconds.clear()
             torch.distributed.barrier()
             t = time.perf_counter()
@@ -242,10 +262,13 @@ def rank_main(
                 report = sync.push(model)
             wall = time.perf_counter() - t
             if best is None or wall < best[0]:
-                best = (wall, report, dict(engine.seconds) if engine else {}, counted.count)
+                seconds = dict(getattr(engine, "seconds", {}))
+                best = (wall, report, seconds, counted.count)
         sync.close()
         if engine is None:
             continue
+        if engine_urls:
+            engine.close()
         wall, report, engine_seconds, n_coll = best
         phases = dict(report.stats.seconds)
         phases.update(engine_seconds)
@@ -358,12 +381,46 @@ def _verification_line(rows: dict[str, dict[str, Any]]) -> None:
     )
 
 
+@contextlib.contextmanager
+def _sglang_server(hf_dir: str, tmp: str) -> Iterator[list[str]]:
+    """The real SGLang CPU server serving `hf_dir` (bf16) while active; yields its URLs."""
+    from megatron_gspo.dist import free_port
+    from megatron_gspo.engines.launch import ServerGroup
+    from megatron_gspo.testing import sglang_server
+
+    python = sglang_server.engine_python()
+    if python is None:
+        raise SystemExit("no SGLang engine venv: run `bash scripts/engine_env.sh` first")
+    cfg = sglang_server.cpu_launch_config(
+        hf_dir,
+        python=python,
+        log_dir=str(Path(tmp) / "server"),
+        base_port=free_port(),
+        startup_timeout_s=900.0,  # a shared 2-core machine: minutes
+    )
+    group = ServerGroup(cfg)
+    t = time.perf_counter()
+    group.start()
+    print(f"real SGLang CPU server ready in {time.perf_counter() - t:.0f} s", flush=True)
+    try:
+        yield list(cfg.engine_urls)
+    finally:
+        group.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="ep2", choices=sorted(LAYOUTS))
     ap.add_argument("--size", default="small", choices=sorted(SIZES), help="model preset")
     ap.add_argument("--bucket-mb", type=float, default=16.0)
     ap.add_argument("--repeats", type=int, default=3, help="measured pushes per row (fastest)")
+    ap.add_argument(
+        "--engine",
+        default="test",
+        choices=("test", "sglang"),
+        help="test: the in-process engine that decodes with SGLang's code (times its side); "
+        "sglang: the real SGLang CPU server (engine venv, bf16; rows without fp8)",
+    )
     ap.add_argument(
         "--rows",
         default="",
@@ -374,8 +431,11 @@ def main() -> None:
     size = SIZES[args.size]
 
     load = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="mgspo-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mgspo-bench-") as tmp, contextlib.ExitStack() as stack:
         hf = save_bench_model(Path(tmp) / "hf", args.size)
+        urls = None
+        if args.engine == "sglang":
+            urls = stack.enter_context(_sglang_server(str(hf), tmp))
         t = time.perf_counter()
         res = spawn_ranks(
             rank_main,
@@ -386,13 +446,15 @@ def main() -> None:
             args.bucket_mb,
             args.repeats,
             [r.strip() for r in args.rows.split(",") if r.strip()] or None,
+            urls,
         )[0]
         wall = time.perf_counter() - t
     memcpy = res["memcpy"]
     rows = res["rows"]
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(
-        f"\nweight sync on CPU: {args.layout}, size {args.size} ({size}), 2 gloo ranks x 1 "
+        f"\nweight sync on CPU into the {args.engine} engine: {args.layout}, size {args.size} "
+        f"({size}), 2 gloo ranks x 1 "
         f"thread, fp32 model, bucket {args.bucket_mb:g} MiB, fastest of {args.repeats}, run wall "
         f"{wall:.0f} s\n"
         f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; at end: {uptime}"

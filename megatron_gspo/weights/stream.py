@@ -121,6 +121,7 @@ def hf_tensors(
     """
     if experts_to_first and expert_batch_bytes > 0:
         from megatron_gspo.patches.bridge import ep_local_experts
+        from megatron_gspo.patches.cpu_runtime import without_cuda_mode
         from megatron_gspo.weights.ep_batch import batched_expert_gather
 
         with ep_local_experts() as local:
@@ -128,7 +129,10 @@ def hf_tensors(
             # copy, when asked for, comes after them.
             exported = bridge.export_hf_weights(model, cpu=False, show_progress=show_progress)
             pairs = ((n, t.detach()) for n, t in exported)
-            for name, tensor in batched_expert_gather(pairs, local, batch_bytes=expert_batch_bytes):
+            gathered = batched_expert_gather(pairs, local, batch_bytes=expert_batch_bytes)
+            # On the CPU runtime, the export runs without the mode that maps CUDA placements to
+            # the CPU (it names no CUDA device; the mode costs ~10 us per torch call).
+            for name, tensor in without_cuda_mode(gathered):
                 yield name, tensor.cpu() if cpu else tensor
         return
     scope = experts_to_ep_rank0() if experts_to_first else contextlib.nullcontext()
