@@ -162,18 +162,20 @@ def measure(model: Any, seqs: list[list[int]], plens: list[int]) -> dict[str, An
     return out
 
 
-def sglang_row(label: str, path: str, pids: list[list[int]], a: Any) -> dict[str, Any]:
+def sglang_rows(
+    label: str, path: str, pids: list[list[int]], a: Any, lengths: list[int]
+) -> list[dict[str, Any]]:
     """The real SGLang server on CPU (bf16), without and with `--enable-fp32-lm-head`: its
-    own T = 1 samples and their engine log-probs against the fp32 HF forward of the same tokens
-    (per token and per sequence, as `measure`)."""
+    own T = 1 samples of each length and their engine log-probs against the fp32 HF forward of
+    the same tokens (per token, per sequence and the share outside GSPO's band, as `measure`);
+    one row per length."""
     from megatron_gspo.dist import free_port
     from megatron_gspo.engines.client import ClientConfig, SGLangClient
     from megatron_gspo.engines.launch import LaunchConfig, ServerGroup
     from megatron_gspo.engines.types import SamplingParams
 
     ref = load(path, 1.0)
-    sp = SamplingParams(max_new_tokens=a.length, temperature=1.0, seed=a.seed, ignore_eos=True)
-    out: dict[str, Any] = {"model": label, "engine": "sglang-bf16"}
+    rows = {n: {"model": label, "length": n, "engine": "sglang-bf16"} for n in lengths}
     for name, flags in (("bf16", []), ("bf16-h32", ["--enable-fp32-lm-head"])):
         cfg = LaunchConfig(
             model_path=path, backend="sglang", device="cpu", python=a.sglang,
@@ -183,28 +185,41 @@ def sglang_row(label: str, path: str, pids: list[list[int]], a: Any) -> dict[str
         with ServerGroup(cfg).start() as group:
             client = SGLangClient(ClientConfig(engine_urls=list(group.cfg.engine_urls)))
             try:
-                res = client.generate(pids, sp, n=1)
+                results = {
+                    n: client.generate(
+                        pids,
+                        SamplingParams(
+                            max_new_tokens=n, temperature=1.0, seed=a.seed, ignore_eos=True
+                        ),
+                        n=1,
+                    )
+                    for n in lengths
+                }
             finally:
                 client.close()
-        tok_d, seq_d, ent = [], [], []
-        for smp in res.samples:
-            ids, plen = list(smp.prompt_ids) + list(smp.response_ids), len(smp.prompt_ids)
-            lp = torch.log_softmax(response_logits(ref, ids, plen), -1)
-            t = torch.tensor(list(smp.response_ids))
-            d = (
-                torch.tensor(list(smp.logprobs), dtype=torch.float64)
-                - lp.gather(1, t[:, None])[:, 0]
-            )
-            tok_d.append(d.abs())
-            seq_d.append(abs(float(d.mean())))
-            ent.append(-(lp.exp() * lp).sum(-1))
-        out["entropy_" + name] = float(torch.cat(ent).mean())
-        out[name] = {
-            "abs_dlogp_token": float(torch.cat(tok_d).mean()),
-            "abs_seq_log_ratio": sum(seq_d) / len(seq_d),
-        }
-        print(json.dumps(out), flush=True)
-    return out
+        for n, res in results.items():
+            tok_d, seq_d, ent, outside = [], [], [], 0
+            for smp in res.samples:
+                ids, plen = list(smp.prompt_ids) + list(smp.response_ids), len(smp.prompt_ids)
+                lp = torch.log_softmax(response_logits(ref, ids, plen), -1)
+                t = torch.tensor(list(smp.response_ids))
+                d = (
+                    torch.tensor(list(smp.logprobs), dtype=torch.float64)
+                    - lp.gather(1, t[:, None])[:, 0]
+                )
+                tok_d.append(d.abs())
+                seq_d.append(abs(float(d.mean())))
+                log_ratio = -float(d.mean())
+                outside += not math.log(1 - EPS_LOW) <= log_ratio <= math.log(1 + EPS_HIGH)
+                ent.append(-(lp.exp() * lp).sum(-1))
+            rows[n]["entropy_" + name] = float(torch.cat(ent).mean())
+            rows[n][name] = {
+                "abs_dlogp_token": float(torch.cat(tok_d).mean()),
+                "abs_seq_log_ratio": sum(seq_d) / len(seq_d),
+                "outside_band": outside / len(seq_d),
+            }
+            print(json.dumps(rows[n]), flush=True)
+    return list(rows.values())
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -266,17 +281,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "whose GSPO ratio lies outside [1 - 3e-4, 1 + 4e-4] from the mismatch alone\n"
     )
     print(table(results))
-    engine = [sglang_row(label, path, pids, a) for label, path in models] if a.sglang else []
+    engine = (
+        [r for label, path in models for r in sglang_rows(label, path, pids, a, lengths)]
+        if a.sglang
+        else []
+    )
     if engine:
         print("\nreal SGLang server (CPU, bf16), its own samples vs the fp32 HF forward\n")
-        head = ["model", "entropy", "bf16 dlogp/tok", "bf16 seq", "fp32-lm-head dlogp/tok",
-                "fp32-lm-head seq"]  # fmt: skip
+        head = ["model", "L", "entropy", "bf16 dlogp/tok", "bf16 seq", "bf16 out",
+                "fp32-lm-head dlogp/tok", "fp32-lm-head seq", "fp32-lm-head out"]  # fmt: skip
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         for r in engine:
             b, h = r["bf16"], r["bf16-h32"]
-            print(f"| {r['model']} | {r['entropy_bf16']:.2f} | {b['abs_dlogp_token']:.1e} | "
-                  f"{b['abs_seq_log_ratio']:.1e} | {h['abs_dlogp_token']:.1e} | "
-                  f"{h['abs_seq_log_ratio']:.1e} |")  # fmt: skip
+            print(f"| {r['model']} | {r['length']} | {r['entropy_bf16']:.2f} | "
+                  f"{b['abs_dlogp_token']:.1e} | {b['abs_seq_log_ratio']:.1e} | "
+                  f"{b['outside_band']:.2f} | {h['abs_dlogp_token']:.1e} | "
+                  f"{h['abs_seq_log_ratio']:.1e} | {h['outside_band']:.2f} |")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps({"hf": results, "sglang": engine}, indent=1) + "\n")
     assert all(math.isfinite(r["bf16"]["abs_dlogp_token"]) for r in results + engine)
