@@ -23,7 +23,6 @@ import torch
 
 from megatron_gspo.checkpoint import FRESH_OPTIMIZER
 from megatron_gspo.patches.optimizer import chained, resume_hooks
-from megatron_gspo.stop import die_with_parent
 
 _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -54,6 +53,7 @@ def save_model(model: list[torch.nn.Module], directory: str | Path) -> None:
     """Collective: the model alone (the conversion tools' checkpoints)."""
     from megatron.core import dist_checkpointing
 
+    _in_process_results_queue()
     dist_checkpointing.save(model_sharded_state(model), str(directory))
 
 
@@ -87,35 +87,31 @@ def _has_stepped(optimizer: Any) -> bool:
     return bool(flag.item())
 
 
-_MANAGERS: list[Any] = []
-
-
-def _results_queue_that_dies_with_us() -> None:
-    """megatron-core's torch_dist writer collects write results through a multiprocessing
-    Manager process it spawns on the first save (`filesystem_async.get_write_results_queue`,
-    cached in the module global `_results_queue`). That process outlives a SIGKILLed rank
-    (observed: it stays, holding the job's stdout open, after a SIGKILL mid-checkpoint). Start
-    the Manager here first, with `PR_SET_PDEATHSIG` = SIGKILL, and hand megatron-core its queue.
+def _in_process_results_queue() -> None:
+    """megatron-core's torch_dist writer hands its write results to the saving rank through a
+    queue that it creates on the first save (`filesystem_async.get_write_results_queue`, cached
+    in the module global `_results_queue`): a `multiprocessing` Manager's queue, i.e. a spawned
+    server process. Every save here is synchronous (`AsyncRequest.execute_sync`: the writer's
+    threads run in this process and put into the queue, the finalize step reads it in this
+    process), so a thread-safe in-process queue does the same job without the process: it
+    cannot outlive a SIGKILLed rank (the Manager did, holding the job's stdout open), and the
+    first save no longer waits for it to start and to import torch (~4 CPU-s per rank: a
+    spawned child re-imports the trainer's main module, then torch to unpickle the results).
     """
-    import multiprocessing
-    import signal
-    from multiprocessing.managers import SyncManager
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if _MANAGERS or getattr(filesystem_async, "_results_queue", True) is not None:
+    if getattr(filesystem_async, "_results_queue", True) is not None:
         return  # ours already, or megatron-core no longer caches one there
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(signal.SIGKILL,))
-    _MANAGERS.append(manager)
-    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._results_queue = queue.Queue()
 
 
 def save_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, directory: Path) -> None:
     """Collective: every rank writes its shards of the model and optimizer into `directory`."""
     from megatron.core import dist_checkpointing
 
-    _results_queue_that_dies_with_us()
+    _in_process_results_queue()
 
     hooks = resume_hooks()
     rank = torch.distributed.get_rank()

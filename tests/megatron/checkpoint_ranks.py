@@ -83,9 +83,14 @@ def _step(bridge: Any, model: list, opt: Any, layout: Layout, seed: int) -> dict
 
 
 def main(rank: int, world: int, hf_dir: str, root: str, cases: dict[str, dict]) -> dict[str, Any]:
+    import psutil
+
     quiet_megatron()
     bridge = load_bridge(hf_dir)
-    return {name: run_case(bridge, rank, f"{root}/{name}", case) for name, case in cases.items()}
+    out = {name: run_case(bridge, rank, f"{root}/{name}", case) for name, case in cases.items()}
+    # what the saves left running (megatron-core's results queue was a spawned Manager server)
+    out["_children"] = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+    return out
 
 
 def run_case(bridge: Any, rank: int, ckpt: str, case: dict[str, Any]) -> dict[str, Any]:

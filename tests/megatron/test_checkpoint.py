@@ -1,6 +1,7 @@
 """Resume is exact: train 2 steps, save, train 2 more; a fresh model + optimizer loading the
 checkpoint and training the same 2 steps ends at the same weights (and the optimizer state right
-after the load equals the state at the save), for the plain and the distributed optimizer."""
+after the load equals the state at the save), for the plain and the distributed optimizer. Saving
+starts no process."""
 
 from __future__ import annotations
 
@@ -55,3 +56,11 @@ def test_resume_is_exact(name: str, results: list[dict]) -> None:
             (res["straight"][k] - res["resumed"][k]).abs().max().item() for k in res["straight"]
         )
         assert moved == 0.0, f"rank {rank}: resumed weights differ by {moved}"
+
+
+def test_saving_starts_no_process(results: list[dict]) -> None:
+    """megatron-core's writer hands its results through a queue; its own is a `multiprocessing`
+    Manager (a spawned server per rank that outlived SIGKILLed ranks and re-ran the trainer's
+    imports). Ours is in-process (megatron_gspo/megatron/checkpoint.py): nothing is left."""
+    for rank, res in enumerate(results):
+        assert res["_children"] == [], (rank, res["_children"])
