@@ -25,6 +25,10 @@ from megatron_gspo.config_io import require
 from megatron_gspo.stop import popen_from_lasting_thread
 
 
+FP32_LM_HEAD_DEFAULT = False
+"""Default of `LaunchConfig.fp32_lm_head`, decided by the evidence study (issue 22)."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class LaunchConfig:
     """Rollout servers of one job; flags map 1:1 to `sglang.launch_server` options."""
@@ -60,6 +64,13 @@ class LaunchConfig:
     (engines/embedded/fp8_emulation.py) and needs weights.fp8=true; None: off."""
     kv_cache_dtype: str = "auto"
     """`--kv-cache-dtype` (auto, fp8_e4m3, fp8_e5m2, bf16, ...)."""
+    fp32_lm_head: bool = FP32_LM_HEAD_DEFAULT
+    """`--enable-fp32-lm-head` (backend=sglang): the engine's logits, hence its log-probs, in
+    fp32 instead of bf16. The engine's log-probs are GSPO's pi_old, and rounding the logits to
+    bf16 is most of the engine/trainer mismatch once training sharpens the policy (measured:
+    docs/evidence.md, "What makes the mismatch grow" and question (1)). On CUDA SGLang computes it
+    as one bf16 GEMM with an fp32 output (no fp32 weight copy). The embedded engine's logits
+    are fp32 already; there it changes nothing."""
     mem_fraction_static: float | None = None
     """`--mem-fraction-static`: share of GPU memory for weights + KV cache (None: SGLang's)."""
     colocated: bool = False
@@ -187,6 +198,8 @@ def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list
     cmd += ["--skip-tokenizer-init", "--weight-version", cfg.weight_version]
     if cfg.quantization:
         cmd += ["--quantization", cfg.quantization]
+    if cfg.fp32_lm_head:
+        cmd += ["--enable-fp32-lm-head"]
     if cfg.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
     if cfg.colocated:
