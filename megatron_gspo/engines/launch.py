@@ -25,10 +25,6 @@ from megatron_gspo.config_io import require
 from megatron_gspo.stop import popen_from_lasting_thread
 
 
-FP32_LM_HEAD_DEFAULT = False
-"""Default of `LaunchConfig.fp32_lm_head`, decided by the evidence study (issue 22)."""
-
-
 @dataclasses.dataclass(kw_only=True, slots=True)
 class LaunchConfig:
     """Rollout servers of one job; flags map 1:1 to `sglang.launch_server` options."""
@@ -64,7 +60,7 @@ class LaunchConfig:
     (engines/embedded/fp8_emulation.py) and needs weights.fp8=true; None: off."""
     kv_cache_dtype: str = "auto"
     """`--kv-cache-dtype` (auto, fp8_e4m3, fp8_e5m2, bf16, ...)."""
-    fp32_lm_head: bool = FP32_LM_HEAD_DEFAULT
+    fp32_lm_head: bool = False
     """`--enable-fp32-lm-head` (backend=sglang): the engine's logits, hence its log-probs, in
     fp32 instead of bf16. The engine's log-probs are GSPO's pi_old, and rounding the logits to
     bf16 is most of the engine/trainer mismatch once training sharpens the policy (measured:
