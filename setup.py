@@ -34,7 +34,7 @@ setup(
         # install sglang itself with --no-deps on trainer nodes (see constraints.txt).
         "sglang": ["sglang-router>=0.3", "msgspec", "pydantic>=2", "fastapi", "uvicorn"],
         "gpu": ["transformer-engine[pytorch]>=2.4", "apex"],
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "hypothesis>=6", "ruff>=0.6"],
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "ruff>=0.6"],
     },
     # megatron_gspo/entry.py: each installs the one-line Ctrl-C handler before importing torch
     entry_points={

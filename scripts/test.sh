@@ -3,10 +3,6 @@
 #   --quick   the quick tier: every module's fast tests, no multi-rank launches, no
 #             end-to-end runs, no real SGLang server (tests marked slow or multirank are left
 #             out); under 5 minutes on 2 cores. CI (.ci/run) always runs everything.
-#   MGSPO_TEST_WORKERS  pytest-xdist workers (default 2; 1: one process). A third of the suite's
-#             wall time on one worker is waiting (servers starting, jobs ending); a second worker
-#             fills it. tests/conftest.py keeps each file (and the files sharing the trained
-#             reference run) on one worker and hands out the heaviest files first.
 set -uo pipefail
 quick=0
 if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
@@ -31,10 +27,6 @@ MYPY_PATHS=(megatron_gspo/algo megatron_gspo/config.py megatron_gspo/config_io.p
 "$venv/bin/mypy" "${MYPY_PATHS[@]}" || { echo "[test] mypy failed"; exit 1; }
 if [ "$quick" = 1 ]; then
   set -- -m "not slow and not multirank" "$@"
-fi
-workers=${MGSPO_TEST_WORKERS:-2}
-if [ "$workers" -gt 1 ]; then
-  set -- -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
 fi
 # --durations: the 40 slowest tests, to keep the suite's time in view
 "$venv/bin/python" -m pytest -p no:cacheprovider --durations=40 "$@"

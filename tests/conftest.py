@@ -103,34 +103,10 @@ def toy_tokenizer():
 # (the `engine_python` fixture). Others carry `@pytest.mark.slow` themselves.
 _SLOW_DIRS = ("train",)
 
-# scripts/test.sh runs the suite on 2 pytest-xdist workers (`--dist loadgroup`): a third of an
-# end-to-end test's wall time is waiting (servers starting, processes ending), which the other
-# worker fills. Each file is one group, so its module fixtures are built once; files that share
-# a session fixture too costly to build twice share a group.
-_SHARED_GROUPS = {
-    # tests/train/conftest.py's reference run (a 6-step training launch)
-    "train/test_faults_e2e.py": "train/reference-run",
-    "train/test_train_e2e.py": "train/reference-run",
-}
 
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     root = os.path.dirname(os.path.abspath(__file__))
-    rank: dict[str, int] = {}
-    group_of: dict[int, str] = {}
     for item in items:
         rel = os.path.relpath(str(item.path), root).split(os.sep)
         if rel[0] in _SLOW_DIRS or "engine_python" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-        name = "/".join(rel)
-        group = group_of[id(item)] = _SHARED_GROUPS.get(name, name)
-        item.add_marker(pytest.mark.xdist_group(group))
-        # Heaviest groups first, so that no long file starts last and runs alone at the end:
-        # the shared reference run, the other trainer end-to-end files, other slow files.
-        slow = item.get_closest_marker("slow") or item.get_closest_marker("multirank")
-        heavy = 0 if name in _SHARED_GROUPS else 1 if rel[0] in _SLOW_DIRS else 2 if slow else 3
-        rank[group] = min(rank.get(group, 3), heavy)
-    seen = {g: i for i, g in enumerate(rank)}
-    # Stable: each group's tests stay together and in their order (module fixtures built once).
-    items.sort(key=lambda it: (rank[group_of[id(it)]], seen[group_of[id(it)]]))
