@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.weight_sync import LAYOUTS, save_bench_model  # noqa: E402
+from benchmarks.weight_sync import LAYOUTS, build_rank_model, save_bench_model  # noqa: E402
 from megatron_gspo.testing.harness import spawn_ranks  # noqa: E402
 
 
@@ -86,21 +86,9 @@ def _references(gathered: int, nbytes: int, rank: int, repeats: int = 3) -> dict
 
 
 def rank_main(rank: int, world: int, hf_dir: str, layout: dict, mb: float, passes: int) -> Any:
-    torch.set_num_threads(1)
-    from megatron_gspo.megatron.model import (
-        Layout,
-        build_model,
-        init_megatron,
-        load_bridge,
-        make_provider,
-        quiet_megatron,
-    )
     from megatron_gspo.weights.stream import hf_tensors
 
-    quiet_megatron()
-    bridge = load_bridge(hf_dir)
-    init_megatron(Layout(**layout))
-    model = build_model(make_provider(bridge, Layout(**layout)), load_from=bridge)
+    bridge, model = build_rank_model(hf_dir, layout)
 
     expert_bytes = 0
 

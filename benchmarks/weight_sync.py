@@ -173,6 +173,25 @@ class CountCollectives:
             setattr(torch.distributed, name, fn)
 
 
+def build_rank_model(hf_dir: str, layout: dict) -> tuple[Any, Any]:
+    """This rank's `(bridge, model)` of the HF checkpoint `hf_dir` in `layout` (Layout fields),
+    one torch thread (two ranks share the 2-core machine)."""
+    torch.set_num_threads(1)
+    from megatron_gspo.megatron.model import (
+        Layout,
+        build_model,
+        init_megatron,
+        load_bridge,
+        make_provider,
+        quiet_megatron,
+    )
+
+    quiet_megatron()
+    bridge = load_bridge(hf_dir)
+    init_megatron(Layout(**layout))
+    return bridge, build_model(make_provider(bridge, Layout(**layout)), load_from=bridge)
+
+
 def rank_main(
     rank: int,
     world: int,
@@ -184,22 +203,10 @@ def rank_main(
     only: list[str] | None = None,
     engine_urls: list[str] | None = None,
 ) -> Any:
-    torch.set_num_threads(1)  # two ranks on a shared 2-core machine
-    from megatron_gspo.megatron.model import (
-        Layout,
-        build_model,
-        init_megatron,
-        load_bridge,
-        make_provider,
-        quiet_megatron,
-    )
     from megatron_gspo.weights.stream import hf_tensors
     from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
 
-    quiet_megatron()
-    bridge = load_bridge(hf_dir)
-    init_megatron(Layout(**layout))
-    model = build_model(make_provider(bridge, Layout(**layout)), load_from=bridge)
+    bridge, model = build_rank_model(hf_dir, layout)
     rows: dict[str, dict[str, Any]] = {}
 
     # Warm-up pass (first-call costs of the bridge, allocator), then the measured export.
