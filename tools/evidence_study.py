@@ -107,22 +107,27 @@ def _arms() -> dict[str, Arm]:
     gspo, grpo = ("loss.kind=gspo",), ("loss.kind=grpo",)
     rec, mb1 = ("rl.pi_old=recompute",), ("rl.mini_batches_per_rollout=1",)
     arms = []
+    # The bf16 server's arms were run with its logits in bf16, SGLang's own default: they keep
+    # it now that rollout.launch.fp32_lm_head is on by default (the fp32head arm's finding).
+    bf16_head = ("rollout.launch.fp32_lm_head=false",)
     for eng, tag in (("embedded", "fp32"), ("sglang", "bf16")):
+        pin = bf16_head if eng == "sglang" else ()
+        gs, gr = gspo + pin, grpo + pin
         arms += [
-            Arm(f"gspo-{tag}", gspo, eng, "GSPO, engine log-probs as pi_old (the default)"),
-            Arm(f"gspo-{tag}-recompute", gspo + rec, eng, "GSPO, trainer recomputes pi_old"),
-            Arm(f"grpo-{tag}", grpo, eng, "GRPO, engine log-probs as pi_old"),
-            Arm(f"gspo-{tag}-mb1", gspo + mb1, eng, "GSPO, 1 mini-batch per rollout (on-policy)"),
-            Arm(f"grpo-{tag}-mb1", grpo + mb1, eng, "GRPO, 1 mini-batch per rollout"),
-            Arm(f"gspo-{tag}-L64", gspo + ("task.length=64",), eng, "GSPO, responses of 64"),
-            Arm(f"grpo-{tag}-L64", grpo + ("task.length=64",), eng, "GRPO, responses of 64"),
-            Arm(f"gspo-{tag}-L128", gspo + ("task.length=128",), eng, "GSPO, responses of 128"),
+            Arm(f"gspo-{tag}", gs, eng, "GSPO, engine log-probs as pi_old (the default)"),
+            Arm(f"gspo-{tag}-recompute", gs + rec, eng, "GSPO, trainer recomputes pi_old"),
+            Arm(f"grpo-{tag}", gr, eng, "GRPO, engine log-probs as pi_old"),
+            Arm(f"gspo-{tag}-mb1", gs + mb1, eng, "GSPO, 1 mini-batch per rollout (on-policy)"),
+            Arm(f"grpo-{tag}-mb1", gr + mb1, eng, "GRPO, 1 mini-batch per rollout"),
+            Arm(f"gspo-{tag}-L64", gs + ("task.length=64",), eng, "GSPO, responses of 64"),
+            Arm(f"grpo-{tag}-L64", gr + ("task.length=64",), eng, "GRPO, responses of 64"),
+            Arm(f"gspo-{tag}-L128", gs + ("task.length=128",), eng, "GSPO, responses of 128"),
         ]
     # Hooks for the other parts of issue 22: skipped until their keys (and modules) exist
     # here. The keys are those of their branches at the time of writing.
     fp8 = ("rollout.launch.quantization=fp8", "weights.fp8=true")
     fp8_mod = "megatron_gspo.engines.embedded.fp8_emulation"
-    mask = ("loss.seq_mismatch_mask=[0.999,1.002]",)
+    mask = ("loss.seq_mismatch_mask=[0.999,1.002]", *bf16_head)
     replay = ("rl.routing_replay=true",)
     arms += [
         Arm("gspo-fp8", gspo + fp8, "embedded", "GSPO on the FP8-emulated embedded engine",
@@ -131,10 +136,10 @@ def _arms() -> dict[str, Arm]:
             "branch h22fp8", fp8_mod),
         Arm("gspo-bf16-seqmask", gspo + mask, "sglang",
             "GSPO + sequence mask by the engine/trainer geometric-mean ratio", "branch h22mask"),
-        Arm("gspo-bf16-fp32head", gspo + ("rollout.launch.extra_args=[--enable-fp32-lm-head]",),
+        Arm("gspo-bf16-fp32head", gspo + ("rollout.launch.fp32_lm_head=true",),
             "sglang", "GSPO, the bf16 SGLang server computing its logits in fp32 "
             "(benchmarks/mismatch_sources.py: the bf16 logits are most of the grown mismatch)"),
-        Arm("grpo-bf16-replay", grpo + replay, "sglang",
+        Arm("grpo-bf16-replay", grpo + replay + bf16_head, "sglang",
             "GRPO + Routing Replay (study control)", "branch h22replay"),
         Arm("grpo-fp32-replay", grpo + replay, "embedded",
             "GRPO + Routing Replay (study control)", "branch h22replay"),

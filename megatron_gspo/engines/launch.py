@@ -60,13 +60,15 @@ class LaunchConfig:
     (engines/embedded/fp8_emulation.py) and needs weights.fp8=true; None: off."""
     kv_cache_dtype: str = "auto"
     """`--kv-cache-dtype` (auto, fp8_e4m3, fp8_e5m2, bf16, ...)."""
-    fp32_lm_head: bool = False
-    """`--enable-fp32-lm-head` (backend=sglang): the engine's logits, hence its log-probs, in
-    fp32 instead of bf16. The engine's log-probs are GSPO's pi_old, and rounding the logits to
-    bf16 is most of the engine/trainer mismatch once training sharpens the policy (measured:
-    docs/evidence.md, "What makes the mismatch grow" and question (1)). On CUDA SGLang computes it
-    as one bf16 GEMM with an fp32 output (no fp32 weight copy). The embedded engine's logits
-    are fp32 already; there it changes nothing."""
+    fp32_lm_head: bool = True
+    """`--enable-fp32-lm-head` (backend=sglang): the engine's logits, hence its log-probs (GSPO's
+    pi_old), in fp32 instead of bf16. On by default because of the evidence study (issue 22,
+    docs/evidence.md): once training sharpens the policy, rounding the logits to bf16 is ~80% of
+    the engine/trainer mismatch (real SGLang server, step 60: 9.5e-3 -> 2.0e-3 per token), and
+    with it 62% of 256-token sequences (75% of the study's 32-token ones) fall outside GSPO's band
+    from mismatch alone, against none with fp32 logits. On CUDA SGLang computes it as the same
+    bf16 GEMM with an fp32 output (no fp32 weight copy). false: SGLang's own bf16 logits. The
+    embedded engine's logits are fp32 already; there it changes nothing."""
     mem_fraction_static: float | None = None
     """`--mem-fraction-static`: share of GPU memory for weights + KV cache (None: SGLang's)."""
     colocated: bool = False

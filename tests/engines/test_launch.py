@@ -35,7 +35,7 @@ def test_sglang_command_lines_parse_with_sglang(tmp_path):
         colocated=True,
         weights_cpu_backup=True,
         deterministic=True,
-        fp32_lm_head=True,
+        fp32_lm_head=False,
         weight_version="step-0",
     )
     cmd = engine_command(cfg, 1, python="python")
@@ -45,12 +45,12 @@ def test_sglang_command_lines_parse_with_sglang(tmp_path):
     assert args.base_gpu_id == 4 and args.kv_cache_dtype == "fp8_e4m3"
     assert args.enable_memory_saver and args.enable_weights_cpu_backup
     assert args.enable_deterministic_inference and args.skip_tokenizer_init
-    assert args.enable_fp32_lm_head
+    assert not args.enable_fp32_lm_head  # SGLang's bf16 logits, when asked for
     assert (args.dtype, args.quantization, args.weight_version) == ("bfloat16", "fp8", "step-0")
     sglang = LaunchConfig(model_path="m", backend="sglang")
     plain = prepare_server_args(engine_command(sglang, 0)[3:])
     assert not plain.enable_memory_saver and not plain.enable_deterministic_inference
-    assert not plain.enable_fp32_lm_head
+    assert plain.enable_fp32_lm_head  # the default: fp32 logits (docs/evidence.md)
 
 
 def test_router_command_parses_with_the_router():
