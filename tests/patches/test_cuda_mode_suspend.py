@@ -3,11 +3,23 @@ caller between items keeps it, and the items are the iterator's own (single proc
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
+import pytest
 import torch
 
 from megatron_gspo.patches import cpu_runtime
+
+
+@pytest.fixture(autouse=True)
+def _no_mode_from_earlier_tests() -> Iterator[None]:
+    # A test that ran earlier in this process may have applied the CPU runtime, which leaves its
+    # own CudaToCpuMode pushed for good; the test's mode would then sit on top of it.
+    with contextlib.ExitStack() as stack:
+        while torch.overrides._get_current_function_mode() is not None:
+            stack.enter_context(torch.overrides._pop_mode_temporarily())
+        yield
 
 
 def _producer(seen: list[bool]) -> Iterator[torch.Tensor]:
