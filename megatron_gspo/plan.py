@@ -304,6 +304,7 @@ def plan_topology(
         ports = []
     if rollout_nodes or launch.router:
         ports.append(("rollout.launch.router_port", launch.router_port))
+        ports.append(("rollout.launch.router_metrics_port", launch.router_metrics_port))
     if cfg.weights.transport == "distributed" and cfg.weights.master_port:
         ports.append(("weights.master_port", cfg.weights.master_port))
     placement = Placement(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import io
 import json
@@ -159,11 +160,17 @@ def cached_count_params(
     path = Path(cache)
     table = json.loads(path.read_text()) if path.exists() else {}
     if key not in table:
-        table[key] = [dataclasses.asdict(s) for s in count_params(hf_dir, layout, world_size)]
+        counted = [dataclasses.asdict(s) for s in count_params(hf_dir, layout, world_size)]
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(table))
-        tmp.replace(path)
+        # Planners sharing a cache may finish at once: merge into what is there now, under a
+        # lock, so that neither loses the other's entry.
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            table = json.loads(path.read_text()) if path.exists() else {}
+            table[key] = counted
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(table))
+            tmp.replace(path)
     return [StageParams(**s) for s in table[key]]
 
 

@@ -88,6 +88,10 @@ class LaunchConfig:
     """Also start `sglang_router.launch_router` in front of the engines."""
     router_port: int = 29999
     """Port of the router (rollout.launch.router=true)."""
+    router_metrics_port: int = 29000
+    """Port of the router's Prometheus metrics (`--prometheus-port`; sglang-router binds it
+    whether or not anything scrapes it, and a second router on the host with the same port
+    fails to start). Each job on a node gets a free one from here on, like `router_port`."""
     router_policy: str = "round_robin"
     """sglang-router load-balancing policy."""
     max_restarts: int = 2
@@ -252,6 +256,8 @@ def router_command(
         cfg.host,
         "--port",
         str(cfg.router_port),
+        "--prometheus-port",
+        str(cfg.router_metrics_port),
         "--policy",
         cfg.router_policy,
         "--worker-urls",

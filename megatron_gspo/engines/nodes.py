@@ -98,6 +98,8 @@ def node_launch_config(
     out = dataclasses.replace(launch, num_engines=per_node, host=host, base_port=base)
     if out.router:
         out = dataclasses.replace(out, router_port=dist.free_ports(host, 1, launch.router_port))
+        metrics = dist.free_ports(host, 1, launch.router_metrics_port)
+        out = dataclasses.replace(out, router_metrics_port=metrics)
     if out.log_dir is None:  # one directory per node when there are several
         logs = Path(log_dir) / f"node{node}" if nodes > 1 else Path(log_dir)
         out = dataclasses.replace(out, log_dir=str(logs))
@@ -113,6 +115,7 @@ def _release(launch_cfg: Any) -> None:
         dist.release_port(launch_cfg.host, port)
     if launch_cfg.router:
         dist.release_port(launch_cfg.host, launch_cfg.router_port)
+        dist.release_port(launch_cfg.host, launch_cfg.router_metrics_port)
 
 
 def start_node_engines(

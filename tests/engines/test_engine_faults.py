@@ -198,7 +198,13 @@ def test_hung_engine_is_dropped_then_rejoins_with_the_weights(group, weights_b):
     control_timeout_s; after SIGCONT it answers its probe, joins the next sync and serves
     that version (no restart: this client was given no restart hook)."""
     url0, url1 = group.cfg.engine_urls
-    client = _client(group.cfg.engine_urls, max_batch_per_request=1, request_timeout_s=2.0)
+    # the waits below are these timeouts (the tiny engine answers in well under 0.5 s)
+    client = _client(
+        group.cfg.engine_urls,
+        max_batch_per_request=1,
+        request_timeout_s=1.5,
+        control_timeout_s=2.5,
+    )
     client.pool.restart = None
     cfg = WeightSyncConfig(transport="tensor", experts_to_first=False, verify_every=1)
     sync = WeightSync(HFBridge(weights_b), [client], cfg)  # every push verified

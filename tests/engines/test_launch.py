@@ -64,6 +64,8 @@ def test_router_command_parses_with_the_router():
     args = parse_router_args(cmd[3:])
     assert args.worker_urls == ["http://127.0.0.1:32000", "http://127.0.0.1:32001"]
     assert args.policy == "round_robin" and args.host == "127.0.0.1"
+    # its metrics port is ours to plan (sglang-router's default is one fixed port per host)
+    assert args.prometheus_port == cfg.router_metrics_port == 29000
 
 
 def _alive(pid: int) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -52,7 +54,22 @@ BF16_LOGP_MEAN_TOL = 0.01
 
 
 @pytest.fixture(scope="module")
-def server(engine_python, ckpt_a, tmp_path_factory):
+def doomed_launcher(engine_python, ckpt_a, tmp_path_factory):
+    """A second server, started by a launcher process of its own, for
+    test_server_dies_with_its_launcher (which kills that launcher). It starts together with
+    `server`: one SGLang start-up alone leaves a third or more of the 2 cores idle."""
+    logs = tmp_path_factory.mktemp("sglang_doomed")
+    cmd = [sys.executable, "-c", _LAUNCHER, ckpt_a, engine_python, str(free_port()), str(logs)]
+    state = {"proc": subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True), "engine_pid": None}
+    yield state
+    state["proc"].kill()  # when the test did not run; its server follows (PR_SET_PDEATHSIG)
+    state["proc"].wait()
+    if state["engine_pid"] is not None and _group_members(state["engine_pid"]):
+        os.killpg(state["engine_pid"], 9)
+
+
+@pytest.fixture(scope="module")
+def server(engine_python, ckpt_a, tmp_path_factory, doomed_launcher):
     """The real server serving `ckpt_a`; yields (ServerGroup, stub log path, startup seconds)."""
     logs = tmp_path_factory.mktemp("sglang_cpu")
     stub_log = logs / "sgl_kernel_stub.log"
@@ -202,31 +219,6 @@ def _group_members(pgid: int) -> list[int]:
     return pids
 
 
-def test_server_dies_with_its_launcher(engine_python, ckpt_a, tmp_path):
-    """SIGKILL the process that launched the server: the server and its scheduler and
-    detokenizer processes go too (no orphan holding a port and memory)."""
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-c", _LAUNCHER, ckpt_a, engine_python, str(free_port()), str(tmp_path)]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    try:
-        engine_pid = int(launcher.stdout.readline())  # the server is healthy
-        members = _group_members(engine_pid)  # the engine leads its own process group
-        assert engine_pid in members and len(members) >= 3  # server, scheduler, detokenizer
-    finally:
-        launcher.kill()
-        launcher.wait()
-    tic = time.monotonic()
-    while _group_members(engine_pid) and time.monotonic() < tic + 90:
-        time.sleep(0.5)
-    left = _group_members(engine_pid)
-    print(f"[sglang-cpu] server gone {time.monotonic() - tic:.1f} s after its launcher")
-    if left:
-        os.killpg(engine_pid, 9)
-    assert not left, f"processes outlived their launcher: {left}"
-
-
 # ---- generation ---------------------------------------------------------------------------------
 def test_generate_with_logprobs_matches_hf_bf16(server, client, ckpt_a, ckpt_b, hf_bf16):
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True, seed=7)
@@ -254,6 +246,28 @@ def test_generate_with_logprobs_matches_hf_bf16(server, client, ckpt_a, ckpt_b, 
     wrong = _logp_diffs(hf_bf16(ckpt_b), res.samples)
     print(f"[sglang-cpu] engine vs other weights: max {wrong.max():.4g} mean {wrong.mean():.4g}")
     assert not (wrong.max() < BF16_LOGP_TOL and wrong.mean() < BF16_LOGP_MEAN_TOL)
+
+
+def test_server_dies_with_its_launcher(doomed_launcher):
+    """SIGKILL the process that launched the server: the server and its scheduler and
+    detokenizer processes go too (no orphan holding a port and memory)."""
+    launcher = doomed_launcher["proc"]
+    try:
+        engine_pid = int(launcher.stdout.readline())  # the server is healthy
+        doomed_launcher["engine_pid"] = engine_pid
+        members = _group_members(engine_pid)  # the engine leads its own process group
+        assert engine_pid in members and len(members) >= 3  # server, scheduler, detokenizer
+    finally:
+        launcher.kill()
+        launcher.wait()
+    tic = time.monotonic()
+    while _group_members(engine_pid) and time.monotonic() < tic + 90:
+        time.sleep(0.5)
+    left = _group_members(engine_pid)
+    print(f"[sglang-cpu] server gone {time.monotonic() - tic:.1f} s after its launcher")
+    if left:
+        os.killpg(engine_pid, 9)
+    assert not left, f"processes outlived their launcher: {left}"
 
 
 def test_groups_and_greedy_reproducibility(server, client):

@@ -17,6 +17,7 @@ estimate with its activations doubled or halved (a planted factor-2 error).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -152,3 +153,52 @@ def test_lm_head_term_follows_the_fused_head(tp: int) -> None:
     # the previous term (three fp32 [C, Vc] blocks at once, 12 C Vc) was 38% over at tp=1
     old = 12 * 1024 * min(vocab // tp, 8192) + 6 * tokens * hidden + 2 * (vocab // tp) * hidden
     assert not _within(old, measured), report
+
+
+def test_planners_sharing_a_counts_cache_keep_each_others_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two planners counting different models at once (the rehearsals run two at a time, and
+    so may two Slurm jobs with one cache): both entries are in the cache afterwards, and a
+    third call reads them without counting (was: the later write dropped the earlier entry)."""
+    import threading
+
+    from megatron_gspo import plan_memory
+    from megatron_gspo.layout import Layout
+
+    both_counting = threading.Barrier(2)
+    counted: list[str] = []
+
+    def fake_count(hf_dir, layout, world_size):  # both finish counting at the same time
+        counted.append(str(hf_dir))
+        both_counting.wait(timeout=30)
+        n = 10 if str(hf_dir).endswith("a") else 20
+        return [plan_memory.StageParams(**_stage_fields(n))]
+
+    monkeypatch.setattr(plan_memory, "count_params", fake_count)
+    dirs = []
+    for name, layers in (("a", 1), ("b", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+        dirs.append(tmp_path / name)
+    cache = tmp_path / "counts.json"
+    threads = [
+        threading.Thread(target=plan_memory.cached_count_params, args=(d, Layout(), 2, cache))
+        for d in dirs
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(json.loads(cache.read_text())) == 2
+    counted.clear()
+    for d, n in zip(dirs, (10, 20), strict=True):
+        (got,) = plan_memory.cached_count_params(d, Layout(), 2, cache)
+        assert got == plan_memory.StageParams(**_stage_fields(n))
+    assert counted == []
+
+
+def _stage_fields(n: int) -> dict[str, int]:
+    from megatron_gspo.plan_memory import StageParams
+
+    return {f.name: n for f in dataclasses.fields(StageParams)}

@@ -95,6 +95,8 @@ def test_verification_needs_shardable_engine_layouts() -> None:
 def test_ports_distinct() -> None:
     got = _refusals("qwen3_235b_a22b_bf16", 12, 4, "rollout.launch.router_port=30000")
     _one(got, "rollout.launch.router_port=30000", "rollout.launch.base_port+0")
+    got = _refusals("qwen3_235b_a22b_bf16", 12, 4, "rollout.launch.router_metrics_port=29999")
+    _one(got, "rollout.launch.router_metrics_port=29999", "rollout.launch.router_port")
 
 
 @pytest.mark.slow

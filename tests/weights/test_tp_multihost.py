@@ -212,7 +212,7 @@ def test_loopback_rendezvous_fails_for_the_other_host(engines) -> None:
     """The old default (127.0.0.1) cannot work: host B's ranks dial their own loopback."""
     client = SGLangClient(ClientConfig(engine_urls=engines, engine_tp_sizes=[2, 2]))
     cfg = WeightSyncConfig(
-        transport="distributed", backend="gloo", master_address="127.0.0.1", timeout_s=5
+        transport="distributed", backend="gloo", master_address="127.0.0.1", timeout_s=2
     )
     sync = WeightSync(None, client, cfg)
     try:
