@@ -60,7 +60,7 @@ def hold_port(host: str, port: int = 0) -> socket.socket | None:
     held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     probe.close()
     try:
-        held.bind((host, port))  # microseconds after the probe: only a reuse binder can race
+        held.bind((host, port))  # a port-0 probe elsewhere may win it meanwhile: None
     except OSError:
         held.close()
         return None
@@ -70,8 +70,13 @@ def hold_port(host: str, port: int = 0) -> socket.socket | None:
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that stays reserved for this process's server (see `hold_port`)
     until `release_port`, or until the process exits."""
-    held = hold_port(host, 0)
-    if held is None:
+    for _ in range(50):
+        # The OS may hand the port another thread's probe just released to a second probe,
+        # whose hold then loses to that thread's: ask again (another port comes back).
+        held = hold_port(host, 0)
+        if held is not None:
+            break
+    else:
         raise OSError(f"no free TCP port on {host}")
     port = int(held.getsockname()[1])
     _HELD[(host, port)] = held

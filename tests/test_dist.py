@@ -104,3 +104,23 @@ def test_timeout_is_checked_and_wired() -> None:
     assert [ast.unparse(k.value) for c in calls for k in c.keywords if k.arg == "timeout_s"] == [
         "cfg.train.dist_timeout_s"
     ]
+
+
+def test_free_port_asks_again_when_its_hold_loses_a_race(monkeypatch) -> None:
+    """A hold that loses the port between probe and bind (another thread's or job's port-0
+    probe took it: seen once with two launches started from two test threads) costs one more
+    try, not an `OSError('no free TCP port')`."""
+    real, lost = dist.hold_port, []
+
+    def racy(host: str, port: int = 0):
+        if not lost:
+            lost.append(port)
+            return None  # the probe's port went to someone else before the hold bound it
+        return real(host, port)
+
+    monkeypatch.setattr(dist, "hold_port", racy)
+    port = dist.free_port()
+    try:
+        assert lost == [0] and port > 0
+    finally:
+        dist.release_port("127.0.0.1", port)

@@ -53,9 +53,13 @@ def command(tmp: Path, run: str, *, toy: Path | None = None) -> list[str]:
     return cmd
 
 
-def run_reference(tmp: Path) -> dict[str, Any]:
-    """Write the toy into `tmp/toy` and train the reference run in `tmp/ref`."""
+def write_toy(tmp: Path) -> None:
+    """The toy of the reference run (and of the runs compared with it) into `tmp/toy`."""
     make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
+
+
+def run_reference(tmp: Path) -> dict[str, Any]:
+    """Train the reference run in `tmp/ref` on the toy in `tmp/toy` (`write_toy`)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     t0 = time.monotonic()
     proc = subprocess.run(

@@ -128,13 +128,14 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(reference_run: dict[str, Any]) -> dict[str, Any]:
+def runs(reference_started: tuple[Path, Any]) -> dict[str, Any]:
     """The chain in run "b", next to the shared reference run "ref" (tests/train/reference.py,
-    also run A of test_train_e2e.py) and its toy."""
-    tmp = reference_run["tmp"]
+    also run A of test_train_e2e.py) and its toy; the reference trains meanwhile."""
+    tmp, reference = reference_started
     t0 = time.monotonic()
     chain = [_launch(tmp, "b", fault, resume=i > 0) for i, (fault, *_) in enumerate(CHAIN)]
-    return {"tmp": tmp, "ref": reference_run, "chain": chain, "seconds": time.monotonic() - t0}
+    seconds = time.monotonic() - t0
+    return {"tmp": tmp, "ref": reference.result(), "chain": chain, "seconds": seconds}
 
 
 @pytest.mark.parametrize("i", range(len(CHAIN)), ids=[c[0] or "finish" for c in CHAIN])

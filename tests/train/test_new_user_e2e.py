@@ -21,6 +21,7 @@ environment (before: `ModuleNotFoundError: No module named 'megatron_gspo'`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +69,7 @@ def _launch(tmp: Path, ranks: int, *sets: str, resume: bool = False) -> dict[str
     cmd += ["--resume"] if resume else []
     # A file, not a pipe: torch's shared-memory manager (tensor weight transport) may outlive
     # the job while an engine holds the weights, and would keep a pipe open.
-    log = tmp / f"launch_{len(list(tmp.glob('launch_*')))}.log"
+    log = tmp / f"launch_{uuid.uuid4().hex[:8]}.log"  # launches may run at once
     with log.open("w") as out:
         proc = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=out, timeout=600)
     out = log.read_text()
@@ -113,32 +115,8 @@ def _small_disk(path: Path, mb: int) -> bool:
     return subprocess.run(cmd, capture_output=True).returncode == 0
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    tmp = tmp_path_factory.mktemp("newuser")
-    make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
-    a = _launch(
-        tmp,
-        2,
-        "reward.kind=tests.train.bad_rewards:invalid",
-        "train.steps=4",
-        "train.max_failed_reward_steps=2",
-    )
-    disk = tmp / "disk"
-    full = _small_disk(disk, 3)
-    try:
-        shutil.copytree(tmp / "ckpt", disk / "ckpt")
-        b = _launch(
-            tmp, 2, "optim.lr=1e-5", "train.steps=3", f"checkpoint.dir={disk}/ckpt", resume=True
-        )
-        b["kept_verified"] = verify(disk / "ckpt" / "step_000002") is None
-        b["latest"] = (disk / "ckpt" / "latest").read_text().strip()
-        b["left"] = sorted(p.name for p in (disk / "ckpt").iterdir() if p.name[0] != ".")
-        b["full"] = full
-    finally:
-        if full:
-            subprocess.run(["umount", str(disk)], capture_output=True)
-    three = save_tiny_hf_checkpoint(tmp / "three_layers", perturb_norms=False, num_hidden_layers=3)
+def _other_model(tmp: Path, three: Path) -> tuple[dict[str, Any], str]:
+    """Launch C: one rank against an engine serving the 3-layer model."""
     engine, url = _engine(three, tmp / "engine.log")
     try:
         c = _launch(
@@ -152,6 +130,40 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     finally:
         engine.kill()
         engine.wait()
+    return c, url
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("newuser")
+    make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
+    three = save_tiny_hf_checkpoint(tmp / "three_layers", perturb_norms=False, num_hidden_layers=3)
+    # C (its own engine, its own directories) runs next to A then B: one launch leaves about
+    # a third of the 2 cores idle (measured).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        lane_c = pool.submit(_other_model, tmp, three)
+        a = _launch(
+            tmp,
+            2,
+            "reward.kind=tests.train.bad_rewards:invalid",
+            "train.steps=4",
+            "train.max_failed_reward_steps=2",
+        )
+        disk = tmp / "disk"
+        full = _small_disk(disk, 3)
+        try:
+            shutil.copytree(tmp / "ckpt", disk / "ckpt")
+            b = _launch(
+                tmp, 2, "optim.lr=1e-5", "train.steps=3", f"checkpoint.dir={disk}/ckpt", resume=True
+            )
+            b["kept_verified"] = verify(disk / "ckpt" / "step_000002") is None
+            b["latest"] = (disk / "ckpt" / "latest").read_text().strip()
+            b["left"] = sorted(p.name for p in (disk / "ckpt").iterdir() if p.name[0] != ".")
+            b["full"] = full
+        finally:
+            if full:
+                subprocess.run(["umount", str(disk)], capture_output=True)
+        c, url = lane_c.result()
     return {"tmp": tmp, "a": a, "b": b, "c": c, "engine": url, "three": three}
 
 

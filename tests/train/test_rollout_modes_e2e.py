@@ -10,6 +10,7 @@ its checkpoint holds the prompts of the batch generated ahead, and the resume co
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
@@ -70,20 +71,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("modes")
     make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
     out: dict = {"tmp": tmp}
-    out["over"] = _train(
-        tmp,
-        "over",
-        "ckpt_over",
-        3,
+    async_sets = ("rollout.async_rollout=true", "rollout.partial_tokens=2")
+
+    def asynchronous() -> None:
+        out["async"] = _train(tmp, "async", "ckpt_async", 3, *async_sets, "checkpoint.save_every=2")
+        out["state"] = torch.load(tmp / "ckpt_async/step_000002/rollout.pt", weights_only=True)
+        out["resumed"] = _train(tmp, "async", "ckpt_async", 4, *async_sets, "--resume")
+
+    over = (
         "rollout.oversample=2.0",
         "rollout.drop_equal_reward_groups=true",
         "rollout.partial_tokens=2",
         "checkpoint.save_every=0",
     )
-    async_sets = ("rollout.async_rollout=true", "rollout.partial_tokens=2")
-    out["async"] = _train(tmp, "async", "ckpt_async", 3, *async_sets, "checkpoint.save_every=2")
-    out["state"] = torch.load(tmp / "ckpt_async/step_000002/rollout.pt", weights_only=True)
-    out["resumed"] = _train(tmp, "async", "ckpt_async", 4, *async_sets, "--resume")
+    # Two lanes at once: one 1-rank launch leaves ~40% of the 2 cores idle (measured).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        lanes = [pool.submit(asynchronous), pool.submit(_train, tmp, "over", "ckpt_over", 3, *over)]
+        out["over"] = lanes[1].result()
+        lanes[0].result()
     return out
 
 

@@ -18,6 +18,7 @@ own killed after its step-2 checkpoint, resumed by C).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
@@ -98,22 +99,34 @@ def runs(reference_run: dict[str, Any]) -> dict:
     # A's step-2 checkpoint, as `latest` of a checkpoint directory of C's own
     shutil.copytree(reference_run["dir"] / "ckpt/step_000002", tmp / "ckpt_c/step_000002")
     (tmp / "ckpt_c/latest").write_text("step_000002\n")
-    out["c"] = _train(tmp, "c", "ckpt_c", 4, "--resume")
     data = _parquet_and_held_out(tmp)
-    out["d"] = _train(
-        tmp,
-        "d",
-        "ckpt_d",
-        2,
-        *("--set", "rollout.launch.colocated=true", "--set", "data.format=auto"),
-        *("--set", f"data.train_path={data}/toy.parquet", "--set", "eval.every=1"),
-        *("--set", f"eval.path={data}/held_out"),
-    )
-    extra = ("--set", "train.max_bad_steps=2", "--set", "checkpoint.save_every=0")
-    cmd = _command(tmp, "nan", "ckpt_nan", 5, *extra, module="tests.train.nan_train")
-    out["nan"] = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    # the checkpoint of a run that never stepped its optimizer resumes (a healthy loss now)
-    out["nan_resumed"] = _train(tmp, "nan", "ckpt_nan", 3, "--resume")
+
+    def resumed_then_colocated() -> None:
+        out["c"] = _train(tmp, "c", "ckpt_c", 4, "--resume")
+        out["d"] = _train(
+            tmp,
+            "d",
+            "ckpt_d",
+            2,
+            *("--set", "rollout.launch.colocated=true", "--set", "data.format=auto"),
+            *("--set", f"data.train_path={data}/toy.parquet", "--set", "eval.every=1"),
+            *("--set", f"eval.path={data}/held_out"),
+        )
+
+    def non_finite_then_resumed() -> None:
+        extra = ("--set", "train.max_bad_steps=2", "--set", "checkpoint.save_every=0")
+        cmd = _command(tmp, "nan", "ckpt_nan", 5, *extra, module="tests.train.nan_train")
+        out["nan"] = subprocess.run(
+            cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
+        )
+        # the checkpoint of a run that never stepped its optimizer resumes (a healthy loss now)
+        out["nan_resumed"] = _train(tmp, "nan", "ckpt_nan", 3, "--resume")
+
+    # Two lanes at once: one launch leaves ~25% of the 2 cores idle (measured), and the lanes
+    # share nothing but the toy.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for lane in [pool.submit(resumed_then_colocated), pool.submit(non_finite_then_resumed)]:
+            lane.result()
     out["tmp"] = tmp
     return out
 
