@@ -194,8 +194,8 @@ def test_sync_goes_on_without_a_dead_engine_and_the_restarted_one_gets_the_weigh
 
 @pytest.mark.slow  # 12-25 s: engine restarts and a full weight sync
 def test_hung_engine_is_dropped_then_rejoins_with_the_weights(group, weights_b, monkeypatch):
-    """SIGSTOP: generation times out on it and goes elsewhere; the sync drops it after
-    control_timeout_s; after SIGCONT it answers its probe, joins the next sync and serves
+    """SIGSTOP: generation times out on it, drops it and goes elsewhere; the sync leaves it
+    out; after SIGCONT it answers its probe, joins the next sync and serves
     that version (no restart: this client was given no restart hook)."""
     from megatron_gspo.engines import aborts
 
@@ -203,13 +203,7 @@ def test_hung_engine_is_dropped_then_rejoins_with_the_weights(group, weights_b, 
     # too: 10 s by default, 11 of this test's 18 s.
     monkeypatch.setattr(aborts, "ABORT_TIMEOUT_S", 1.0)
     url0, url1 = group.cfg.engine_urls
-    # the waits below are these timeouts (the tiny engine answers in well under 0.5 s)
-    client = _client(
-        group.cfg.engine_urls,
-        max_batch_per_request=1,
-        request_timeout_s=1.5,
-        control_timeout_s=2.5,
-    )
+    client = _client(group.cfg.engine_urls, max_batch_per_request=1, request_timeout_s=2.0)
     client.pool.restart = None
     cfg = WeightSyncConfig(transport="tensor", experts_to_first=False, verify_every=1)
     sync = WeightSync(HFBridge(weights_b), [client], cfg)  # every push verified
