@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Install (cached) and run the whole test suite: lint, then pytest. Extra args go to pytest.
+# Install (cached) and run the whole test suite: ruff, then pytest with mypy beside it.
 #   --quick   the quick tier: every module's fast tests, no multi-rank launches, no
 #             end-to-end runs, no real SGLang server (tests marked slow or multirank are left
 #             out); under 5 minutes on 2 cores. CI (.ci/run) always runs everything.
+#   [pytest args]  run only what they select, in one pytest process (the whole suite runs as
+#             two processes at once, see below; PYTEST_ADDOPTS reaches both).
 set -uo pipefail
 quick=0
 if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
@@ -24,14 +26,42 @@ MYPY_PATHS=(megatron_gspo/algo megatron_gspo/config.py megatron_gspo/config_io.p
   megatron_gspo/rollout/experience.py megatron_gspo/checkpoint.py megatron_gspo/train.py
   megatron_gspo/preflight.py megatron_gspo/rollout/config.py megatron_gspo/rollout/scheduler.py
   megatron_gspo/engines/protocols.py megatron_gspo/engines/connect.py)
-"$venv/bin/mypy" "${MYPY_PATHS[@]}" || { echo "[test] mypy failed"; exit 1; }
+out=$(mktemp -d "${TMPDIR:-/tmp}/mgspo-test.XXXXXX")
+trap 'rm -rf "$out"' EXIT
+# mypy (one core, ~50 s without its cache) checks beside pytest; its verdict counts at the end.
+"$venv/bin/mypy" "${MYPY_PATHS[@]}" >"$out/mypy.log" 2>&1 &
+mypy_pid=$!
+PYTEST=("$venv/bin/python" -m pytest -p no:cacheprovider)
 if [ "$quick" = 1 ]; then
-  set -- -m "not slow and not multirank" "$@"
+  # --durations: the slowest tests, to keep the suite's time in view
+  "${PYTEST[@]}" -m "not slow and not multirank" --durations=15 "$@"
+  rc=$?
+elif [ "$#" -gt 0 ]; then
+  "${PYTEST[@]}" --durations=15 "$@"  # a part of the suite, as asked
+  rc=$?
+else
+  # The whole suite in two pytest processes at once: the launches (tests marked slow or
+  # multirank) leave about a quarter of the 2 cores idle, and the in-process tests (the quick
+  # tier) use one core; each stream has its own temporary directory. The in-process stream's
+  # report follows the launches'.
+  "${PYTEST[@]}" -m "not slow and not multirank" --basetemp="$out/quick" --durations=15 \
+    >"$out/quick.log" 2>&1 &
+  quick_pid=$!
+  "${PYTEST[@]}" -m "slow or multirank" --basetemp="$out/slow" --durations=40
+  rc=$?
+  wait "$quick_pid"
+  rc_quick=$?
+  echo "[test] the in-process tests (run beside the launches above):"
+  cat "$out/quick.log"
+  # exit 5 (no tests) counts as a failure in either stream: each has hundreds of tests
+  [ "$rc" -eq 0 ] && rc=$rc_quick
 fi
-# --durations: the 40 slowest tests, to keep the suite's time in view
-"$venv/bin/python" -m pytest -p no:cacheprovider --durations=40 "$@"
-rc=$?
 tier=$([ "$quick" = 1 ] && echo "quick tier" || echo "suite")
+if ! wait "$mypy_pid"; then
+  cat "$out/mypy.log"
+  echo "[test] mypy failed"
+  [ "$rc" -eq 0 ] && rc=1
+fi
 echo "[test] $tier wall time: $(( $(date +%s) - start )) s on $(nproc) cores"
 if [ "$rc" -eq 5 ]; then
   echo "[test] pytest collected no tests: failing on purpose" >&2

@@ -11,6 +11,9 @@ import torch
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.testing import sglang_server
+from tests.ahead import Ahead
+
+_AHEAD = pytest.StashKey[Ahead]()
 
 
 @pytest.fixture(scope="session")
@@ -110,3 +113,26 @@ def pytest_collection_modifyitems(config, items):
         rel = os.path.relpath(str(item.path), root).split(os.sep)
         if rel[0] in _SLOW_DIRS or "engine_python" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the selected files' launches ahead (tests/ahead.py), beside the first tests."""
+    if session.config.option.collectonly:
+        return
+    # the session's own TempPathFactory (private name, public type): the launches' directories
+    # sit in the run's basetemp with every other fixture's, and go with it
+    launches = Ahead(session.config._tmp_path_factory)  # type: ignore[attr-defined]
+    launches.start(item.path for item in session.items)
+    session.config.stash[_AHEAD] = launches
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    launches = session.config.stash.get(_AHEAD, None)
+    if launches is not None:
+        launches.close()
+
+
+@pytest.fixture(scope="session")
+def launches_ahead(request: pytest.FixtureRequest) -> Ahead:
+    """The session's launches started ahead (tests/ahead.py): `.result(name)`."""
+    return request.config.stash[_AHEAD]

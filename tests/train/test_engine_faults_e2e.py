@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.dist import free_port
-from tools import make_tiny_toy
+from tests.ahead import Ahead, ahead, make_toy
 
 pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS, GROUP = 4, 4
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    tmp = tmp_path_factory.mktemp("engine_faults")
-    make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
+@ahead("engine_faults")
+def _launch(tmp: Path) -> dict:
+    """The run (started ahead: tests/ahead.py): its process, metrics, syncs and directory."""
+    make_toy(tmp / "toy", "--n", "64")
     sets = {
         "model.hf_path": f"{tmp}/toy/model",
         "data.train_path": f"{tmp}/toy/toy.jsonl",
@@ -67,6 +67,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     metrics = [json.loads(ln) for ln in (tmp / "run/metrics.jsonl").read_text().splitlines()]
     synced = [json.loads(ln) for ln in versions.read_text().splitlines()]
     return {"proc": proc, "metrics": metrics, "synced": synced, "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def run(launches_ahead: Ahead) -> dict:
+    return launches_ahead.result("engine_faults")
 
 
 def test_run_survives_an_engine_killed_mid_rollout(run) -> None:

@@ -8,10 +8,15 @@ mean and sample standard deviation over the two seeds."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from tests.ahead import ROOT, Ahead, ahead
 from tools import evidence_study
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -22,11 +27,25 @@ def _line(text: str, prefix: str, last: bool = False) -> list[str]:
     return lines[-1 if last else 0].split(" | ")
 
 
-def test_quick_study_runs_and_reports(tmp_path, capsys):
+def _argv(tmp: Path) -> list[str]:
+    return ["--quick", "--data-dir", str(tmp / "runs"), "--out", str(tmp / "evidence.md")]
+
+
+@ahead("evidence_study")
+def _launch(tmp: Path) -> Path:
+    """The quick study, as a user runs it (started ahead: tests/ahead.py); its directory."""
+    cmd = [sys.executable, "-m", "tools.evidence_study", *_argv(tmp), "--timeout", "600"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return tmp
+
+
+def test_quick_study_runs_and_reports(launches_ahead: Ahead, capsys) -> None:
+    tmp_path = launches_ahead.result("evidence_study")
     data, out = tmp_path / "runs", tmp_path / "evidence.md"
     (arm,) = evidence_study.QUICK_ARMS
-    argv = ["--quick", "--data-dir", str(data), "--out", str(out), "--timeout", "600"]
-    assert evidence_study.main(argv) == 0
+    argv = [*_argv(tmp_path), "--timeout", "600"]
     meta = json.loads((data / f"{arm}-seed0.meta.json").read_text())
     assert meta["status"] == "ok" and meta["steps"] == evidence_study.QUICK_STEPS
     rows = [json.loads(x) for x in (data / f"{arm}-seed0.jsonl").read_text().splitlines()]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.dist import free_port
-from tools import make_tiny_toy
+from tests.ahead import Ahead, ahead, make_toy
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,10 +49,10 @@ SETS = {
 }
 
 
-@pytest.fixture(scope="module")
-def metrics(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("regs")
-    make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "32"])
+@ahead("regularizers")
+def _launch(tmp: Path) -> list[dict]:
+    """The run (started ahead: tests/ahead.py); its metrics rows."""
+    make_toy(tmp / "toy", "--n", "32")
     sets = {
         **SETS,
         "model.hf_path": f"{tmp}/toy/model",
@@ -69,6 +69,11 @@ def metrics(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     lines = (tmp / "run" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+@pytest.fixture(scope="module")
+def metrics(launches_ahead: Ahead) -> list[dict]:
+    return launches_ahead.result("regularizers")
 
 
 def test_new_metrics_are_logged_and_finite(metrics) -> None:

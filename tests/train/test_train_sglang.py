@@ -25,7 +25,7 @@ from megatron_gspo.dist import free_port
 from megatron_gspo.engines.sgl_kernel_cpu import LOG_ENV, check_stub_log
 from megatron_gspo.metrics_log import read_metrics
 from megatron_gspo.testing import sglang_server
-from tools import make_tiny_toy
+from tests.ahead import Ahead, ahead, make_toy
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,10 +42,16 @@ MISMATCH_FP32_NOISE = 1e-4
 (tests/train/test_train_e2e.py): bf16 mismatch must be clearly above it (measured ~8e-4)."""
 
 
-@pytest.fixture(scope="module")
-def run(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    tmp = tmp_path_factory.mktemp("train_sglang")
-    make_tiny_toy.main(["--out", str(tmp / "toy"), "--n", "64"])
+def _has_engine_venv() -> bool:
+    python = sglang_server.engine_python()
+    return python is not None and os.path.exists(python)
+
+
+@ahead("train_sglang", when=_has_engine_venv)
+def _launch(tmp: Path) -> dict:
+    """The run (started ahead: tests/ahead.py, when the engine venv is there)."""
+    engine_python = sglang_server.engine_python()
+    make_toy(tmp / "toy", "--n", "64")
     sets = {
         "model.hf_path": f"{tmp}/toy/model",
         "data.train_path": f"{tmp}/toy/toy.jsonl",
@@ -85,6 +91,13 @@ def run(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     rows = read_metrics(tmp / "run/metrics.jsonl")
     metrics = [{"step": step, **rows[step]} for step in sorted(rows)]
     return {"metrics": metrics, "stub_log": stub_log, "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def run(engine_python: str, launches_ahead: Ahead) -> dict:
+    """The run; `engine_python` first: it skips, or fails under MGSPO_REQUIRE_SGLANG, when the
+    engine venv is absent (the launch is then not started ahead)."""
+    return launches_ahead.result("train_sglang")
 
 
 def test_trains_on_the_real_server_with_every_push_verified(run) -> None:

@@ -18,15 +18,17 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.dist import free_port
-from tools import make_tiny_toy
+from tests.ahead import Ahead, ahead, make_toy
 
 pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
 
 
-def test_tool_example_trains(tmp_path: Path) -> None:
-    make_tiny_toy.main(["--out", str(tmp_path / "toy"), "--n", "64", "--ops", "add"])
+@ahead("tool_example")
+def _launch(tmp_path: Path) -> list[dict]:
+    """The run (started ahead: tests/ahead.py); its metrics rows."""
+    make_toy(tmp_path / "toy", "--n", "64", "--ops", "add")
     sets = {
         "model.hf_path": f"{tmp_path}/toy/model",
         "data.train_path": f"{tmp_path}/toy/toy.jsonl",
@@ -56,7 +58,11 @@ def test_tool_example_trains(tmp_path: Path) -> None:
         cmd += ["--set", f"{key}={value}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    return [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+
+
+def test_tool_example_trains(launches_ahead: Ahead) -> None:
+    rows = launches_ahead.result("tool_example")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         for key in ("env/turns_mean", "env/tool_call_rate", "env/env_token_frac", "env/failures"):
