@@ -4,9 +4,11 @@ A trainer launch leaves 25-40% of the 2 cores idle (start-up, health waits, gloo
 for each other), and so do most in-process tests (one Python thread). So the single-launch
 end-to-end files register their launch here (`@ahead("name")` at import, i.e. at collection),
 and `tests/conftest.py` starts every registered launch whose file has a selected test, one at a
-time on one background thread, as soon as collection ends. The file's fixture then takes the
-result (`Ahead.result`): it waits if the launch is running, or runs it itself if it has not
-started yet, so that a file run on its own costs what it did before.
+time on one background thread, as soon as collection ends, or, with `AFTER_PID_ENV` set, once
+that process has ended (scripts/test.sh: the in-process tests' pytest, which keeps one core
+busy while it runs; the launches then fill the idle time of the later ones). The file's
+fixture then takes the result (`Ahead.result`): it waits if the launch is running, or runs it
+itself if it has not started yet, so that a file run on its own costs what it did before.
 
 A registered function runs on a thread beside other tests: it must touch no process state
 (environment, cwd, stdout, torch settings) and start subprocesses only, capturing their output.
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 
@@ -42,18 +45,23 @@ class Launch:
 
 
 _REGISTERED: dict[str, Launch] = {}
+AFTER_PID_ENV = "MGSPO_TEST_AHEAD_AFTER_PID"
 
 
 def ahead(
-    name: str, *, when: Callable[[], bool] = lambda: True
+    name: str,
+    *,
+    when: Callable[[], bool] = lambda: True,
+    registry: dict[str, Launch] = _REGISTERED,
 ) -> Callable[[Callable[[Path], Any]], Callable[[Path], Any]]:
-    """Register fn(tmp) as the launch `name` of the calling test file."""
+    """Register fn(tmp) as the launch `name` of the calling test file (in the session's
+    registry, or `registry`)."""
 
     def register(fn: Callable[[Path], Any]) -> Callable[[Path], Any]:
         path = Path(inspect.getfile(fn)).resolve()
-        old = _REGISTERED.get(name)
+        old = registry.get(name)
         assert old is None or old.path == path, f"launch {name!r} registered twice"
-        _REGISTERED[name] = Launch(name, path, fn, when)
+        registry[name] = Launch(name, path, fn, when)
         return fn
 
     return register
@@ -62,20 +70,27 @@ def ahead(
 class Ahead:
     """The session's launches: started ahead on one thread, or run by the asking fixture."""
 
-    def __init__(self, tmp_factory: pytest.TempPathFactory) -> None:
+    def __init__(
+        self, tmp_factory: pytest.TempPathFactory, registry: dict[str, Launch] = _REGISTERED
+    ) -> None:
         self._tmp_factory = tmp_factory
+        self._registry = registry
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self._futures: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
+        self._closing = threading.Event()
 
-    def start(self, selected_paths: Iterable[Path]) -> list[str]:
-        """Queue every registered launch of the selected files; returns their names."""
+    def start(self, selected_paths: Iterable[Path], after_pid: int | None = None) -> list[str]:
+        """Queue every registered launch of the selected files, behind the end of process
+        `after_pid` if given; returns their names."""
         paths = {Path(p).resolve() for p in selected_paths}
-        names = [n for n, job in _REGISTERED.items() if job.path in paths and job.when()]
+        names = [n for n, job in self._registry.items() if job.path in paths and job.when()]
         with self._lock:
+            if names and after_pid is not None:
+                self._pool.submit(self._wait_for_end, after_pid)
             for name in names:
                 tmp = self._tmp_factory.mktemp(name)  # here: mktemp is not made for threads
-                self._futures[name] = self._pool.submit(_REGISTERED[name].fn, tmp)
+                self._futures[name] = self._pool.submit(self._registry[name].fn, tmp)
         return names
 
     def result(self, name: str) -> Any:
@@ -85,11 +100,22 @@ class Ahead:
             inline = future is None or future.cancel()  # queued, not started: run it here
             tmp = self._tmp_factory.mktemp(name) if inline else None
         if inline:
-            return _REGISTERED[name].fn(tmp)
+            return self._registry[name].fn(tmp)
         return future.result()
+
+    def _wait_for_end(self, pid: int) -> None:
+        """Hold the queue until process `pid` has ended (a zombie has ended) or the session."""
+        while not self._closing.is_set():
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    return
+            except psutil.NoSuchProcess:
+                return
+            self._closing.wait(1.0)
 
     def close(self) -> None:
         """Drop what has not started; wait for what has (its subprocesses end with it)."""
+        self._closing.set()
         with self._lock:
             for future in self._futures.values():
                 future.cancel()
