@@ -42,14 +42,12 @@ elif [ "$#" -gt 0 ]; then
 else
   # The whole suite in two pytest processes at once: the launches (tests marked slow or
   # multirank) leave about a quarter of the 2 cores idle, and the in-process tests (the quick
-  # tier) use one core; each stream has its own temporary directory. The single-launch
-  # end-to-end files start their launch ahead once the in-process stream has ended
-  # (tests/ahead.py). The in-process stream's report follows the launches'.
+  # tier) use one core; each stream has its own temporary directory. The in-process stream's
+  # report follows the launches'.
   "${PYTEST[@]}" -m "not slow and not multirank" --basetemp="$out/quick" --durations=15 \
     >"$out/quick.log" 2>&1 &
   quick_pid=$!
-  MGSPO_TEST_AHEAD_AFTER_PID=$quick_pid \
-    "${PYTEST[@]}" -m "slow or multirank" --basetemp="$out/slow" --durations=40
+  "${PYTEST[@]}" -m "slow or multirank" --basetemp="$out/slow" --durations=40
   rc=$?
   wait "$quick_pid"
   rc_quick=$?

@@ -4,11 +4,13 @@ A trainer launch leaves 25-40% of the 2 cores idle (start-up, health waits, gloo
 for each other), and so do most in-process tests (one Python thread). So the single-launch
 end-to-end files register their launch here (`@ahead("name")` at import, i.e. at collection),
 and `tests/conftest.py` starts every registered launch whose file has a selected test, one at a
-time on one background thread, as soon as collection ends, or, with `AFTER_PID_ENV` set, once
-that process has ended (scripts/test.sh: the in-process tests' pytest, which keeps one core
-busy while it runs; the launches then fill the idle time of the later ones). The file's
-fixture then takes the result (`Ahead.result`): it waits if the launch is running, or runs it
-itself if it has not started yet, so that a file run on its own costs what it did before.
+time on one background thread, as soon as collection ends. The file's fixture then takes the
+result (`Ahead.result`): it waits if the launch is running, or runs it itself if it has not
+started yet, so that a file run on its own costs what it did before.
+
+Measured (whole suite, scripts/test.sh, 2 cores): started at once, 1519 s; held until the
+in-process stream had ended, 1606 s: they then ran beside the rehearsals and the fault chain,
+which keep the 2 cores busier than the early tests do.
 
 A registered function runs on a thread beside other tests: it must touch no process state
 (environment, cwd, stdout, torch settings) and start subprocesses only, capturing their output.
@@ -29,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 
@@ -45,7 +46,6 @@ class Launch:
 
 
 _REGISTERED: dict[str, Launch] = {}
-AFTER_PID_ENV = "MGSPO_TEST_AHEAD_AFTER_PID"
 
 
 def ahead(
@@ -78,16 +78,12 @@ class Ahead:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self._futures: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
-        self._closing = threading.Event()
 
-    def start(self, selected_paths: Iterable[Path], after_pid: int | None = None) -> list[str]:
-        """Queue every registered launch of the selected files, behind the end of process
-        `after_pid` if given; returns their names."""
+    def start(self, selected_paths: Iterable[Path]) -> list[str]:
+        """Queue every registered launch of the selected files; returns their names."""
         paths = {Path(p).resolve() for p in selected_paths}
         names = [n for n, job in self._registry.items() if job.path in paths and job.when()]
         with self._lock:
-            if names and after_pid is not None:
-                self._pool.submit(self._wait_for_end, after_pid)
             for name in names:
                 tmp = self._tmp_factory.mktemp(name)  # here: mktemp is not made for threads
                 self._futures[name] = self._pool.submit(self._registry[name].fn, tmp)
@@ -103,19 +99,8 @@ class Ahead:
             return self._registry[name].fn(tmp)
         return future.result()
 
-    def _wait_for_end(self, pid: int) -> None:
-        """Hold the queue until process `pid` has ended (a zombie has ended) or the session."""
-        while not self._closing.is_set():
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    return
-            except psutil.NoSuchProcess:
-                return
-            self._closing.wait(1.0)
-
     def close(self) -> None:
         """Drop what has not started; wait for what has (its subprocesses end with it)."""
-        self._closing.set()
         with self._lock:
             for future in self._futures.values():
                 future.cancel()

@@ -11,7 +11,7 @@ import torch
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.testing import sglang_server
-from tests.ahead import AFTER_PID_ENV, Ahead
+from tests.ahead import Ahead
 
 _AHEAD = pytest.StashKey[Ahead]()
 
@@ -122,8 +122,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # the session's own TempPathFactory (private name, public type): the launches' directories
     # sit in the run's basetemp with every other fixture's, and go with it
     launches = Ahead(session.config._tmp_path_factory)  # type: ignore[attr-defined]
-    after = os.environ.get(AFTER_PID_ENV)
-    launches.start((item.path for item in session.items), int(after) if after else None)
+    launches.start(item.path for item in session.items)
     session.config.stash[_AHEAD] = launches
 
 
