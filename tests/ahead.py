@@ -45,6 +45,7 @@ class Launch:
     """Whether to start it ahead at all (e.g. only with the engine venv present)."""
 
 
+ROOT = Path(__file__).resolve().parents[1]
 _REGISTERED: dict[str, Launch] = {}
 
 
@@ -76,7 +77,7 @@ class Ahead:
         self._tmp_factory = tmp_factory
         self._registry = registry
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ahead")
-        self._futures: dict[str, concurrent.futures.Future] = {}
+        self._futures: dict[str, tuple[concurrent.futures.Future, Path]] = {}
         self._lock = threading.Lock()
 
     def start(self, selected_paths: Iterable[Path]) -> list[str]:
@@ -86,28 +87,25 @@ class Ahead:
         with self._lock:
             for name in names:
                 tmp = self._tmp_factory.mktemp(name)  # here: mktemp is not made for threads
-                self._futures[name] = self._pool.submit(self._registry[name].fn, tmp)
+                self._futures[name] = (self._pool.submit(self._registry[name].fn, tmp), tmp)
         return names
 
     def result(self, name: str) -> Any:
         """The launch's result: waited for if it started, else run here (raises its error)."""
         with self._lock:
-            future = self._futures.pop(name, None)
-            inline = future is None or future.cancel()  # queued, not started: run it here
-            tmp = self._tmp_factory.mktemp(name) if inline else None
-        if inline:
+            future, tmp = self._futures.pop(name, (None, None))
+            if tmp is None:
+                tmp = self._tmp_factory.mktemp(name)
+        if future is None or future.cancel():  # not queued, or queued and not started
             return self._registry[name].fn(tmp)
         return future.result()
 
     def close(self) -> None:
         """Drop what has not started; wait for what has (its subprocesses end with it)."""
         with self._lock:
-            for future in self._futures.values():
+            for future, _ in self._futures.values():
                 future.cancel()
         self._pool.shutdown(wait=True)
-
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_toy(out: Path, *args: str) -> None:
