@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,15 @@ def abs_logp_diff(samples, trainer_logprobs) -> float:
                 total += abs(float(t) - e)
                 count += 1
     return total / count if count else 0.0
+
+
+def wait_generating(engine: Any, count: int = 1, timeout: float = 60.0) -> None:
+    """Wait until `count` requests run on the embedded `engine`, each with a token generated:
+    an abort or pause after this lands mid-response, however loaded the machine is."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = list(engine.tm.rid_to_state.values())
+        if len(states) >= count and all(s.output_len > 0 for s in states):
+            return
+        assert time.monotonic() < deadline, f"{count} requests never started generating"
+        time.sleep(0.01)

@@ -15,7 +15,7 @@ import pytest
 from megatron_gspo.engines import aborts
 from megatron_gspo.engines.client import ClientConfig, SGLangClient
 from megatron_gspo.engines.types import SamplingParams
-from tests.engines.helpers import FaultyProxy
+from tests.engines.helpers import FaultyProxy, wait_generating
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,14 +46,6 @@ def _start(client, prompts, prefix) -> tuple[threading.Thread, dict]:
     return t, out
 
 
-def _wait_running(engine, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(engine.tm.rid_to_state) < count:
-        assert time.monotonic() < deadline, "requests never started"
-        time.sleep(0.01)
-    time.sleep(0.2)  # a few tokens in
-
-
 def test_abort_reaches_the_retry_and_the_timed_out_request_is_aborted(engine_a):
     """The first attempt hangs on a proxy and times out: the client aborts it there, and re-sends
     it (rid + "-a1") to the healthy engine. Aborting the original rid stops the re-sent one."""
@@ -61,7 +53,7 @@ def test_abort_reaches_the_retry_and_the_timed_out_request_is_aborted(engine_a):
     client = _client([hung.url, engine_a.url], request_timeout_s=3.0)
     try:
         t, out = _start(client, [[1, 5, 9]], "t1")
-        _wait_running(engine_a, 1)
+        wait_generating(engine_a, 1)
         deadline = time.monotonic() + 10
         while not hung.aborts and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -85,7 +77,7 @@ def test_each_abort_goes_only_to_the_engine_that_runs_it(engine_a):
     roots = [f"t2-p{i}-s0" for i in range(4)]
     try:
         t, out = _start(client, [[1, 20 + i] for i in range(4)], "t2")
-        _wait_running(engine_a, 4)
+        wait_generating(engine_a, 4)
         for r in roots:
             client.abort(r)
         t.join(120)

@@ -21,7 +21,7 @@ from megatron_gspo.engines.protocols import EngineError
 from megatron_gspo.engines.types import SamplingParams
 from megatron_gspo.engines.wire import tensor_checksum
 
-from .helpers import abs_logp_diff, greedy, hf_model, rescore
+from .helpers import abs_logp_diff, greedy, hf_model, rescore, wait_generating
 
 pytestmark = pytest.mark.timeout(240)  # a hung server must fail, not stall CI
 
@@ -272,19 +272,10 @@ def _generate_in_thread(client, prompts, sp, n=1):
     return t, out
 
 
-def _wait_running(engine, count=1, timeout=30.0):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while len(engine.tm.rid_to_state) < count:
-        assert time.monotonic() < deadline, "requests never started"
-        time.sleep(0.01)
-
-
 def test_abort_and_pause_mid_generation(client_a, engine_a, ckpt_a, weights_b):
     long = SamplingParams(max_new_tokens=400, ignore_eos=True, seed=3)
     t, out = _generate_in_thread(client_a, [[1, 2], [1, 3]], long)
-    _wait_running(engine_a, 2)
+    wait_generating(engine_a, 2)
     client_a.abort()
     t.join(60)
     res = out["res"]
@@ -295,7 +286,7 @@ def test_abort_and_pause_mid_generation(client_a, engine_a, ckpt_a, weights_b):
     # pause(retract) freezes running requests; weights can be pushed meanwhile (no writer
     # lock while paused, as in SGLang); continue resumes them with the new version.
     t, out = _generate_in_thread(client_a, [[1, 2]], SamplingParams(max_new_tokens=200, seed=4))
-    _wait_running(engine_a, 1)
+    wait_generating(engine_a, 1)
     client_a.pause_generation("retract")
     named = sorted(weights_b.items())
     with client_a.weight_update_session():
@@ -333,7 +324,7 @@ def test_aborted_samples_are_resubmitted_when_asked(engine_a):
     client = SGLangClient(ClientConfig(engine_urls=[engine_a.url], resubmit_aborted=1))
     sp = SamplingParams(max_new_tokens=150, ignore_eos=True, seed=8)
     t, out = _generate_in_thread(client, [[1, 2], [1, 3]], sp)
-    _wait_running(engine_a, 2)
+    wait_generating(engine_a, 2)
     client.abort()
     t.join(60)
     res = out["res"]
@@ -354,7 +345,7 @@ def test_retracted_request_continues_on_pushed_weights(
     t, out = _generate_in_thread(
         client_a, [prompt], SamplingParams(max_new_tokens=200, ignore_eos=True, seed=6)
     )
-    _wait_running(engine_a, 1)
+    wait_generating(engine_a, 1)
     client_a.pause_generation("retract")
     with client_a.weight_update_session(weight_version="retract-1"):
         client_a.update_weights_from_tensor(sorted(weights_b.items()), flush_cache=False)

@@ -12,7 +12,7 @@ import time
 from megatron_gspo.data.prompts import PromptRecord
 from megatron_gspo.engines.types import SamplingParams
 from megatron_gspo.rollout.scheduler import GroupScheduler, PromptQueue, SchedulerConfig
-from tests.engines.helpers import hf_model, rescore
+from tests.engines.helpers import hf_model, rescore, wait_generating
 
 PROMPTS = [[1, 17, 33, 9], [1, 5, 7]]
 
@@ -89,10 +89,7 @@ def test_weight_update_during_an_abort_pause_with_a_waiting_request(
     out: dict = {}
     t1 = threading.Thread(target=lambda: out.update(a=client_a.generate([[1, 2]], long)))
     t1.start()
-    deadline = time.monotonic() + 60
-    while not engine_a.tm.rid_to_state:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_generating(engine_a)
     client_a.pause_generation("abort")
     short = SamplingParams(max_new_tokens=3, ignore_eos=True, seed=4)
     t2 = threading.Thread(target=lambda: out.update(b=client_a.generate([[1, 3]], short)))

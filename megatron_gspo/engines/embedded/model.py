@@ -97,6 +97,7 @@ class HFPolicy:
         *,
         should_abort: Callable[[], bool] = lambda: False,
         wait_if_paused: Callable[[], bool] = lambda: False,
+        on_token: Callable[[int], None] = lambda n: None,
         return_routed_experts: bool = False,
     ) -> GenerationOutput:
         """Generate one sequence; `sp` is a normalised `sglang` `SamplingParams`.
@@ -105,6 +106,7 @@ class HFPolicy:
         was retracted meanwhile: then, as SGLang does, its KV cache is rebuilt from the tokens
         so far, so the rest of the response sees weights pushed during the pause.
         `return_routed_experts`: also the experts each fed token was routed to (`routes.py`).
+        `on_token(n)`: called after each sampled token, with the response length so far.
         """
         from transformers import DynamicCache
 
@@ -155,6 +157,7 @@ class HFPolicy:
             tok, lp = self._sample(logits_v, sp, gen)
             out_ids.append(tok)
             out_lps.append(lp)
+            on_token(len(out_ids))
             step_ids = torch.tensor([[tok]], dtype=torch.long)
             if tok in stop_ids:
                 return done({"type": "stop", "matched": tok})

@@ -50,6 +50,7 @@ _CURRENT_TM: contextvars.ContextVar[EmbeddedTokenizerManager] = contextvars.Cont
 class _ReqState:
     rid: str
     aborted: bool = False
+    output_len: int = 0  # tokens generated so far (SGLang's state tracks its output ids too)
 
 
 class EmbeddedTokenizerManager:
@@ -209,6 +210,7 @@ class EmbeddedTokenizerManager:
             ids,
             sp,
             should_abort=lambda: state.aborted,
+            on_token=lambda n: setattr(state, "output_len", n),
             wait_if_paused=self._wait_if_paused,
             return_routed_experts=routes,
         )
