@@ -40,21 +40,31 @@ elif [ "$#" -gt 0 ]; then
   "${PYTEST[@]}" --durations=15 "$@"  # a part of the suite, as asked
   rc=$?
 else
-  # The whole suite in two pytest processes at once: the launches (tests marked slow or
-  # multirank) leave about a quarter of the 2 cores idle, and the in-process tests (the quick
-  # tier) use one core; each stream has its own temporary directory. The in-process stream's
-  # report follows the launches'.
-  "${PYTEST[@]}" -m "not slow and not multirank" --basetemp="$out/quick" --durations=15 \
-    >"$out/quick.log" 2>&1 &
-  quick_pid=$!
-  "${PYTEST[@]}" -m "slow or multirank" --basetemp="$out/slow" --durations=40
-  rc=$?
-  wait "$quick_pid"
-  rc_quick=$?
-  echo "[test] the in-process tests (run beside the launches above):"
-  cat "$out/quick.log"
-  # exit 5 (no tests) counts as a failure in either stream: each has hundreds of tests
-  [ "$rc" -eq 0 ] && rc=$rc_quick
+  # The whole suite in three pytest processes at once, each with its own temporary directory:
+  # the launches (tests marked slow or multirank) of tests/train/ and of the rest, and the
+  # in-process tests (the quick tier). One stream of launches leaves about a third of the 2
+  # cores idle (start-up, health waits) and the in-process tests use one core. Reports follow
+  # in this order; any stream's failure or exit 5 (no tests) fails the run.
+  stream() {  # name, pytest args: runs in the background, its report in $out/name.log
+    local name=$1; shift
+    ( "${PYTEST[@]}" "$@" --basetemp="$out/$name" --durations=15 >"$out/$name.log" 2>&1
+      r=$?; echo "[test] $name: exit $r after $(( $(date +%s) - start )) s" | tee -a "$out/$name.log"
+      exit "$r" ) &
+    pids+=($!); names+=("$name")
+  }
+  pids=(); names=()
+  echo "[test] three pytest streams at once; each one's report follows when all have ended"
+  stream launches-train -m "slow or multirank" tests/train
+  stream launches-rest -m "slow or multirank" --ignore=tests/train
+  stream in-process -m "not slow and not multirank"
+  rc=0
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"
+    r=$?
+    echo "[test] ---- ${names[$i]} ----"
+    cat "$out/${names[$i]}.log"
+    [ "$rc" -eq 0 ] && rc=$r
+  done
 fi
 tier=$([ "$quick" = 1 ] && echo "quick tier" || echo "suite")
 if ! wait "$mypy_pid"; then
