@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 import yaml
 
-from megatron_gspo.algo.losses import PolicyLossConfig
+from megatron_gspo.algo.config import PolicyLossConfig
 from megatron_gspo.config_io import (
+    FLOAT_DTYPES,
     ConfigError,
     apply_override,
     build_dataclass,
@@ -473,11 +473,11 @@ class Config:
             and launch.backend == "sglang"
             and self.weights.dtype is None
             and not self.weights.fp8
-            and isinstance(getattr(torch, launch.dtype, None), torch.dtype)
+            and launch.dtype in FLOAT_DTYPES
         ):
             # A real server casts what it receives to its own dtype, so the trainer's (e.g.
             # fp32 on CPU) would never match its checksums: send the engine's dtype.
-            self.weights.dtype = str(getattr(torch, launch.dtype)).removeprefix("torch.")
+            self.weights.dtype = FLOAT_DTYPES[launch.dtype]
         if self.weights.transport == "disk" and self.weights.disk_dir is None:
             self.weights.disk_dir = f"{self.logging.dir}/weights"
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 __all__ = [
+    "FLOAT_DTYPES",
     "ConfigError",
     "apply_override",
     "build_dataclass",
@@ -33,6 +34,26 @@ __all__ = [
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names the key to change."""
+
+
+# torch's floating-point dtype names (aliases included) -> its canonical name (`str(torch.<name>)`
+# without "torch."): dtype keys are checked without importing torch, so `megatron_gspo.config`
+# and the planner load without it. tests/test_config.py compares the table with torch's own.
+FLOAT_DTYPES: dict[str, str] = {
+    "bfloat16": "bfloat16",
+    "double": "float64",
+    "float": "float32",
+    "float16": "float16",
+    "float32": "float32",
+    "float4_e2m1fn_x2": "float4_e2m1fn_x2",
+    "float64": "float64",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e4m3fnuz": "float8_e4m3fnuz",
+    "float8_e5m2": "float8_e5m2",
+    "float8_e5m2fnuz": "float8_e5m2fnuz",
+    "float8_e8m0fnu": "float8_e8m0fnu",
+    "half": "float16",
+}
 
 
 def require(ok: bool, msg: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_gspo.algo.config import LOGPROB_CHUNK, VOCAB_CHUNK
 from megatron_gspo.config import Config
 from megatron_gspo.config_io import require
 from megatron_gspo.layout import Layout, _num_experts
@@ -283,8 +284,6 @@ def _activations(
 
 def _lm_head(cfg: Config, layout: Layout, b: int, h: int, v: int) -> float:
     """Bytes of the LM head + log-prob working set (fused or not; see `memory_formula`)."""
-    from megatron_gspo.megatron.step import LOGPROB_CHUNK, VOCAB_CHUNK  # the trainer's chunks
-
     tok, vp = cfg.train.micro_batch_tokens / layout.cp, v / layout.tp
     if not cfg.model.fused_lm_head:
         return 6 * tok * vp

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gspo.config import Config
-from megatron_gspo.weights import fp8 as fp8_lib
+from megatron_gspo.engines import fp8_blocks as fp8_lib
 
 VERIFIABLE_MODEL_TYPES = ("qwen3_moe", "qwen3", "qwen2", "qwen2_moe", "llama", "mistral")
 """Families whose SGLang parameters `weights/shards.py` reproduces (q/k/v, gate/up, experts)."""

@@ -215,3 +215,40 @@ def test_the_protocol_check_can_fail():
     bad = _implements_in_full(Half, WeightReceiver)
     assert "begin_weight_update: raises NotImplementedError" in bad
     assert "end_weight_update: missing" in bad
+
+
+# ---- what the light modules load ---------------------------------------------------------------
+def test_config_and_planner_load_without_torch():
+    """`megatron_gspo.config` and the planner (run on a Slurm login node, and by every sbatch
+    script before anything starts) import no torch, Megatron or transformers: their dtype names,
+    the `loss:` section and the FP8 checkpoint config are plain Python."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "import megatron_gspo.config, megatron_gspo.plan, megatron_gspo.topology\n"
+        "from megatron_gspo.algo import PolicyLossConfig\n"
+        "heavy = ('torch', 'megatron', 'transformers', 'sglang')\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in heavy}))\n"
+    )
+    env = {"PYTHONPATH": str(PACKAGE.parent), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_algo_names_are_those_of_their_modules():
+    """`megatron_gspo.algo` loads its names on first use: each is the object its module
+    defines, and `__all__` lists exactly the names it can load."""
+    import importlib
+
+    import megatron_gspo.algo as algo
+
+    assert sorted(algo.__all__) == sorted(algo._WHERE)
+    for name, module in algo._WHERE.items():
+        defined = getattr(importlib.import_module(f"megatron_gspo.algo.{module}"), name)
+        assert getattr(algo, name) is defined, name
+    assert set(algo.__all__) <= set(dir(algo))
+    with pytest.raises(AttributeError, match="no attribute 'gspo_los'"):
+        algo.gspo_los  # noqa: B018

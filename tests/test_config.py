@@ -251,6 +251,25 @@ def test_weights_dtype_follows_a_real_servers_dtype():
     assert fp8.weights.dtype == "float32"
     # GPU colocated stays allowed; only the CPU server dies on release/resume
     cfg(sglang, "rollout.launch.colocated=true")
+    assert cfg(sglang, "rollout.launch.dtype=half").weights.dtype == "float16"  # torch's alias
+    assert cfg(sglang, "rollout.launch.dtype=float").weights.dtype == "float32"
+
+
+def test_dtype_names_are_torchs_floating_dtypes():
+    """The config checks dtype names without importing torch (the planner loads none): its
+    table is torch's own floating-point dtypes, aliases mapped to their canonical names."""
+    import torch
+
+    from megatron_gspo.config_io import FLOAT_DTYPES
+
+    floating = {
+        name: str(dtype).removeprefix("torch.")
+        for name in dir(torch)
+        if isinstance(dtype := getattr(torch, name, None), torch.dtype) and dtype.is_floating_point
+    }
+    assert FLOAT_DTYPES == floating
+    assert "weights.dtype='int8' is not a floating-point torch dtype" in err("weights.dtype=int8")
+    assert cfg("weights.dtype=half").weights.torch_dtype is torch.float16
 
 
 HF = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts=8)

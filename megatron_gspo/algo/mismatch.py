@@ -38,30 +38,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from megatron_gspo.config_io import require
-
 if TYPE_CHECKING:  # types only: losses.py imports this module
     from megatron_gspo.algo.losses import PolicyLossConfig, PolicyLossInputs
 
 __all__ = [
-    "check_mismatch_bounds",
     "mismatch_keep_mask",
     "mismatch_masks",
     "sequence_mismatch_keep",
     "token_mismatch_keep",
 ]
-
-
-def check_mismatch_bounds(key: str, bounds: Sequence[float] | None) -> None:
-    """Config check of a `[low, high]` mask (None = off): 0 < low <= 1 <= high, low < high;
-    raises a ConfigError naming `key`."""
-    if bounds is None:
-        return
-    require(
-        len(bounds) == 2 and 0.0 < bounds[0] <= 1.0 <= bounds[1] and bounds[0] < bounds[1],
-        f"{key}={list(bounds)} must be [low, high] with 0 < low <= 1 <= high and low < high "
-        f"(e.g. [0.999, 1.002]), or null for off; change {key}",
-    )
 
 
 def token_mismatch_keep(

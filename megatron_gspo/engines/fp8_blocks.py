@@ -10,8 +10,11 @@ Only decoder linear weights are quantised; norms, the MoE router, embeddings and
 BF16, as in the published FP8 checkpoints.
 
 The format is SGLang's, so it lives with the engines: the weight sync quantises with it on send
-(`weights/fp8.py` adds its error bounds and the checkpoint config) and the embedded engine's FP8
+(`weights/fp8.py` adds its error bounds) and the embedded engine's FP8
 emulation (`engines/embedded/fp8_emulation.py`) holds and loads the same tensors.
+
+torch is imported by the functions that compute: the names and the checkpoint's
+`quantization_config` serve the planner's checks (`topology.py`), which load no torch.
 
 Shape legend: N rows (output features), K columns (input features), B = 128 block edge,
 Nb = ceil(N/B), Kb = ceil(K/B).
@@ -21,8 +24,10 @@ from __future__ import annotations
 
 import math
 import re
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -51,6 +56,8 @@ def scale_shape(shape: tuple[int, ...] | torch.Size, block: int = BLOCK) -> tupl
 
 def to_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """[N, K] -> zero-padded [Nb, B, Kb, B] (fp32)."""
+    import torch
+
     n, k = x.shape
     nb, kb = scale_shape(x.shape, block)
     padded = x.new_zeros((nb * block, kb * block), dtype=torch.float32)
@@ -66,6 +73,8 @@ def quantise_blockwise(
     Returns `(q [N, K] float8_e4m3fn, scale_inv [Nb, Kb] float32)` with `x ~= q * scale_inv`.
     pow2_scale: round scales up to a power of two (what DeepGEMM's UE8M0 layout requires).
     """
+    import torch
+
     if x.dim() != 2:
         raise ValueError(f"block FP8 needs a 2-D weight, got shape {tuple(x.shape)}")
     n, k = x.shape
@@ -87,3 +96,46 @@ def dequantise_blockwise(
     n, k = q.shape
     qb = to_blocks(q.float(), block)
     return (qb * scale_inv[:, None, :, None]).view(qb.size(0) * block, -1)[:n, :k]
+
+
+def quantisation_config(block: int = BLOCK, not_converted: list[str] | None = None) -> dict:
+    """The `quantization_config` of an FP8 block checkpoint's config.json (SGLang reads it)."""
+    cfg: dict = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    if not_converted:
+        cfg["modules_to_not_convert"] = sorted(not_converted)
+    return cfg
+
+
+def _cfg_get(hf_config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(hf_config, dict):
+        return hf_config.get(key, default)
+    return getattr(hf_config, key, default)
+
+
+def not_converted_modules(hf_config: Any) -> list[str]:
+    """HF linear modules that stay BF16 under FP8 (what `is_quantised_name` does not quantise):
+    lm_head, and per decoder layer of a MoE model the router (`mlp.gate`) and, where the model
+    has one, the shared-expert gate. Listed so that the engine builds them unquantised too."""
+    names = ["lm_head"]
+    n_layers = int(_cfg_get(hf_config, "num_hidden_layers", 0) or 0)
+    moe = any(
+        _cfg_get(hf_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
+    shared_gate = bool(_cfg_get(hf_config, "shared_expert_intermediate_size"))
+    for i in range(n_layers if moe else 0):
+        names.append(f"model.layers.{i}.mlp.gate")
+        if shared_gate:
+            names.append(f"model.layers.{i}.mlp.shared_expert_gate")
+    return names
+
+
+def quantization_config_for(hf_config: Any, block: int = BLOCK) -> dict:
+    """The `quantization_config` an engine needs to serve what FP8 sync sends for this model
+    (quant_method fp8, e4m3, `[block, block]` weight blocks, dynamic activation scales), from
+    its HF config (a `PretrainedConfig` or a config.json dict)."""
+    return quantisation_config(block, not_converted=not_converted_modules(hf_config))

@@ -20,11 +20,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from megatron_gspo.engines.types import RolloutResult, SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the engines' API loads without torch (the planner)
+    import torch
 
 
 class EngineError(RuntimeError):

@@ -49,6 +49,7 @@ from megatron_gspo.algo import (
     regularized_loss,
     vocab_parallel_logprobs,
 )
+from megatron_gspo.algo.config import LOGPROB_CHUNK, VOCAB_CHUNK
 from megatron_gspo.layout import Layout
 from megatron_gspo.megatron import replay
 from megatron_gspo.megatron.packing import (
@@ -58,8 +59,6 @@ from megatron_gspo.megatron.packing import (
     plan_micro_batches,
 )
 from megatron_gspo.megatron.transfer import gather_logprob_rows, logprobs_by_sequence
-
-LOGPROB_CHUNK, VOCAB_CHUNK = 1024, 8192  # LM head chunks: tokens, vocab rows (the planner's too)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,17 +1,18 @@
 """`weights:` config section: how trainer weights reach the rollout engines.
 
-A light module (torch and the config helpers only) so that `config.py` does not import the
-sync machinery.
+A light module (the config helpers only, no torch) so that `config.py` imports neither the
+sync machinery nor torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from megatron_gspo.config_io import FLOAT_DTYPES, ConfigError
 
-from megatron_gspo.config_io import ConfigError
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["WeightSyncConfig"]
 
@@ -88,8 +89,11 @@ class WeightSyncConfig:
             raise ConfigError(f"weights.transport={self.transport!r}: tensor|distributed|disk")
         if self.bucket_mb <= 0:
             raise ConfigError(f"weights.bucket_mb={self.bucket_mb} must be > 0")
-        if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ConfigError(f"weights.dtype={self.dtype!r} is not a torch dtype name")
+        if self.dtype is not None and self.dtype not in FLOAT_DTYPES:
+            raise ConfigError(
+                f"weights.dtype={self.dtype!r} is not a floating-point torch dtype name "
+                f"({', '.join(sorted(FLOAT_DTYPES))})"
+            )
         if self.verify_every < 0:
             raise ConfigError("weights.verify_every must be >= 0")
         if self.engine_ep_size < 1:
@@ -103,4 +107,6 @@ class WeightSyncConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
+        import torch
+
         return None if self.dtype is None else getattr(torch, self.dtype)

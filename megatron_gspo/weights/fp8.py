@@ -3,7 +3,7 @@
 The layout itself (names, shapes, `quantise_blockwise`, `dequantise_blockwise`) is SGLang's and
 lives in `engines/fp8_blocks.py`, which the embedded engine's FP8 emulation reads too; it is
 re-exported here. This module adds what the sender needs: the error bound checked on every
-quantised tensor, the checkpoint's `quantization_config`, and `quantise_named`.
+quantised tensor and `quantise_named`; the checkpoint's `quantization_config` is re-exported too.
 
 The format (block scales, `weight_scale_inv`, which weights are quantised, the shape legend) is
 described once, in `engines/fp8_blocks.py`.
@@ -15,8 +15,6 @@ round-to-nearest of a normal value has relative error <= 2^-4; values below the 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from megatron_gspo.engines.fp8_blocks import (
@@ -25,7 +23,10 @@ from megatron_gspo.engines.fp8_blocks import (
     SCALE_SUFFIX,
     dequantise_blockwise,
     is_quantised_name,
+    not_converted_modules,
+    quantisation_config,
     quantise_blockwise,
+    quantization_config_for,
     scale_name,
     scale_shape,
 )
@@ -93,49 +94,6 @@ def check_ratios(named: list[tuple[str, torch.Tensor]]) -> float:
             f"{named[int(where)][0]}: FP8 dequantisation error {worst:.3f}x the e4m3 bound"
         )
     return float(worst)
-
-
-def quantisation_config(block: int = BLOCK, not_converted: list[str] | None = None) -> dict:
-    """The `quantization_config` of an FP8 block checkpoint's config.json (SGLang reads it)."""
-    cfg: dict = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [block, block],
-    }
-    if not_converted:
-        cfg["modules_to_not_convert"] = sorted(not_converted)
-    return cfg
-
-
-def _cfg_get(hf_config: Any, key: str, default: Any = None) -> Any:
-    if isinstance(hf_config, dict):
-        return hf_config.get(key, default)
-    return getattr(hf_config, key, default)
-
-
-def not_converted_modules(hf_config: Any) -> list[str]:
-    """HF linear modules that stay BF16 under FP8 (what `is_quantised_name` does not quantise):
-    lm_head, and per decoder layer of a MoE model the router (`mlp.gate`) and, where the model
-    has one, the shared-expert gate. Listed so that the engine builds them unquantised too."""
-    names = ["lm_head"]
-    n_layers = int(_cfg_get(hf_config, "num_hidden_layers", 0) or 0)
-    moe = any(
-        _cfg_get(hf_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-    )
-    shared_gate = bool(_cfg_get(hf_config, "shared_expert_intermediate_size"))
-    for i in range(n_layers if moe else 0):
-        names.append(f"model.layers.{i}.mlp.gate")
-        if shared_gate:
-            names.append(f"model.layers.{i}.mlp.shared_expert_gate")
-    return names
-
-
-def quantization_config_for(hf_config: Any, block: int = BLOCK) -> dict:
-    """The `quantization_config` an engine needs to serve what FP8 sync sends for this model
-    (quant_method fp8, e4m3, `[block, block]` weight blocks, dynamic activation scales), from
-    its HF config (a `PretrainedConfig` or a config.json dict)."""
-    return quantisation_config(block, not_converted=not_converted_modules(hf_config))
 
 
 def quantise_named(
