@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import multiprocessing as mp
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,27 @@ def _config(timeout_s: float) -> Any:
     )
 
 
+def _wait_listening(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _rank(rank: int, port: int, timeout_s: float, results: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
     )
     cfg = _config(timeout_s)
+    if rank:
+        # The configured timeout bounds the rendezvous too: under load, rank 0 (importing
+        # torch) could open its store more than 1 s after rank 1 began to connect.
+        _wait_listening(port)
     dist.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)  # as train.py
     start = time.monotonic()
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_gspo.algo import (
     PolicyLossConfig,
@@ -17,7 +16,7 @@ from megatron_gspo.algo import (
     policy_loss,
     vocab_parallel_logprobs,
 )
-from megatron_gspo.dist import free_port
+from megatron_gspo.testing.harness import spawn_ranks
 
 from .cases import make_seqs, pack, run_packed, scatter_grad
 from .reference import reference_logprobs
@@ -202,23 +201,17 @@ def _check_fused_lm_head(rank: int) -> None:
     torch.testing.assert_close(w.grad, ref[3], **tol)
 
 
-def _worker(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        _check_tensor_parallel(rank)
-        _check_context_parallel(rank)
-        _check_fused_lm_head(rank)
-        # Leave together: rank 0 hosts the TCP store, and tearing it down while rank 1 is still
-        # talking to it aborted rank 0 (SIGABRT, "terminate called without an active
-        # exception") in about 1 run in 10.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _ranks(rank: int, world: int) -> None:
+    assert world == WORLD
+    _check_tensor_parallel(rank)
+    _check_context_parallel(rank)
+    _check_fused_lm_head(rank)
+    # Leave together: rank 0 hosts the TCP store, and tearing it down while rank 1 is still
+    # talking to it aborted rank 0 (SIGABRT, "terminate called without an active
+    # exception") in about 1 run in 10.
+    dist.barrier()
 
 
 @pytest.mark.multirank
 def test_two_gloo_ranks() -> None:
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    spawn_ranks(_ranks, WORLD)  # gloo ranks forked from the session's preloaded forkserver
