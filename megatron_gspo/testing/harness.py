@@ -60,6 +60,10 @@ def _worker(
     path = Path(out) / f"rank{rank}.pt"
     try:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+        # Gloo's init returns on a rank once its own side of the mesh is up, not the peers':
+        # a rank whose `fn` ends at once would tear its sockets down while a slower peer still
+        # connects ("connectFullMesh failed ... Connection closed by peer", seen under load).
+        torch.distributed.barrier()
         result = fn(rank, world, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
