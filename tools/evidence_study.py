@@ -44,6 +44,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -101,6 +102,9 @@ class Arm:
     """Where a missing key comes from (an issue-22 branch), for the skip message."""
     needs_module: str = ""
     """A module the arm needs besides its keys (a key that exists for another use)."""
+    model: tuple[tuple[str, int], ...] = ()
+    """Overrides of the tiny model's shape (`data.tiny_model.TINY_QWEN3_MOE` keys): the deeper
+    model of the pre-registered study; empty = the toy."""
 
 
 def _arms() -> dict[str, Arm]:
@@ -143,8 +147,19 @@ def _arms() -> dict[str, Arm]:
             "GRPO + Routing Replay (study control)", "branch h22replay"),
         Arm("grpo-fp32-replay", grpo + replay, "embedded",
             "GRPO + Routing Replay (study control)", "branch h22replay"),
+        Arm("gspo-fp32-replay", gspo + replay, "embedded",
+            "GSPO + Routing Replay (does replay add anything to GSPO?)"),
     ]  # fmt: skip
+    # The pre-registered study's deeper model (docs/evidence/plan.md): more layers and experts
+    # than the toy, so routing has more to disagree on, still minutes per run.
+    for a in [x for x in arms if x.name in ("grpo-fp32", "gspo-fp32", "grpo-fp32-replay")]:
+        arms.append(Arm(f"{a.name}-deep", a.sets, a.engine, f"{a.note}; {DEEP_NOTE}",
+                        model=DEEP_MODEL))  # fmt: skip
     return {a.name: a for a in arms}
+
+
+DEEP_MODEL = (("num_hidden_layers", 4), ("num_experts", 8))
+DEEP_NOTE = "deeper model: 4 layers, 8 experts top-2"
 
 
 ARMS = _arms()
@@ -161,6 +176,7 @@ class Plan:
     data_dir: Path
     work_dir: Path
     extra_sets: list[str] = field(default_factory=list)
+    nice: int = 10
 
     @property
     def stem(self) -> str:
@@ -255,6 +271,8 @@ def prepare_task(arm: Arm, work_dir: Path) -> tuple[Path, int]:
     values = {"length": base_max_new_tokens(), **{k: int(v) for k, v in _task_sets(arm).items()}}
     task = pattern_task_config(values)
     d = work_dir / f"task-L{task.length}-p{task.pattern_min}{task.pattern_max}-n{task.n}"
+    if arm.model:
+        d = d.with_name(d.name + "-" + "-".join(f"{k}{v}" for k, v in arm.model))
     if not (d / "pattern.jsonl").exists():
         from transformers.utils import logging as hf_logging
 
@@ -263,7 +281,7 @@ def prepare_task(arm: Arm, work_dir: Path) -> tuple[Path, int]:
 
         hf_logging.disable_progress_bar()  # a sub-second "Writing model shards" bar is noise
 
-        save_tiny_hf_checkpoint(d / "model", seed=0, perturb_norms=False)
+        save_tiny_hf_checkpoint(d / "model", seed=0, perturb_norms=False, **dict(arm.model))
         save_toy_tokenizer(d / "model")
         write_pattern_dataset(d / "pattern.jsonl.tmp", task)
         (d / "pattern.jsonl.tmp").rename(d / "pattern.jsonl")
@@ -312,23 +330,40 @@ def _load() -> list[float]:
         return []
 
 
-def _commit() -> str:
+def _git(*args: str) -> str:
     try:
         return subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
         ).stdout.strip()
     except (subprocess.SubprocessError, OSError):
         return "unknown"
+
+
+def _commit(full: bool = False) -> str:
+    return _git("rev-parse", "HEAD") if full else _git("rev-parse", "--short", "HEAD")
+
+
+def _dirty() -> bool:
+    """Whether tracked code differs from the commit (data files under docs/ do not count)."""
+    return bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"))
+
+
+def run_complete(plan: Plan) -> bool:
+    """A run counts as done when its data file and a meta file with status ok both exist (the
+    meta file is written last, atomically: a run killed at any point is not done)."""
+    if not (plan.data.exists() and plan.meta.exists()):
+        return False
+    try:
+        return json.loads(plan.meta.read_text()).get("status") == "ok"
+    except ValueError:
+        return False
 
 
 def run_one(plan: Plan, timeout_s: float) -> bool:
     """Train one arm at one seed; write its data and meta files. True on success."""
     task_dir, length = prepare_task(plan.arm, plan.work_dir)
     sets = overrides(plan, task_dir, length)
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "megatron_gspo.torchrun"]
+    cmd = ["nice", "-n", str(plan.nice), sys.executable, "-m", "megatron_gspo.torchrun"]
     from megatron_gspo.dist import free_port
 
     cmd += ["--nproc_per_node", "2", "--master_port", str(free_port())]  # 29500 may be taken
@@ -339,7 +374,8 @@ def run_one(plan: Plan, timeout_s: float) -> bool:
     log_dir = plan.work_dir / plan.stem
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"[evidence] {plan.stem}: running ({len(sets)} overrides, log {log_dir}/study.log)")
-    load0, t0, commit = _load(), time.monotonic(), _commit()
+    load0, t0, commit = _load(), time.monotonic(), _commit(full=True)
+    date0 = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     with open(log_dir / "study.log", "w") as log:
         try:
             rc = subprocess.run(
@@ -355,33 +391,99 @@ def run_one(plan: Plan, timeout_s: float) -> bool:
         "sets": [s for s in plan.arm.sets] + plan.extra_sets,
         "task_length": length,
         "commit": commit,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "dirty": _dirty(),
+        "command": " ".join(map(shlex.quote, cmd)),
+        "study_command": " ".join(map(shlex.quote, [sys.executable, *sys.argv])),
+        "model": dict(plan.arm.model),
+        "start_utc": date0,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "wall_s": round(wall, 1),
         "loadavg_start": load0,
         "loadavg_end": _load(),
         "cpus": os.cpu_count(),
         "rc": rc,
-        "status": "ok" if rc == 0 else "failed",
+        "status": DONE_STATUS.get(rc, "failed"),
     }
     plan.data_dir.mkdir(parents=True, exist_ok=True)
     metrics = log_dir / "metrics.jsonl"
-    if rc == 0 and metrics.exists():
+    meta_path = plan.meta
+    if rc in DONE_STATUS and metrics.exists():
         rows = [keep_row(json.loads(line)) for line in metrics.read_text().splitlines() if line]
-        tmp = plan.data.with_suffix(".tmp")
+        tmp = plan.data.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.rename(plan.data)
         meta["steps"] = len(rows)
-    else:
+    else:  # a failed attempt keeps its own meta file (the report lists it), next to the run's
         meta["status"] = "failed"
         meta["log_tail"] = (log_dir / "study.log").read_text()[-2000:]
-    plan.meta.write_text(json.dumps(meta, indent=1) + "\n")
+        k = 1 + len(list(plan.data_dir.glob(f"{plan.stem}.failed*.meta.json")))
+        meta_path = plan.data_dir / f"{plan.stem}.failed{k}.meta.json"
+    tmp = meta_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    tmp.rename(meta_path)  # last and atomic: run_complete() reads it
     print(f"[evidence] {plan.stem}: {meta['status']} in {wall:.0f} s (load {load0} -> {_load()})")
-    if meta["status"] == "ok" and meta["steps"] >= 2:
+    if meta["status"] != "failed" and meta["steps"] >= 2:
         w = min(10, meta["steps"] // 2)  # as tools/reward_summary.py prints it for main.sh
         first, last, _ = summary(str(plan.data), w)
         rose = "ROSE" if last > first + 0.05 else "did NOT rise"
         print(f"[evidence] {plan.stem}: reward first {w} {first:.4f}, last {w} {last:.4f}: {rose}")
-    return meta["status"] == "ok"
+    return meta["status"] != "failed"
+
+
+# Exit codes whose run is an outcome: 0, and 3 (the trainer's bad-step guard stopped it: the
+# plan counts it as an entropy dip).
+DONE_STATUS = {0: "ok", 3: "bad_steps"}
+
+# The pre-registered study (docs/evidence/plan.md, section 6): blocks run in order; within a
+# block, seed by seed, the arm order rotated by the seed.
+STUDY_DIR = ROOT / "docs" / "evidence" / "study" / "runs"
+STUDY_WORK_DIR = ROOT / "runs" / "evidence_study"
+STUDY_BLOCKS = (
+    ("grpo-fp32", "gspo-fp32", "grpo-fp32-replay"),
+    ("gspo-fp32-replay", "gspo-fp8", "gspo-bf16", "gspo-bf16-fp32head", "gspo-bf16-recompute"),
+    ("grpo-fp32-deep", "gspo-fp32-deep", "grpo-fp32-replay-deep"),
+)
+STUDY_SEEDS = tuple(range(10))
+STUDY_NICE = 19
+
+
+def study_order(
+    blocks: tuple[tuple[str, ...], ...] = STUDY_BLOCKS, seeds: tuple[int, ...] = STUDY_SEEDS
+) -> list[tuple[str, int]]:
+    """(arm, seed) in the plan's run order: block by block, seed by seed, the block's arm order
+    rotated left by seed mod its size."""
+    out = []
+    for block in blocks:
+        for seed in seeds:
+            k = seed % len(block)
+            out += [(arm, seed) for arm in block[k:] + block[:k]]
+    return out
+
+
+def run_study(dry_run: bool, stop_at: str | None, timeout_s: float) -> int:
+    """Run the pre-registered order, skipping runs that are done; stop starting runs at
+    `stop_at` (UTC HH:MM). Returns the number of failed runs."""
+    failed, order = 0, study_order()
+    unrunnable: dict[str, str | None] = {}
+    for i, (name, seed) in enumerate(order):
+        plan = Plan(ARMS[name], seed, STUDY_DIR, STUDY_WORK_DIR, nice=STUDY_NICE)
+        done = run_complete(plan)
+        if dry_run:
+            print(f"{i + 1:3d} {plan.stem:32s} {'done' if done else 'to run'}")
+            continue
+        if done:
+            continue
+        if stop_at and time.strftime("%H:%M", time.gmtime()) >= stop_at:
+            print(f"[evidence] {stop_at} UTC reached: stopping before {plan.stem} ({i + 1}/"
+                  f"{len(order)}); the same command resumes here")  # fmt: skip
+            break
+        if name not in unrunnable:
+            unrunnable[name] = why_not(ARMS[name])
+        if unrunnable[name]:
+            print(f"[evidence] {plan.stem}: skipped: {unrunnable[name]}")
+            continue
+        failed += not run_one(plan, timeout_s)
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,9 +499,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, help=f"default {DATA_DIR.relative_to(ROOT)}")
     p.add_argument("--out", type=Path, help=f"report file, default {REPORT.relative_to(ROOT)}")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--study", action="store_true", help="the pre-registered study's run order "
+                   "(docs/evidence/plan.md) into docs/evidence/study/runs; resumes")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="with --study: print the order")
+    p.add_argument("--stop-at", help="with --study: start no run after this UTC time (HH:MM)")
     a = p.parse_args(argv)
     from tools.evidence_report import write_report
 
+    if a.study:
+        if not a.dry_run and _dirty():
+            p.error("the study runs from a clean checkout of the study commit (plan.md, section 5)")
+        return 1 if run_study(a.dry_run, a.stop_at, a.timeout) else 0
     if a.list:
         for arm in ARMS.values():
             reason = why_not(arm)
@@ -429,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for seed in seeds:
                 plan = Plan(arm, seed, data_dir, work_dir, extra)
-                if plan.data.exists() and not a.rerun:
+                if run_complete(plan) and not a.rerun:
                     print(f"[evidence] {plan.stem}: data exists, not rerun ({plan.data})")
                     continue
                 failed += not run_one(plan, a.timeout)
