@@ -5,7 +5,7 @@ Shape legend:
     S  sequences in the micro-batch
     k  number of per-sequence sums stacked for the one context-parallel all-reduce
 
-Math (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071; ../shared/GSPO.md):
+Math (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071):
 
     lr_{i,t} = log pi_theta(y_{i,t}) - log pi_old(y_{i,t})
     GSPO:       s_i     = exp( clamp( (1/|y_i|) sum_t lr_{i,t}, -c, c ) )

@@ -1,0 +1,326 @@
+"""The map stays true: every repository path and config key that the docs and docstrings name
+exists.
+
+Where paths are read: every word of `docs/*.md`, `README.md` and `CONTRIBUTING.md` (backticked
+or not, code blocks included, plus Markdown link targets), and every word of the docstrings
+(modules, classes, functions) of `megatron_gspo/`, `tools/`, `benchmarks/` and `tests/` and of
+the leading comment block of `scripts/*.sh`.
+
+What counts as a repository path (the rule):
+- A word with a "/" that ends in "/" (a folder) or whose last part has one of `SUFFIXES`
+  (`megatron_gspo/train.py`, `docs/`, `examples/recipes/`). Metric names
+  (`rollout/groups_kept`, `eval/pass@4`), config keys (`rollout.max_staleness`: no "/"),
+  "q/k/v" and "bf16/FP8" have neither, so they are not paths.
+- ... whose first part is a top-level entry of the repository (`tools/y.py`, `tests/x/`), a
+  subpackage of `megatron_gspo/` (`rollout/scheduler.py` is
+  `megatron_gspo/rollout/scheduler.py`), or an entry of the naming file's own folder
+  (`embedded/server.py` in `engines/__init__.py`, `img/x.png` in `docs/`). Anything else is
+  not ours and is skipped: upstream paths (`sglang/srt/...`, `megatron/core/...`,
+  `megatron/training/...`), run outputs (`runs/...`), placeholders (a word with `<`, `*`, `$`,
+  `~`, `{`). It must exist in the work tree, relative to one of those roots.
+- A bare file name with one of `BARE_SUFFIXES` and no "/" (`policy.py`) must be the name of
+  some file of the repository (it may be relative to a folder named nearby). The `.py` names
+  of a word that is a dotted module (`megatron_gspo.rollout`) are not file names.
+- Markdown link targets (`[text](docs/x.md)`, not URLs) are relative to the document's folder
+  and must exist.
+- Nothing points outside the repository: no `../` word that leaves it (checked after
+  resolving against the naming file's folder and the repository root), no `/work/...`, and
+  none of the engineers' notes (`shared/GSPO.md`, `shared/notes/...`): a reader of the
+  repository has only the repository.
+
+Config keys: a word of the documents that starts with a config section and a dot
+(`rollout.max_staleness`, `rollout.launch.colocated=true`: the value is cut off) must be a key or
+a section of the config (what `python -m megatron_gspo.config --keys` lists). Words with a "/"
+or a file suffix (`train.py`, `train.log`), calls (`model.named_parameters()`), dotted module
+names (`weights.config.WeightSyncConfig`: its first two parts name a module of the package),
+names defined in a root module (`train.cli` in `train.py`) and the few `NOT_KEYS` (each with its
+reason) are not keys.
+
+A planted document and docstring with each kind of violation must be reported, and the
+non-paths above must not be.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "megatron_gspo"
+
+SUFFIXES = (
+    ".py", ".md", ".yaml", ".yml", ".sh", ".txt", ".toml", ".json", ".png", ".sbatch",
+    ".cfg", ".ini",
+)  # fmt: skip
+BARE_SUFFIXES = (".py", ".sh", ".sbatch")
+# paths of upstream packages whose first part is also one of ours
+UPSTREAM_PREFIXES = ("megatron/core/", "megatron/training/", "megatron/bridge/")
+PLACEHOLDER_CHARS = "<>*$~{}"
+OUTSIDE = re.compile(r"^/work/|(^|/)shared/(notes/|[A-Z]+\.md)")
+URL = re.compile(r"[a-z][a-z0-9+.-]*://\S*")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+BARE_NAME = re.compile(r"^[\w-]+(" + "|".join(re.escape(s) for s in BARE_SUFFIXES) + ")$")
+# word boundaries: whitespace and the punctuation that wraps paths in prose, code and tables
+SPLIT = re.compile(r"[\s`'\"()\[\],;|=]+")
+
+
+def _words(text: str) -> Iterator[str]:
+    """Every candidate word of `text`: URLs removed, split at whitespace and wrapping
+    punctuation, trailing sentence punctuation stripped."""
+    for raw in SPLIT.split(URL.sub(" ", text)):
+        word = raw.rstrip(".:!?").lstrip(":")
+        if word:
+            yield word
+
+
+def _top_level() -> set[str]:
+    return {p.name for p in REPO.iterdir() if not p.name.startswith(".git")}
+
+
+def _subpackages() -> set[str]:
+    return {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+
+
+def _all_file_names() -> set[str]:
+    skip = {".git", "__pycache__", ".ruff_cache", ".mypy_cache", "runs"}
+    names = set()
+    for p in REPO.rglob("*"):
+        if not skip.intersection(p.relative_to(REPO).parts):
+            names.add(p.name)
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Roots:
+    """What a path may be relative to: the repository's top-level entries and the package's
+    subpackages (fixed), and the set of every file name (for bare names)."""
+
+    top: frozenset[str]
+    subpackages: frozenset[str]
+    file_names: frozenset[str]
+
+    @classmethod
+    def of_repo(cls) -> Roots:
+        return cls(frozenset(_top_level()), frozenset(_subpackages()), frozenset(_all_file_names()))
+
+
+def _is_path_like(word: str) -> bool:
+    if "/" not in word or "://" in word:
+        return False
+    return word.endswith("/") or word.rsplit("/", 1)[1].endswith(SUFFIXES)
+
+
+def check_text(text: str, where: Path, roots: Roots, markdown: bool) -> list[str]:
+    """Violations of the module docstring's rule in `text`, named by `where` (a file of the
+    repository: its folder is a root too). Each entry: "<file>: <word>: <why>"."""
+    rel = where.relative_to(REPO)
+    here = where.parent
+    bad: list[str] = []
+
+    def report(word: str, why: str) -> None:
+        entry = f"{rel}: {word}: {why}"
+        if entry not in bad:
+            bad.append(entry)
+
+    if markdown:
+        for target in LINK.findall(text):
+            if URL.match(target) or target.startswith(("#", "mailto:")):
+                continue
+            path = target.split("#", 1)[0]
+            if path and not (here / path).resolve().exists():
+                report(target, "link target does not exist")
+    for word in _words(text):
+        if OUTSIDE.search(word):
+            report(word, "points outside the repository (name a file in it, or say it)")
+            continue
+        if word.startswith("../"):
+            resolved = [(base / word).resolve() for base in (here, REPO)]
+            if not any(r.is_relative_to(REPO) and r.exists() for r in resolved):
+                report(word, "points outside the repository or to nothing")
+            continue
+        if any(c in word for c in PLACEHOLDER_CHARS) or word.startswith("/"):
+            continue
+        if _is_path_like(word):
+            path = word.removeprefix("./")
+            first = path.split("/", 1)[0]
+            if path.startswith(UPSTREAM_PREFIXES):
+                continue
+            bases = []
+            if first in roots.top:
+                bases.append(REPO)
+            if first in roots.subpackages:
+                bases.append(PACKAGE)
+            if (here / first).exists():
+                bases.append(here)
+            if not bases:
+                continue  # not ours: upstream, run outputs, a user's files
+            if not any((base / path).exists() for base in bases):
+                report(word, "no such file or folder in the repository")
+        elif BARE_NAME.match(word):
+            if word not in roots.file_names:
+                report(word, "no file of this name in the repository")
+    return bad
+
+
+def config_keys() -> set[str]:
+    """Every key and section of the config, dotted (`rollout`, `rollout.launch`,
+    `rollout.launch.colocated`), read from a default config's dataclasses."""
+    from megatron_gspo.config import parse_cli
+
+    cfg, _ = parse_cli(["--set", "model.hf_path=MODEL", "--set", "data.train_path=DATA.jsonl"])
+    keys: set[str] = set()
+
+    def walk(obj: object, prefix: str) -> None:
+        for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+            keys.add(prefix + f.name)
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+
+    walk(cfg, "")
+    return keys
+
+
+KEY_WORD = re.compile(r"^[a-z_]+(\.[a-z_][a-z0-9_]*)+$")
+
+
+# dotted words that start like a key and are not one, each with its reason
+NOT_KEYS = {
+    "optim.lrr": "the misspelt key in an example of the unknown-key error",
+    "model.norm.weight": "a tensor name in an example of the missing-tensor error",
+}
+NOT_KEY_SUFFIXES = (*SUFFIXES, ".log", ".pt", ".jsonl", ".lock")
+CALL = re.compile(r"([\w.]+)\(")
+
+
+def _module_names(module: Path) -> set[str]:
+    """Top-level functions, classes and assigned names of `module` (empty if it is none)."""
+    if not module.exists():
+        return set()
+    names = set()
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def check_keys(text: str, where: Path, keys: set[str]) -> list[str]:
+    """Words of `text` that look like a key of a config section but are not one."""
+    sections = {k for k in keys if "." not in k}
+    calls = set(CALL.findall(text))
+    bad: list[str] = []
+    for word in _words(text):
+        if not KEY_WORD.match(word) or word.split(".", 1)[0] not in sections:
+            continue
+        if word in keys or word in NOT_KEYS or word in calls or word.endswith(NOT_KEY_SUFFIXES):
+            continue
+        first, second = word.split(".")[:2]
+        if (PACKAGE / first / f"{second}.py").exists() or (PACKAGE / first / second).is_dir():
+            continue  # a module of the package (`weights.config.WeightSyncConfig`)
+        if second in _module_names(PACKAGE / f"{first}.py"):
+            continue  # a function of a root module (`train.cli`, `checkpoint.required_files`)
+        entry = f"{where.relative_to(REPO)}: {word}: not a config key"
+        if entry not in bad:
+            bad.append(entry)
+    return bad
+
+
+def _leading_comment(path: Path) -> str:
+    lines = []
+    for line in path.read_text().splitlines():
+        if line.startswith("#!"):
+            continue
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#"))
+    return "\n".join(lines)
+
+
+DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def sources() -> Iterator[tuple[Path, str, bool]]:
+    """(file, text to check, is Markdown) for every document and docstring the rule covers."""
+    for path in [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted(REPO.glob("docs/*.md"))]:
+        yield path, path.read_text(), True
+    for folder in ("megatron_gspo", "tools", "benchmarks", "tests"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path == Path(__file__).resolve():
+                continue  # the rule above names bad paths on purpose
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, DOCUMENTED):
+                    doc = ast.get_docstring(node)
+                    if doc:
+                        yield path, doc, False
+    for path in sorted((REPO / "scripts").glob("*.sh")):
+        yield path, _leading_comment(path), False
+
+
+def test_every_path_named_by_the_docs_and_docstrings_exists() -> None:
+    roots = Roots.of_repo()
+    bad = [v for path, text, md in sources() for v in check_text(text, path, roots, md)]
+    assert not bad, "paths that do not exist in the repository:\n" + "\n".join(bad)
+
+
+def test_every_config_key_named_by_the_docs_exists() -> None:
+    keys = config_keys()
+    bad = [v for path, text, md in sources() if md for v in check_keys(text, path, keys)]
+    assert not bad, "config keys that do not exist:\n" + "\n".join(bad)
+
+
+def test_a_planted_key_that_does_not_exist_is_reported() -> None:
+    text = (
+        "`rollout.max_staleness`, `rollout.launch.colocated=true`, "
+        "`weights.config.WeightSyncConfig`, `train.py`, `rollout/groups_kept`, "
+        "`cfg.rollout.temperature`, `train.cli`, "
+        "`model.named_parameters()`; but `rollout.staleness` "
+        "and `eval.every_steps: 5` are not keys."
+    )
+    found = check_keys(text, REPO / "docs" / "planted.md", config_keys())
+    assert [v.split(": ")[1] for v in found] == ["rollout.staleness", "eval.every_steps"], found
+
+
+def test_a_planted_violation_of_each_kind_is_reported_and_non_paths_are_not() -> None:
+    roots = Roots.of_repo()
+    doc = REPO / "docs" / "planted.md"
+    planted_doc = (
+        "Talks to `rollout/sglang_client.py` (gone), see `docs/nowhere.md` and "
+        "[the map](nowhere.md); run `python tools/no_such_tool.py --x`; the client is "
+        "`sglang_client.py`.\n"
+        # none of these is ours or a path: must not be reported
+        "Logs `rollout/groups_kept` and `eval/pass@4`; key `rollout.max_staleness`; "
+        "upstream `sglang/srt/managers/io_struct.py` and `megatron/core/transformer/moe/router.py`;"
+        " outputs `runs/tiny_moe_cpu/train.log`; a placeholder `<dir>/.mgspo.lock`; real ones: "
+        "`rollout/scheduler.py`, `megatron_gspo/engines/`, [reliability](reliability.md), "
+        "`tests/test_docs_paths.py`, `policy.py`, bf16/FP8, q/k/v.\n"
+    )
+    found = check_text(planted_doc, doc, roots, markdown=True)
+    assert [v.split(": ")[1] for v in found] == [
+        "nowhere.md",
+        "rollout/sglang_client.py",
+        "docs/nowhere.md",
+        "tools/no_such_tool.py",
+        "sglang_client.py",
+    ], found
+    module = PACKAGE / "algo" / "planted.py"
+    planted_docstring = (
+        "The math is in ../shared/GSPO.md; the rules in /work/shared/notes/gpu-topology.md.\n"
+        "Next to losses.py and `../rollout/experience.py` (real); `embedded/server.py` is not "
+        "in algo/.\n"
+    )
+    found = check_text(planted_docstring, module, roots, markdown=False)
+    assert [v.split(": ")[1] for v in found] == [
+        "../shared/GSPO.md",
+        "/work/shared/notes/gpu-topology.md",
+    ], found
+    found = check_text("`embedded/server.py`", PACKAGE / "engines" / "x.py", roots, False)
+    assert found == []
+    found = check_text("`embedded/gone.py`", PACKAGE / "engines" / "x.py", roots, False)
+    assert [v.split(": ")[1] for v in found] == ["embedded/gone.py"], found
