@@ -2,9 +2,9 @@
 exists.
 
 Where paths are read: every word of `docs/*.md`, `README.md` and `CONTRIBUTING.md` (backticked
-or not, code blocks included, plus Markdown link targets), and every word of the docstrings
-(modules, classes, functions) of `megatron_gspo/`, `tools/`, `benchmarks/` and `tests/` and of
-the leading comment block of `scripts/*.sh`.
+or not, code blocks included, plus Markdown link targets); every word of the docstrings
+(modules, classes, functions, config fields: every string statement) of `megatron_gspo/`,
+`tools/`, `benchmarks/` and `tests/`; the leading comment block of `scripts/*.sh`.
 
 What counts as a repository path (the rule):
 - A word with a "/" that ends in "/" (a folder) or whose last part has one of `SUFFIXES`
@@ -242,9 +242,6 @@ def _leading_comment(path: Path) -> str:
     return "\n".join(lines)
 
 
-DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-
-
 def sources() -> Iterator[tuple[Path, str, bool]]:
     """(file, text to check, is Markdown) for every document and docstring the rule covers."""
     for path in [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted(REPO.glob("docs/*.md"))]:
@@ -255,10 +252,10 @@ def sources() -> Iterator[tuple[Path, str, bool]]:
                 continue  # the rule above names bad paths on purpose
             tree = ast.parse(path.read_text(), filename=str(path))
             for node in ast.walk(tree):
-                if isinstance(node, DOCUMENTED):
-                    doc = ast.get_docstring(node)
-                    if doc:
-                        yield path, doc, False
+                # a string statement: a docstring, or the docstring of a config field
+                if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                    if isinstance(node.value.value, str):
+                        yield path, node.value.value, False
     for path in sorted((REPO / "scripts").glob("*.sh")):
         yield path, _leading_comment(path), False
 
