@@ -1,8 +1,9 @@
 """The map stays true: every repository path and config key that the docs and docstrings name
 exists.
 
-Where paths are read: every word of `docs/*.md`, `README.md` and `CONTRIBUTING.md` (backticked
-or not, code blocks included, plus Markdown link targets); every word of the docstrings
+Where paths are read: every word of the Markdown files (`README.md`, `CONTRIBUTING.md`,
+`docs/**/*.md`, `examples/recipes/README.md`, `patches/README.md`, ...: `markdown_files`),
+backticked or not, code blocks included, plus their link targets; every word of the docstrings
 (modules, classes, functions, config fields: every string statement) of `megatron_gspo/`,
 `tools/`, `benchmarks/` and `tests/`; the leading comment block of `scripts/*.sh`.
 
@@ -28,7 +29,7 @@ What counts as a repository path (the rule):
   none of the engineers' notes (`shared/GSPO.md`, `shared/notes/...`): a reader of the
   repository has only the repository.
 
-Config keys: a word of the documents that starts with a config section and a dot
+Config keys: a word of the same documents and docstrings that starts with a config section and a dot
 (`rollout.max_staleness`, `rollout.launch.colocated=true`: the value is cut off) must be a key or
 a section of the config (what `python -m megatron_gspo.config --keys` lists). Words with a "/"
 or a file suffix (`train.py`, `train.log`), calls (`model.named_parameters()`), dotted module
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,7 +194,7 @@ NOT_KEYS = {
     "optim.lrr": "the misspelt key in an example of the unknown-key error",
     "model.norm.weight": "a tensor name in an example of the missing-tensor error",
 }
-NOT_KEY_SUFFIXES = (*SUFFIXES, ".log", ".pt", ".jsonl", ".lock")
+NOT_KEY_SUFFIXES = (*SUFFIXES, ".log", ".pt", ".jsonl", ".lock", ".parquet", ".csv", ".arrow")
 CALL = re.compile(r"([\w.]+)\(")
 
 
@@ -242,9 +244,28 @@ def _leading_comment(path: Path) -> str:
     return "\n".join(lines)
 
 
-def sources() -> Iterator[tuple[Path, str, bool]]:
-    """(file, text to check, is Markdown) for every document and docstring the rule covers."""
-    for path in [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted(REPO.glob("docs/*.md"))]:
+MARKDOWN_FOLDERS = (
+    "docs", "examples", "patches", "megatron_gspo", "tools", "benchmarks", "scripts", "tests",
+)  # fmt: skip
+
+
+def markdown_files() -> list[Path]:
+    """The repository's Markdown: the top level's and every file under `MARKDOWN_FOLDERS`."""
+    found = sorted(REPO.glob("*.md"))
+    for folder in MARKDOWN_FOLDERS:
+        found += sorted((REPO / folder).rglob("*.md"))
+    return found
+
+
+@functools.cache
+def sources() -> tuple[tuple[Path, str, bool], ...]:
+    """(file, text to check, is Markdown) for every document and docstring the rule covers
+    (parsed once for both tests)."""
+    return tuple(_sources())
+
+
+def _sources() -> Iterator[tuple[Path, str, bool]]:
+    for path in markdown_files():
         yield path, path.read_text(), True
     for folder in ("megatron_gspo", "tools", "benchmarks", "tests"):
         for path in sorted((REPO / folder).rglob("*.py")):
@@ -268,7 +289,7 @@ def test_every_path_named_by_the_docs_and_docstrings_exists() -> None:
 
 def test_every_config_key_named_by_the_docs_exists() -> None:
     keys = config_keys()
-    bad = [v for path, text, md in sources() if md for v in check_keys(text, path, keys)]
+    bad = [v for path, text, _ in sources() for v in check_keys(text, path, keys)]
     assert not bad, "config keys that do not exist:\n" + "\n".join(bad)
 
 

@@ -64,7 +64,7 @@ CONTEXT-PARALLEL RANK, so both sum and count scale by the CP size and the ratio 
     policy/entropy                   per token (only with entropy)
     policy/response_length           per sequence |y_i|
     tis/weight, tis/clip_frac        TIS weight and how often the cap bit (tis_mode != "none")
-    loss/seq|token_mismatch_masked   left out by loss.seq|token_mismatch_mask (algo/mismatch.py)
+    loss/seq|token_mismatch_masked   left out by loss.*_mismatch_mask (algo/mismatch.py)
 """
 
 from __future__ import annotations

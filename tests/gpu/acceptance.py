@@ -39,7 +39,7 @@ every command line the run would execute, for 1, 2 and 8 GPUs, against the parse
 read it: torchrun's (`torch.distributed.run.parse_args`), the trainer's
 (`megatron_gspo.config.parse_cli`: the full config validation; then `preflight` at the job's
 world size: model directory, dtype, layout, prompts, reward) and, for every engine command the
-job derives from that config (`rollout.launch.engine_command`), SGLang's own
+job derives from that config (`engines.launch.engine_command`), SGLang's own
 `prepare_server_args`.
 """
 
