@@ -37,6 +37,10 @@ names (`weights.config.WeightSyncConfig`: its first two parts name a module of t
 names defined in a root module (`train.cli` in `train.py`) and the few `NOT_KEYS` (each with its
 reason) are not keys.
 
+Dotted names of the package (`megatron_gspo.engines.client.SGLangClient`): the longest prefix
+that is a module or package must be followed by a name it defines, imports or holds as a
+submodule (package-relative dotted names are not checked: they look like config keys).
+
 A planted document and docstring with each kind of violation must be reported, and the
 non-paths above must not be.
 """
@@ -198,18 +202,51 @@ NOT_KEY_SUFFIXES = (*SUFFIXES, ".log", ".pt", ".jsonl", ".lock", ".parquet", ".c
 CALL = re.compile(r"([\w.]+)\(")
 
 
-def _module_names(module: Path) -> set[str]:
-    """Top-level functions, classes and assigned names of `module` (empty if it is none)."""
+@functools.cache
+def _module_names(module: Path) -> frozenset[str]:
+    """Top-level functions, classes and assigned names of `module`, and every name it imports
+    anywhere (a package's lazy exports are imported under TYPE_CHECKING); empty if no file."""
     if not module.exists():
-        return set()
+        return frozenset()
     names = set()
-    for node in ast.parse(module.read_text()).body:
+    tree = ast.parse(module.read_text())
+    for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
         elif isinstance(node, ast.Assign | ast.AnnAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names |= {t.id for t in targets if isinstance(t, ast.Name)}
-    return names
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return frozenset(names)
+
+
+MODULE_WORD = re.compile(r"^megatron_gspo(\.[A-Za-z_]\w*)+$")
+
+
+def check_modules(text: str, where: Path) -> list[str]:
+    """Dotted names of the package in `text` (`megatron_gspo.engines.client.SGLangClient`,
+    `python -m megatron_gspo.plan`) whose module does not exist, or whose first name after the
+    module is not defined or imported there."""
+    bad: list[str] = []
+    for word in _words(text):
+        if not MODULE_WORD.match(word):
+            continue
+        parts = word.split(".")
+        for i in range(len(parts), 0, -1):  # the longest prefix that is a module or package
+            base = REPO.joinpath(*parts[:i])
+            module = base.with_suffix(".py") if base.with_suffix(".py").exists() else None
+            module = module or (base / "__init__.py" if (base / "__init__.py").exists() else None)
+            if module is not None:
+                break
+        rest = parts[i:]
+        if not rest or rest[0] in _module_names(module) or (base / rest[0]).exists():
+            continue
+        entry = f"{where.relative_to(REPO)}: {word}: {rest[0]} is not in {module.relative_to(REPO)}"
+        if entry not in bad:
+            bad.append(entry)
+    return bad
 
 
 def check_keys(text: str, where: Path, keys: set[str]) -> list[str]:
@@ -291,6 +328,25 @@ def test_every_config_key_named_by_the_docs_exists() -> None:
     keys = config_keys()
     bad = [v for path, text, _ in sources() for v in check_keys(text, path, keys)]
     assert not bad, "config keys that do not exist:\n" + "\n".join(bad)
+
+
+def test_every_module_named_by_the_docs_and_docstrings_exists() -> None:
+    bad = [v for path, text, _ in sources() for v in check_modules(text, path)]
+    assert not bad, "dotted names of the package that do not exist:\n" + "\n".join(bad)
+
+
+def test_a_planted_module_name_that_does_not_exist_is_reported() -> None:
+    text = (
+        "`megatron_gspo.engines.client.SGLangClient`, `python -m megatron_gspo.plan`, "
+        "`megatron_gspo.algo.gspo_loss` (a lazy export), `megatron_gspo.engines.embedded`; "
+        "but `megatron_gspo.rollout.sglang_client.SGLangClient` and "
+        "`megatron_gspo.engines.client.GoneClient` are not there."
+    )
+    found = check_modules(text, REPO / "docs" / "planted.md")
+    assert [v.split(": ")[1] for v in found] == [
+        "megatron_gspo.rollout.sglang_client.SGLangClient",
+        "megatron_gspo.engines.client.GoneClient",
+    ], found
 
 
 def test_a_planted_key_that_does_not_exist_is_reported() -> None:
