@@ -1,5 +1,5 @@
-"""The map stays true: every repository path and config key that the docs and docstrings name
-exists.
+"""The map stays true: every repository path, config key and dotted name of the package that the
+docs and docstrings name exists.
 
 Where paths are read: every word of the Markdown files (`README.md`, `CONTRIBUTING.md`,
 `docs/**/*.md`, `examples/recipes/README.md`, `patches/README.md`, ...: `markdown_files`),
@@ -12,7 +12,8 @@ What counts as a repository path (the rule):
   (`megatron_gspo/train.py`, `docs/`, `examples/recipes/`). Metric names
   (`rollout/groups_kept`, `eval/pass@4`), config keys (`rollout.max_staleness`: no "/"),
   "q/k/v" and "bf16/FP8" have neither, so they are not paths.
-- ... whose first part is a top-level entry of the repository (`tools/y.py`, `tests/x/`), a
+- ... whose first part is a top-level entry of the repository (`tools/plot_metrics.py`,
+  `tests/rollout/`; not one that `.gitignore` names, such as `runs/`), a
   subpackage of `megatron_gspo/` (`rollout/scheduler.py` is
   `megatron_gspo/rollout/scheduler.py`), or an entry of the naming file's own folder
   (`embedded/server.py` in `engines/__init__.py`, `img/x.png` in `docs/`). Anything else is
@@ -20,8 +21,7 @@ What counts as a repository path (the rule):
   `megatron/training/...`), run outputs (`runs/...`), placeholders (a word with `<`, `*`, `$`,
   `~`, `{`). It must exist in the work tree, relative to one of those roots.
 - A bare file name with one of `BARE_SUFFIXES` and no "/" (`policy.py`) must be the name of
-  some file of the repository (it may be relative to a folder named nearby). The `.py` names
-  of a word that is a dotted module (`megatron_gspo.rollout`) are not file names.
+  some file of the repository (it may be relative to a folder named nearby).
 - Markdown link targets (`[text](docs/x.md)`, not URLs) are relative to the document's folder
   and must exist.
 - Nothing points outside the repository: no `../` word that leaves it (checked after
@@ -82,8 +82,20 @@ def _words(text: str) -> Iterator[str]:
             yield word
 
 
+def _ignored() -> set[str]:
+    """Names `.gitignore` ignores outright (`/runs/`, `build/`), and the tools' caches: what a
+    work tree may hold that the repository does not."""
+    names = {".git", "__pycache__", ".ruff_cache", ".mypy_cache", ".pytest_cache"}
+    for line in (REPO / ".gitignore").read_text().splitlines():
+        name = line.strip().strip("/")
+        if name and not name.startswith("#") and not any(c in name for c in "*?[!/"):
+            names.add(name)
+    return names
+
+
 def _top_level() -> set[str]:
-    return {p.name for p in REPO.iterdir() if not p.name.startswith(".git")}
+    ignored = _ignored()
+    return {p.name for p in REPO.iterdir() if p.name not in ignored and p.name != ".gitignore"}
 
 
 def _subpackages() -> set[str]:
@@ -91,10 +103,11 @@ def _subpackages() -> set[str]:
 
 
 def _all_file_names() -> set[str]:
-    skip = {".git", "__pycache__", ".ruff_cache", ".mypy_cache", "runs"}
+    skip = _ignored()
     names = set()
     for p in REPO.rglob("*"):
-        if not skip.intersection(p.relative_to(REPO).parts):
+        parts = p.relative_to(REPO).parts
+        if not skip.intersection(parts) and not any(x.endswith(".egg-info") for x in parts):
             names.add(p.name)
     return names
 
@@ -102,15 +115,22 @@ def _all_file_names() -> set[str]:
 @dataclasses.dataclass(frozen=True)
 class Roots:
     """What a path may be relative to: the repository's top-level entries and the package's
-    subpackages (fixed), and the set of every file name (for bare names)."""
+    subpackages, the set of every file name (for bare names), and the ignored names (never a
+    root, even where a work tree holds them)."""
 
     top: frozenset[str]
     subpackages: frozenset[str]
     file_names: frozenset[str]
+    ignored: frozenset[str]
 
     @classmethod
     def of_repo(cls) -> Roots:
-        return cls(frozenset(_top_level()), frozenset(_subpackages()), frozenset(_all_file_names()))
+        return cls(
+            frozenset(_top_level()),
+            frozenset(_subpackages()),
+            frozenset(_all_file_names()),
+            frozenset(_ignored()),
+        )
 
 
 def _is_path_like(word: str) -> bool:
@@ -159,7 +179,7 @@ def check_text(text: str, where: Path, roots: Roots, markdown: bool) -> list[str
                 bases.append(REPO)
             if first in roots.subpackages:
                 bases.append(PACKAGE)
-            if (here / first).exists():
+            if first not in roots.ignored and (here / first).exists():
                 bases.append(here)
             if not bases:
                 continue  # not ours: upstream, run outputs, a user's files
@@ -394,6 +414,11 @@ def test_a_planted_violation_of_each_kind_is_reported_and_non_paths_are_not() ->
         "../shared/GSPO.md",
         "/work/shared/notes/gpu-topology.md",
     ], found
+    # a folder the work tree holds but .gitignore names (as runs/ after a run) is no root
+    as_ignored = dataclasses.replace(
+        roots, top=roots.top - {"tests"}, ignored=roots.ignored | {"tests"}
+    )
+    assert check_text("`tests/gone.py`", REPO / "README.md", as_ignored, markdown=True) == []
     found = check_text("`embedded/server.py`", PACKAGE / "engines" / "x.py", roots, False)
     assert found == []
     found = check_text("`embedded/gone.py`", PACKAGE / "engines" / "x.py", roots, False)
