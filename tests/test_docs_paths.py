@@ -37,9 +37,11 @@ names (`weights.config.WeightSyncConfig`: its first two parts name a module of t
 names defined in a root module (`train.cli` in `train.py`) and the few `NOT_KEYS` (each with its
 reason) are not keys.
 
-Dotted names of the package (`megatron_gspo.engines.client.SGLangClient`): the longest prefix
-that is a module or package must be followed by a name it defines, imports or holds as a
-submodule (package-relative dotted names are not checked: they look like config keys).
+Dotted names of the package (`megatron_gspo.engines.client.SGLangClient`, and package-relative
+ones whose first part is a subpackage: `engines.connect.per_engine_clients`; not upstream's
+`megatron.core...`, and not config keys: when the first part is also a config section, the
+second must name a module of it, `rollout.scheduler.TURN_CONTEXT`): the longest prefix that is
+a module or package must be followed by a name it defines, imports or holds as a submodule.
 
 A planted document and docstring with each kind of violation must be reported, and the
 non-paths above must not be.
@@ -243,17 +245,37 @@ def _module_names(module: Path) -> frozenset[str]:
 
 
 MODULE_WORD = re.compile(r"^megatron_gspo(\.[A-Za-z_]\w*)+$")
+RELATIVE_WORD = re.compile(r"^[a-z_]+(\.[A-Za-z_]\w*)+$")
 
 
-def check_modules(text: str, where: Path) -> list[str]:
+def _qualified(word: str, sections: set[str]) -> str | None:
+    """`word` as a dotted name of the package (`engines.client.SGLangClient` ->
+    `megatron_gspo.engines.client.SGLangClient`), or None when it is not one: its first part is
+    no subpackage, it is upstream's (`megatron.core...`), or it is a config key (the first part
+    is also a section, `rollout.max_staleness`, and the second names no module of it)."""
+    if MODULE_WORD.match(word):
+        return word
+    if not RELATIVE_WORD.match(word):
+        return None
+    first, second = word.split(".")[:2]
+    if first == "megatron" or not (PACKAGE / first / "__init__.py").exists():
+        return None
+    is_module = (PACKAGE / first / f"{second}.py").exists() or (PACKAGE / first / second).is_dir()
+    if first in sections and not is_module:
+        return None
+    return f"megatron_gspo.{word}"
+
+
+def check_modules(text: str, where: Path, sections: set[str]) -> list[str]:
     """Dotted names of the package in `text` (`megatron_gspo.engines.client.SGLangClient`,
-    `python -m megatron_gspo.plan`) whose module does not exist, or whose first name after the
-    module is not defined or imported there."""
+    `python -m megatron_gspo.plan`, `engines.connect.per_engine_clients`) whose module does not
+    exist, or whose first name after the module is not defined or imported there."""
     bad: list[str] = []
     for word in _words(text):
-        if not MODULE_WORD.match(word):
+        name = _qualified(word, sections)
+        if name is None:
             continue
-        parts = word.split(".")
+        parts = name.split(".")
         for i in range(len(parts), 0, -1):  # the longest prefix that is a module or package
             base = REPO.joinpath(*parts[:i])
             module = base.with_suffix(".py") if base.with_suffix(".py").exists() else None
@@ -351,7 +373,8 @@ def test_every_config_key_named_by_the_docs_exists() -> None:
 
 
 def test_every_module_named_by_the_docs_and_docstrings_exists() -> None:
-    bad = [v for path, text, _ in sources() for v in check_modules(text, path)]
+    sections = {k for k in config_keys() if "." not in k}
+    bad = [v for path, text, _ in sources() for v in check_modules(text, path, sections)]
     assert not bad, "dotted names of the package that do not exist:\n" + "\n".join(bad)
 
 
@@ -360,12 +383,18 @@ def test_a_planted_module_name_that_does_not_exist_is_reported() -> None:
         "`megatron_gspo.engines.client.SGLangClient`, `python -m megatron_gspo.plan`, "
         "`megatron_gspo.algo.gspo_loss` (a lazy export), `megatron_gspo.engines.embedded`; "
         "but `megatron_gspo.rollout.sglang_client.SGLangClient` and "
-        "`megatron_gspo.engines.client.GoneClient` are not there."
+        "`megatron_gspo.engines.client.GoneClient` are not there. Package-relative: "
+        "`engines.connect.per_engine_clients`, `algo.PolicyLossConfig`, `rollout.scheduler."
+        "TURN_CONTEXT` and, not ours, `megatron.core.parallel_state`, `rollout.max_staleness`; "
+        "but `engines.sglang_client.SGLangClient` and `weights.group.gone` are not there."
     )
-    found = check_modules(text, REPO / "docs" / "planted.md")
+    sections = {k for k in config_keys() if "." not in k}
+    found = check_modules(text, REPO / "docs" / "planted.md", sections)
     assert [v.split(": ")[1] for v in found] == [
         "megatron_gspo.rollout.sglang_client.SGLangClient",
         "megatron_gspo.engines.client.GoneClient",
+        "engines.sglang_client.SGLangClient",
+        "weights.group.gone",
     ], found
 
 
