@@ -37,6 +37,10 @@ names (`weights.config.WeightSyncConfig`: its first two parts name a module of t
 names defined in a root module (`train.cli` in `train.py`) and the few `NOT_KEYS` (each with its
 reason) are not keys.
 
+Defaults: a Markdown table cell that holds only backticked keys with values
+(`rollout.oversample: 1.0`, comma-separated) states their defaults, which must be the config's
+(the value read as YAML); in prose such a span is a setting.
+
 Dotted names of the package (`megatron_gspo.engines.client.SGLangClient`, and package-relative
 ones whose first part is a subpackage: `engines.connect.per_engine_clients`; not upstream's
 `megatron.core...`, and not config keys: when the first part is also a config section, the
@@ -55,6 +59,9 @@ import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "megatron_gspo"
@@ -193,12 +200,20 @@ def check_text(text: str, where: Path, roots: Roots, markdown: bool) -> list[str
     return bad
 
 
-def config_keys() -> set[str]:
-    """Every key and section of the config, dotted (`rollout`, `rollout.launch`,
-    `rollout.launch.colocated`), read from a default config's dataclasses."""
+@functools.cache
+def default_config() -> Any:
+    """The config with every default (the two required keys set to placeholders), as
+    `python -m megatron_gspo.config --keys` shows it."""
     from megatron_gspo.config import parse_cli
 
     cfg, _ = parse_cli(["--set", "model.hf_path=MODEL", "--set", "data.train_path=DATA.jsonl"])
+    return cfg
+
+
+def config_keys() -> set[str]:
+    """Every key and section of the config, dotted (`rollout`, `rollout.launch`,
+    `rollout.launch.colocated`), read from a default config's dataclasses."""
+    cfg = default_config()
     keys: set[str] = set()
 
     def walk(obj: object, prefix: str) -> None:
@@ -312,6 +327,32 @@ def check_keys(text: str, where: Path, keys: set[str]) -> list[str]:
     return bad
 
 
+TABLE_DEFAULT = re.compile(r"`([a-z_]+(?:\.[a-z_][a-z0-9_]*)+): ([^`]+)`")
+DEFAULTS_CELL = re.compile(rf"^{TABLE_DEFAULT.pattern}(,\s*{TABLE_DEFAULT.pattern})*$")
+
+
+def check_defaults(text: str, where: Path) -> list[str]:
+    """Cells of Markdown tables that hold only keys with values (`rollout.oversample: 1.0`,
+    comma-separated) where a value (read as YAML) is not that key's default."""
+    cfg = default_config()
+    bad: list[str] = []
+    cells = [c.strip() for line in text.splitlines() if line.startswith("|")
+             for c in re.split(r"(?<!\\)\|", line)]  # fmt: skip
+    for cell in cells:
+        if not DEFAULTS_CELL.match(cell):
+            continue
+        for key, value in TABLE_DEFAULT.findall(cell):
+            default: Any = cfg
+            for part in key.split("."):
+                default = getattr(default, part, None)
+            stated = yaml.safe_load(value)
+            if isinstance(default, tuple):
+                default = list(default)
+            if not (stated == default and isinstance(stated, bool) == isinstance(default, bool)):
+                bad.append(f"{where.relative_to(REPO)}: {key}: {value} (default: {default!r})")
+    return bad
+
+
 def _leading_comment(path: Path) -> str:
     lines = []
     for line in path.read_text().splitlines():
@@ -395,6 +436,25 @@ def test_a_planted_module_name_that_does_not_exist_is_reported() -> None:
         "megatron_gspo.engines.client.GoneClient",
         "engines.sglang_client.SGLangClient",
         "weights.group.gone",
+    ], found
+
+
+def test_every_default_a_docs_table_states_is_the_default() -> None:
+    bad = [v for path, text, md in sources() if md for v in check_defaults(text, path)]
+    assert not bad, "defaults in the docs' tables that are not the config's:\n" + "\n".join(bad)
+
+
+def test_a_planted_wrong_default_is_reported() -> None:
+    text = (
+        "| `rollout.oversample: 1.0` | `rollout.turn_stop: []`, `eval.path: null` |\n"
+        "| `rollout.max_staleness: 2` | `rollout.async_rollout: 0` |\n"
+        "| `loss.kl_coef: 0.0` | with `rl.pi_old: recompute` (a setting in prose) |\n"
+        "Outside a table, `rollout.max_staleness: 2` is a setting, not a default.\n"
+    )
+    found = check_defaults(text, REPO / "docs" / "planted.md")
+    assert [v.split(": ")[1] for v in found] == [
+        "rollout.max_staleness",
+        "rollout.async_rollout",
     ], found
 
 
