@@ -5,7 +5,8 @@ Where paths are read: every word of the Markdown files (`README.md`, `CONTRIBUTI
 `docs/**/*.md`, `examples/recipes/README.md`, `patches/README.md`, ...: `markdown_files`),
 backticked or not, code blocks included, plus their link targets; every word of the docstrings
 (modules, classes, functions, config fields: every string statement) of `megatron_gspo/`,
-`tools/`, `benchmarks/` and `tests/`; the leading comment block of `scripts/*.sh`.
+`tools/`, `benchmarks/` and `tests/`; the comments of the shell scripts and YAML files under
+`scripts/` and `examples/`.
 
 What counts as a repository path (the rule):
 - A word with a "/" that ends in "/" (a folder) or whose last part has one of `SUFFIXES`
@@ -353,15 +354,10 @@ def check_defaults(text: str, where: Path) -> list[str]:
     return bad
 
 
-def _leading_comment(path: Path) -> str:
-    lines = []
-    for line in path.read_text().splitlines():
-        if line.startswith("#!"):
-            continue
-        if not line.startswith("#"):
-            break
-        lines.append(line.lstrip("#"))
-    return "\n".join(lines)
+def _comments(path: Path) -> str:
+    """The text after every "#" of a shell script or YAML file, shebang left out."""
+    lines = path.read_text().splitlines()
+    return "\n".join(ln.split("#", 1)[1] for ln in lines if "#" in ln and not ln.startswith("#!"))
 
 
 MARKDOWN_FOLDERS = (
@@ -397,8 +393,10 @@ def _sources() -> Iterator[tuple[Path, str, bool]]:
                 if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
                     if isinstance(node.value.value, str):
                         yield path, node.value.value, False
-    for path in sorted((REPO / "scripts").glob("*.sh")):
-        yield path, _leading_comment(path), False
+    for folder in ("scripts", "examples"):
+        for suffix in ("*.sh", "*.sbatch", "*.yaml"):
+            for path in sorted((REPO / folder).rglob(suffix)):
+                yield path, _comments(path), False
 
 
 def test_every_path_named_by_the_docs_and_docstrings_exists() -> None:
