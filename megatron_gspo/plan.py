@@ -19,7 +19,7 @@ topology refusal (`megatron_gspo.topology`: printed as `topology: REFUSED: ...`;
 does not override it, and no launch files are written).
 `--emit-launch DIR` also writes what the Slurm scripts start (NUL-separated argv files for each
 engine and the router, the trainer's `--set` overrides), so SGLang flags have one source:
-`rollout.launch.engine_command`.
+`engines.launch.engine_command`.
 """
 
 from __future__ import annotations
@@ -428,7 +428,7 @@ def emit_launch(
     engine_python: str | None = None,
 ) -> list[str]:
     """Write what the Slurm scripts start: `engine<i>.argv` + `engine<i>.host` (NUL-separated
-    argv from `rollout.launch.engine_command`), `router.argv` (disaggregated), and
+    argv from `engines.launch.engine_command`), `router.argv` (disaggregated), and
     `trainer.sets` (the trainer's `--set` overrides, NUL-separated), for `hosts` (the job's
     nodes in Slurm order: trainer nodes first, then rollout nodes). Returns the `--set`s."""
     out = Path(out_dir)

@@ -3,7 +3,7 @@
 `topology_problems(cfg, placement)` returns one line per refusal, each naming the config key
 (or planner flag) and the fix; the planner (`python -m megatron_gspo.plan`) prints them as the
 topology verdict and exits 2, the trainer's preflight runs the checks it can from inside the
-job. The rules (../shared/notes/gpu-topology.md):
+job. The rules:
 
 * NCCL refuses a communicator in which two ranks use one GPU: colocated engines (sharing the
   trainer's GPUs) cannot join the `distributed` transport's group with trainer rank 0.

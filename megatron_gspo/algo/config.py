@@ -1,6 +1,6 @@
 """The `loss:` config section (`PolicyLossConfig`) and its checks: no torch, so that
 `megatron_gspo.config` (and the planner, `python -m megatron_gspo.plan`) load without it.
-The losses themselves are in losses.py; the math is in ../shared/GSPO.md."""
+The losses themselves, with their math, are in losses.py (arXiv 2507.18071)."""
 
 from __future__ import annotations
 

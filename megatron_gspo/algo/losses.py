@@ -5,7 +5,7 @@ Shape legend:
     S  sequences in the micro-batch
     k  number of per-sequence sums stacked for the one context-parallel all-reduce
 
-Math (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071; ../shared/GSPO.md):
+Math (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071):
 
     lr_{i,t} = log pi_theta(y_{i,t}) - log pi_old(y_{i,t})
     GSPO:       s_i     = exp( clamp( (1/|y_i|) sum_t lr_{i,t}, -c, c ) )
@@ -64,7 +64,7 @@ CONTEXT-PARALLEL RANK, so both sum and count scale by the CP size and the ratio 
     policy/entropy                   per token (only with entropy)
     policy/response_length           per sequence |y_i|
     tis/weight, tis/clip_frac        TIS weight and how often the cap bit (tis_mode != "none")
-    loss/seq|token_mismatch_masked   left out by loss.seq|token_mismatch_mask (algo/mismatch.py)
+    loss/seq|token_mismatch_masked   left out by loss.*_mismatch_mask (algo/mismatch.py)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Request lineage and aborts of the SGLang client (`sglang_client.SGLangClient`).
+"""Request lineage and aborts of the SGLang client (`engines.client.SGLangClient`).
 
 A re-sent request's rid is its original's plus a suffix (`-a{k}` a retry, `-r{k}` a resubmit),
 so aborting the original reaches every request it became: `Lineage` keeps rid -> engine URL of

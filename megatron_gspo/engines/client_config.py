@@ -41,7 +41,7 @@ class ClientConfig:
     """Failed `/generate` requests in a row (connection error, timeout, 5xx, garbage or
     inconsistent samples) after which an engine is dropped: no more generation, control calls
     or weight syncs until it answers its health probe again and has received the full weights
-    (`rollout/engine_pool.py`). A failed control call (e.g. part of a weight sync) drops it at
+    (`engines/pool.py`). A failed control call (e.g. part of a weight sync) drops it at
     once."""
     resubmit_aborted: int = 0
     """Times a sample that finished with `abort` (e.g. `pause_generation("abort")` during a

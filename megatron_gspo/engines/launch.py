@@ -97,7 +97,7 @@ class LaunchConfig:
     max_restarts: int = 2
     """Restarts of each launched engine after it was dropped (killed, hung, failing); the
     restarted engine gets the current weights at the next weight sync before it generates
-    again (`rollout/engine_pool.py`). 0: a dropped engine stays down."""
+    again (`engines/pool.py`). 0: a dropped engine stays down."""
     startup_timeout_s: float = 900.0
     """How long to wait for every engine to answer /health_generate."""
     log_dir: str | None = None

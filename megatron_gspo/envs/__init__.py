@@ -27,7 +27,7 @@ episode (one sample of a group):
   after the prompt, as the trainer sees it). An episode also ends at `rollout.max_turns` model
   turns or `rollout.max_total_tokens` response tokens (flagged truncated).
 * Everything crossing the process boundary is JSON: texts, float rewards, bools. An env call that
-  raises, times out or kills its worker ends the episode with reward 0, counted in
+  raises, times out or kills its worker fails the episode (never trained), counted in
   `env/failures` and printed (first messages) once per step.
 """
 

@@ -1,6 +1,6 @@
 """Every random number generator a training step draws from, for checkpoints.
 
-An exact resume needs all of them back where they were (../shared/notes/gpu-topology.md):
+An exact resume needs all of them back where they were:
 
 * `torch_rng` / `py_rng`: torch's CPU generator and Python's `random`;
 * `cuda_rng`: this rank's CUDA generator (`torch.cuda.get_rng_state()` of its device); dropout

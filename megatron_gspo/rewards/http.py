@@ -8,7 +8,7 @@ or a text-classification server does):
     200               {"reward": <finite number>}
 
 `reward.num_workers` requests are in flight at once (0: one at a time). Failures are handled
-like the rollout engines' (`rollout/sglang_client.py`): a connection error, a timeout
+like the rollout engines' (`engines/client.py`): a connection error, a timeout
 (`reward.timeout_s` per attempt), HTTP 429 or 5xx is retried up to `reward.retries` times with
 exponential backoff; any other 4xx, a body that is not JSON with a finite numeric "reward",
 or the last failed retry scores 0 and is counted: `reward/timeouts` when the last attempt timed

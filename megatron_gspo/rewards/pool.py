@@ -15,7 +15,7 @@ A call that raises, crashes its worker, runs out of memory or CPU time (`sandbox
 `reward/failures`; the first messages are kept in `RewardBatch.errors` and the trainer prints
 them once per step (`RewardBatch.report`).
 
-User code runs only in the workers (`sandbox.py`: scrubbed environment, resource limits): the
+User code runs only in the workers (`sandbox/process.py`: scrubbed environment, limits): the
 trainer never imports a user reward module. Only the built-in kinds may run in-process
 (`num_workers=0`, no timeout or limit enforced).
 
@@ -127,7 +127,7 @@ class RewardBatch:
 
 
 class RewardPool:
-    """Score batches with `reward.kind` in worker processes (see `sandbox.py`: scrubbed
+    """Score batches with `reward.kind` in worker processes (see `sandbox/process.py`: scrubbed
     environment, memory / CPU limits, wall timeout), or in-process when num_workers=0, which
     only the built-in kinds may use (it enforces nothing). Use as a context manager, or call
     `close()`."""

@@ -77,7 +77,7 @@ class RolloutConfig:
     """Environment worker processes (rollout.env only); episodes are spread over them."""
     env_timeout_s: float = 10.0
     """Wall timeout of one environment call (reset or step); past it the worker is killed
-    and replaced, and its episodes end with reward 0 (env/timeouts)."""
+    and replaced, and its episodes fail: never trained (env/timeouts)."""
 
     def __post_init__(self) -> None:
         _positive("rollout", temperature=self.temperature, top_p=self.top_p)

@@ -2,7 +2,7 @@
 
 SGLang's `/weights_checker` `{"action": "checksum"}` answers one entry per TP rank, each over
 the parameters that rank holds (sglang 0.5.23 `srt/utils/weight_checker.py`). Each rank's weight
-loaders narrow the HF tensors (`srt/layers/linear.py`, `vocab_parallel_embedding.py`,
+loaders narrow the HF tensors (`srt/layers/linear.py`, `srt/layers/vocab_parallel_embedding.py`,
 `moe/fused_moe_triton/layer.py`); with `T` = engine TP size, `E` = its `--ep-size`,
 `moe_tp = T / E`, rank `r`:
 
@@ -39,7 +39,7 @@ from megatron_gspo.weights.checksum import host_views
 from megatron_gspo.weights.sglang_names import SGLangChecksums
 
 VOCAB_PADDING = 64
-"""SGLang's DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)."""
+"""SGLang's DEFAULT_VOCAB_PADDING_SIZE (srt/layers/vocab_parallel_embedding.py)."""
 
 _Q = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
 _KV = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")

@@ -1,6 +1,6 @@
 """Independent float64 references: one sequence at a time, python loops, explicit branches.
 
-Written from ../shared/GSPO.md without looking at the packed implementation: no packing, no
+Written from the GSPO paper (arXiv 2507.18071), not from the packed implementation: no packing, no
 index_add, no torch.minimum; clipping is an explicit `if` that turns the ratio into a constant.
 """
 

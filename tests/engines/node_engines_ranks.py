@@ -1,4 +1,4 @@
-"""Rank program of tests/launch/test_node_engines.py: each gloo rank plays one node of a job
+"""Rank program of tests/engines/test_node_engines.py: each gloo rank plays one node of a job
 (torchrun's GROUP_RANK / LOCAL_RANK / LOCAL_WORLD_SIZE as on 2 nodes x 1 process)."""
 
 from __future__ import annotations

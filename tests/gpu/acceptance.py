@@ -26,7 +26,7 @@ Then one table: per-phase times, weight versions, verification, first-mini-batch
 (bf16 engine vs bf16 trainer) against BF16_MISMATCH_BOUND, finite metrics, trainer memory
 before/while offloaded; exit 0 only if every check passes.
 
-What one machine cannot cover (needs a multi-node run; see ../shared/notes/gpu-topology.md):
+What one machine cannot cover (needs a multi-node run; the rules: `megatron_gspo/topology.py`):
 engines started by each node's local rank 0 on other nodes (engines/nodes.py) and rank 0
 reaching them; torchrun's c10d rendezvous placing global rank 0 on another node than the
 first host; a weight-update group whose NCCL ranks span nodes (and CUDA IPC being refused
@@ -39,7 +39,7 @@ every command line the run would execute, for 1, 2 and 8 GPUs, against the parse
 read it: torchrun's (`torch.distributed.run.parse_args`), the trainer's
 (`megatron_gspo.config.parse_cli`: the full config validation; then `preflight` at the job's
 world size: model directory, dtype, layout, prompts, reward) and, for every engine command the
-job derives from that config (`rollout.launch.engine_command`), SGLang's own
+job derives from that config (`engines.launch.engine_command`), SGLang's own
 `prepare_server_args`.
 """
 

@@ -210,8 +210,8 @@ def test_final_hf_export_equals_the_converted_last_checkpoint(runs) -> None:
 
 
 def test_colocated_release_and_resume_change_nothing(runs) -> None:
-    """rollout.colocated: the engines free their memory during each update (the embedded engine
-    then refuses to generate) and get it back before the weight push and the next rollout.
+    """rollout.launch.colocated: the engines free their memory during each update (the embedded
+    engine then refuses to generate) and get it back before the weight push and the next rollout.
     Run D also reads its prompts from Parquet and evaluates between steps: neither changes
     what it trains."""
     trained = [m for m in runs["d"] if m["step"] > 0]

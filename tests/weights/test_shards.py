@@ -52,7 +52,7 @@ _T = _tensors()
 
 
 def _deq(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """SGLang's block_quant_dequant (fp8_utils.py), for [N, K] or [E, N, K]."""
+    """SGLang's block_quant_dequant (srt/layers/quantization/fp8_utils.py): [N, K], [E, N, K]."""
     n, k = q.shape[-2:]
     rep = s.repeat_interleave(128, dim=-2).repeat_interleave(128, dim=-1)[..., :n, :k]
     return (q.to(torch.float32) * rep).to(torch.bfloat16)

@@ -1,6 +1,6 @@
 """The `sgl_kernel` stand-in for running the real SGLang server on CPU (tests, CPU main job).
 
-`STUB_DIR` holds a package named `sgl_kernel` (see its docstring); `rollout/launch.py` puts it
+`STUB_DIR` holds a package named `sgl_kernel` (see its docstring); `engines/launch.py` puts it
 first on the engine's PYTHONPATH when `LaunchConfig.device == "cpu"`. This module itself is
 plain Python: it never imports the stand-in, so the trainer's torch registers no ops.
 """

@@ -10,7 +10,7 @@ raises, so a new SGLang version that needs real kernel code fails loudly, never 
 `convert_weight_packed` is deliberately absent: SGLang detects its AMX backend by that op, and
 without it `cpu_has_amx_support()` stays False, so no layer asks for a kernel we do not have.
 
-Put on PYTHONPATH (first) only when launching SGLang on CPU (`rollout/launch.py` does).
+Put on PYTHONPATH (first) only when launching SGLang on CPU (`engines/launch.py` does).
 Written for sglang 0.5.23 (`megatron_gspo.engines.sgl_kernel_cpu.STUB_FOR_SGLANG`).
 """
 
