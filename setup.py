@@ -14,9 +14,12 @@ setup(
     install_requires=[
         "torch>=2.6,<2.15",
         "megatron-core>=0.19.2,<0.20",
-        # megatron-bridge's declared dependencies are GPU/experiment-tracking heavy; conversion
-        # needs only these. Install it with `pip install --no-deps megatron-bridge==0.6.2`.
+        # Every model is built through megatron-bridge's provider (megatron/model.py). pip
+        # resolves its declared dependencies too (heavy: mlflow, flashinfer, ...); the locked
+        # environments (constraints.txt) install it with --no-deps and list what it needs.
+        "megatron-bridge>=0.6.2,<0.7",
         "transformers>=5.8,<=5.12.1",
+        "tokenizers",
         "omegaconf",
         "einops",
         "rich",
@@ -24,16 +27,37 @@ setup(
         "pyyaml>=6",
         "numpy",
         "aiohttp>=3.9",
+        "pydantic>=2",
+        "psutil",
         "tqdm",
         "tensorboard",
         "math-verify>=0.7",
         "matplotlib",
+        # Parquet / Hugging Face prompts (data.format) and W&B logging (logging.wandb_project):
+        # required, not extras, because megatron-bridge above already requires datasets (which
+        # brings pyarrow) and wandb (==0.29.0), so extras would save nothing; declared here so
+        # the features do not hang on the bridge's choices. Tested with pyarrow 26.0.1,
+        # datasets 5.2.0 and wandb 0.31.0 (constraints.txt).
+        "pyarrow>=14",
+        "datasets>=2.20",
+        "wandb>=0.29",
     ],
     extras_require={
-        # The SGLang client needs only sglang's Python modules (request types, serializer);
-        # install sglang itself with --no-deps on trainer nodes (see constraints.txt).
-        "sglang": ["sglang-router>=0.3", "msgspec", "pydantic>=2", "fastapi", "uvicorn"],
-        "gpu": ["transformer-engine[pytorch]>=2.4", "apex"],
+        # The SGLang client and the embedded engine's server need only sglang's Python modules
+        # (request types, serializer, the FastAPI app); install sglang itself with --no-deps on
+        # trainer nodes (its pins, torch 2.14.1 and transformers 5.19, conflict with
+        # megatron-bridge's transformers<=5.12.1; see constraints.txt). The engines run a full
+        # SGLang in their own venv (constraints-engine.txt).
+        "sglang": [
+            "sglang-router>=0.3",
+            "msgspec",
+            "fastapi",
+            "starlette",
+            "uvicorn",
+        ],
+        # Transformer Engine only: megatron-core tries TE first wherever apex is an option, and
+        # nothing here imports apex (constraints-gpu.txt).
+        "gpu": ["transformer-engine[pytorch]>=2.4"],
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "ruff>=0.6"],
     },
     # megatron_gspo/entry.py: each installs the one-line Ctrl-C handler before importing torch

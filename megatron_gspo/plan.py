@@ -14,9 +14,11 @@
    Steps 2-3's counting and arithmetic live in `plan_memory`; this module checks, decides and
    prints.
 
-Exit codes: 0 fits, 1 does not fit (the verdict says what), 2 invalid config or layout, or a
-topology refusal (`megatron_gspo.topology`: printed as `topology: REFUSED: ...`; PLAN_FORCE
-does not override it, and no launch files are written).
+Exit codes: 0 fits, 1 does not fit (the verdict says what), 2 invalid config or layout, a
+topology refusal (`megatron_gspo.topology`: printed as `topology: REFUSED: ...`), or, with
+`--emit-launch`, a launch refusal (`plan_launch`: weights missing, an engine interpreter
+without SGLang, no interpreter with the router, driver vs CUDA build, NCCL versions);
+PLAN_FORCE overrides neither, and no launch files are written.
 `--emit-launch DIR` also writes what the Slurm scripts start (NUL-separated argv files for each
 engine and the router, the trainer's `--set` overrides), so SGLang flags have one source:
 `engines.launch.engine_command`.
@@ -38,6 +40,7 @@ from megatron_gspo.config import Config, ConfigError, load_config
 from megatron_gspo.config_io import require
 from megatron_gspo.engines.launch import LaunchConfig, engine_command, router_command
 from megatron_gspo.layout import Layout, _num_experts
+from megatron_gspo.plan_launch import launch_check
 from megatron_gspo.plan_memory import (
     PROCESS_OVERHEAD_GB,
     RELEASED_ENGINE_GB,
@@ -426,6 +429,7 @@ def emit_launch(
     out_dir: str | Path,
     *,
     engine_python: str | None = None,
+    router_python: str | None = None,
 ) -> list[str]:
     """Write what the Slurm scripts start: `engine<i>.argv` + `engine<i>.host` (NUL-separated
     argv from `engines.launch.engine_command`), `router.argv` (disaggregated), and
@@ -463,9 +467,7 @@ def emit_launch(
     if plan.rollout_nodes:
         router = copy.deepcopy(launch)
         router.host = engine_hosts[0]
-        argv = router_command(
-            router, python=engine_python or launch.python or "python3", worker_urls=urls
-        )
+        argv = router_command(router, python=router_python or sys.executable, worker_urls=urls)
         (out / "router.argv").write_bytes(_nul(argv))
         (out / "router.host").write_text(router.host)
         (out / "router_url").write_text(f"http://{router.host}:{router.router_port}\n")
@@ -529,7 +531,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the plan as JSON here")
     p.add_argument("--emit-launch", metavar="DIR", help="write engine/router/trainer launch files")
     p.add_argument("--hosts", help="comma-separated node names (with --emit-launch)")
-    p.add_argument("--engine-python", help="interpreter of the engines (with --emit-launch)")
+    p.add_argument(
+        "--engine-python",
+        help="interpreter of the SGLang engines (with --emit-launch; default "
+        "rollout.launch.python; checked: it must hold SGLang and its kernels)",
+    )
     p.add_argument("--quiet", action="store_true", help="no table (verdicts only)")
     p.add_argument(
         "--check-ports", action="store_true", help="refuse ports in use here (the first node)"
@@ -551,9 +557,18 @@ def main(argv: list[str] | None = None) -> int:
             moe_imbalance=args.moe_imbalance,
             check_ports=args.check_ports,
         )
+        refused: list[str] = []
         if args.emit_launch and not plan.topology:
+            check = launch_check(
+                cfg, engine_python=args.engine_python, rollout_nodes=args.rollout_nodes
+            )
+            refused = check.problems
+        if args.emit_launch and not plan.topology and not refused:
             hosts = [h for h in (args.hosts or "").split(",") if h]
-            sets = emit_launch(cfg, plan, hosts, args.emit_launch, engine_python=args.engine_python)
+            sets = emit_launch(
+                cfg, plan, hosts, args.emit_launch, engine_python=args.engine_python,
+                router_python=check.router_python,
+            )  # fmt: skip
             # the topology of the trainer's config as the job runs it (the emitted overrides on
             # top), with the engines as the launch files start them
             final = load_config(args.config, args.overrides + sets)
@@ -574,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(format_plan(plan).splitlines()[-2:]))
     else:
         print(format_plan(plan) + "\n" + memory_formula())
-    if plan.topology:
-        for line in plan.topology:
+    if plan.topology or refused:
+        for line in plan.topology + refused:  # launch refusals: nothing was written
             print(f"plan: refused: {line}", file=sys.stderr)
         return 2
     return 0 if plan.fits else 1

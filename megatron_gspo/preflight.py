@@ -46,6 +46,7 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
         _check_dir(cfg.model.tokenizer_path, "model.tokenizer_path")
     if cfg.model.load_weights:
         _check_weights(Path(cfg.model.hf_path))
+    _check_driver(cfg)
     _check_dtype(cfg)
     cfg.parallel.validate(world_size, hf_config)
     check_checkpoint_dir_writable(cfg.checkpoint.dir)
@@ -123,6 +124,18 @@ def _check_weights(path: Path) -> None:
         f"{path}: no *.safetensors or *.bin weights; add them, or set model.load_weights=false "
         "to train from random weights",
     )
+
+
+def _check_driver(cfg: Config) -> None:
+    """Where nvidia-smi exists but this torch cannot use the GPUs (a driver older than its
+    CUDA build, or no GPU given to the job), say so before the job falls back to CPU and
+    refuses `model.dtype` (issue 35, item 8). `train.device=cpu` asks for the CPU."""
+    from megatron_gspo.gpu_stack import driver_problem, nvidia_driver, torch_here
+
+    if cfg.train.device == "cpu" or (driver := nvidia_driver()) is None:
+        return
+    problem = driver_problem(torch_here(), driver, "the trainer's interpreter")
+    require(problem is None, problem or "")
 
 
 def _check_dtype(cfg: Config) -> None:

@@ -31,7 +31,9 @@ if [ "${1:-}" = "--dry-run" ]; then
   NVTE_FRAMEWORK=pytorch "$py" "${pip_q[@]}" install --dry-run --no-deps --ignore-installed \
     --no-build-isolation -r "$root/constraints.txt" -r "$root/constraints-gpu.txt" >&2
   echo "[gpu-env] the additions are closed under their dependencies, within both locks" >&2
-  pins "$root/constraints.txt" "$root/constraints-gpu.txt" > "$tmp/all.txt"
+  # nvidia-nccl-cu13 is pinned to the engine's version, not torch 2.13's exact Requires-Dist
+  # (constraints.txt says why): left to the resolver here, and not compared below.
+  pins "$root/constraints.txt" "$root/constraints-gpu.txt" | grep -v '^nvidia-nccl-' > "$tmp/all.txt"
   NVTE_FRAMEWORK=pytorch "$py" "${pip_q[@]}" install --dry-run --ignore-installed \
     --no-build-isolation --report "$tmp/report.json" -c "$tmp/all.txt" \
     "transformer-engine[pytorch,core_cu13]" nvidia-cuda-nvcc nvidia-cuda-cccl ninja >&2
@@ -43,7 +45,7 @@ pinned = {norm(n): v for n, v in (l.split("==") for l in open(sys.argv[2]).read(
 missing = [
     f"{m['name']}=={m['version']}"
     for m in (i["metadata"] for i in json.load(open(sys.argv[1]))["install"])
-    if pinned.get(norm(m["name"])) != m["version"]
+    if pinned.get(norm(m["name"])) != m["version"] and not norm(m["name"]).startswith("nvidia-nccl-")
 ]
 if missing:
     sys.exit(f"[gpu-env] resolved but not pinned (add to constraints-gpu.txt): {missing}")

@@ -3,9 +3,15 @@
 # Environment (all optional except CONFIG):
 #   CONFIG            run config (YAML), e.g. examples/recipes/qwen3_30b_a3b_bf16.yaml
 #   PYTHON            interpreter of the trainer and the planner (default: python3)
-#   ENGINE_PYTHON     interpreter of SGLang and sglang-router (default: $PYTHON)
-#   GPUS_PER_NODE     default: $SLURM_GPUS_ON_NODE, else 8
-#   GPU_MEM_GB        memory per GPU for the planner (default 80)
+#   ENGINE_PYTHON     interpreter of the SGLang servers (default: the venv bash
+#                     scripts/engine_env.sh built for this checkout; never $PYTHON, whose sglang
+#                     has no GPU kernels: without either the job stops before anything starts).
+#                     sglang-router runs from whichever of ENGINE_PYTHON and PYTHON has it (the
+#                     planner checks; the trainer's lock has it, the engine's does not)
+#   GPUS_PER_NODE     default: $SLURM_GPUS_ON_NODE (set by #SBATCH --gpus-per-node), else 8
+#   GPU_MEM_GB        memory per GPU for the planner (GiB). Default: the smallest memory.total
+#                     nvidia-smi reports on this node; without nvidia-smi, 140 (an H200:
+#                     143771 MiB; the recipes are planned for it)
 #   LOG_DIR           default: logs/slurm-$SLURM_JOB_ID (per-node logs, the plan, launch files)
 #   RDZV_PORT         torchrun c10d rendezvous port on the first trainer node (default 29500)
 #   NET_IF            network interface for NCCL and gloo (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)
@@ -17,12 +23,27 @@
 #   POLL_S            how often the job checks its processes (default 5)
 # Script arguments are extra `--set key=value` overrides for the planner and the trainer.
 
+# Memory per GPU in GiB: the smallest memory.total (MiB) nvidia-smi reports here, else 140.
+mgspo_gpu_mem_gb() {
+  local mib
+  if command -v nvidia-smi >/dev/null 2>&1 &&
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null |
+      sort -n | head -n 1) && [[ $mib =~ ^[0-9]+$ ]]; then
+    awk -v m="$mib" 'BEGIN { printf "%.1f\n", m / 1024 }'
+  else
+    echo 140
+  fi
+}
+
 mgspo_setup() {
   : "${CONFIG:?set CONFIG to the run config (YAML)}"
   PYTHON=${PYTHON:-python3}
-  ENGINE_PYTHON=${ENGINE_PYTHON:-$PYTHON}
+  if [[ -z ${ENGINE_PYTHON:-} ]]; then
+    # the engine venv of scripts/engine_env.sh, or one line and exit 2
+    ENGINE_PYTHON=$("$PYTHON" -m megatron_gspo.engines.interpreter) || exit 2
+  fi
   GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
-  GPU_MEM_GB=${GPU_MEM_GB:-80}
+  GPU_MEM_GB=${GPU_MEM_GB:-$(mgspo_gpu_mem_gb)}
   LOG_DIR=${LOG_DIR:-logs/slurm-${SLURM_JOB_ID:-local}}
   RDZV_PORT=${RDZV_PORT:-29500}
   HEALTH_TIMEOUT_S=${HEALTH_TIMEOUT_S:-1800}

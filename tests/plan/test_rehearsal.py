@@ -7,9 +7,14 @@ engine checkpoint written by tools/fp8_checkpoint.py from the tiny BF16 one. The
 Slurm script does, in its order: the real planner (`python -m megatron_gspo.plan ...
 --emit-launch`, refusing a bad topology), the emitted engine command lines (served by
 `rehearsal_engine`, which shards, loads and reports checksums per TP rank as SGLang, with
-`sglang.launch_server` swapped for it), the emitted router command line (the real
-sglang-router), and the real trainer (`torchrun` running `megatron_gspo.train --config RECIPE`
-with the emitted `--set`s) for 2 steps with the recipe's transport, FP8 and verification.
+`sglang.launch_server` swapped for it but run by the emitted interpreter: the engine venv of
+scripts/engine_env.sh, with the CPU stand-in of `sgl_kernel` as a CPU server has it), the
+emitted router command line as is (the real sglang-router from the interpreter the planner
+found it in: the engine venv has none), and the real trainer in this (the trainer's) venv
+(`torchrun` running `megatron_gspo.train --config RECIPE` with the emitted `--set`s) for 2 steps
+with the recipe's transport, FP8 and verification. Before issue 35 the router's command line
+named the engine venv, which has no sglang_router, and this test swapped in its own interpreter;
+run as emitted, the 235B rehearsals' router died before it was healthy.
 Checked: the run exits 0 after 2 steps with every verified push (the recipe's `verify_every`)
 verified on every engine TP rank. Only for time: the trainer's ranks import while the engines
 start and run the trainer once the health probes pass (tests/plan/rehearsal_rank.py).
@@ -36,6 +41,7 @@ from megatron_gspo.config import load_config
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.data.toy import save_toy_tokenizer, write_toy_dataset
 from megatron_gspo.dist import free_port
+from megatron_gspo.engines.launch import cpu_engine_env
 from megatron_gspo.metrics_log import read_metrics
 from megatron_gspo.testing.rehearsal import device_sets, shrink
 from megatron_gspo.weights.fp8_checkpoint import write_fp8_checkpoint
@@ -149,12 +155,14 @@ def rehearse(
         urls = (launch_dir / "engine_urls").read_text().split()
         for i, f in enumerate(sorted(launch_dir.glob("engine*.argv"))):
             argv = _nul(f)
-            assert argv[1:3] == ["-m", "sglang.launch_server"], argv
-            cmd = [sys.executable, "-m", "tests.plan.rehearsal_engine", *argv[3:]]
+            assert argv[:3] == [engine_python, "-m", "sglang.launch_server"], argv
+            # the emitted interpreter (the engine venv), the stand-in for SGLang's server module
+            cmd = [argv[0], "-m", "tests.plan.rehearsal_engine", *argv[3:]]
             with open(logs / f"engine{i}.log", "w") as log:
                 procs.append(
                     subprocess.Popen(
-                        cmd, cwd=ROOT, env=_env(), stdout=log, stderr=log, start_new_session=True
+                        cmd, cwd=ROOT, env=cpu_engine_env(_env()), stdout=log, stderr=log,
+                        start_new_session=True,
                     )  # fmt: skip
                 )
         # The trainer (torchrun, one rank per CPU "GPU") with the emitted `--set`s starts now
@@ -181,16 +189,8 @@ def rehearse(
         _wait([f"{u}/health_generate" for u in urls], procs)
         times["engines"] = time.monotonic() - t0
         if (launch_dir / "router.argv").exists():
+            # the emitted command line as is: its interpreter is the planner's choice
             router_argv = _nul(launch_dir / "router.argv")
-            # the real router from whichever venv has it (the engine venv may not)
-            for python in (router_argv[0], sys.executable):
-                find = "import importlib.util as u, sys; sys.exit(not u.find_spec('sglang_router'))"
-                probe = subprocess.run([python, "-c", find], timeout=60)
-                if probe.returncode == 0:
-                    router_argv[0] = python
-                    break
-            else:
-                return {"stage": "skip", "rc": 0, "out": "no sglang_router installed"}
             with open(logs / "router.log", "w") as log:
                 procs.append(
                     subprocess.Popen(
@@ -267,8 +267,6 @@ def rehearsals(
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_rehearsal(recipe: str, rehearsals: dict[str, tuple[dict, float]]) -> None:
     got, seconds = rehearsals[recipe]
-    if got["stage"] == "skip":
-        pytest.skip(got["out"])
     assert got["stage"] == "done", f"{got['stage']} exited {got['rc']}:\n{got['out']}"
     rows = got["metrics"]
     assert sorted(rows) == list(range(1, STEPS + 1))

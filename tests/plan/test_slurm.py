@@ -1,9 +1,11 @@
 """The Slurm scripts (examples/slurm/) run with stand-ins for srun / scontrol / sbatch / curl on
-PATH (tests/plan/standins/): the real planner runs first, then the scripts' srun steps are
-recorded and played (engines serve until SIGTERM, the trainer runs a moment). Checked: the
-torchrun and engine command lines for 1 node colocated and 2 and 4 nodes disaggregated, that
-nothing starts when the planner refuses (a layout, a memory fit, or the topology: colocated on
-2 nodes), and that a failing engine, a failing trainer or a
+PATH (tests/plan/standins/), from a working directory whose model directories hold weights, with
+the engine venv's interpreter as `slurm_kit.engine_venv` makes it: the real planner runs first,
+then the scripts' srun steps are recorded and played (engines serve until SIGTERM, the trainer
+runs a moment). Checked: the torchrun, engine and router command lines (engines in the engine
+venv, the router in the interpreter that has it) for 1 node colocated and 2 and 4 nodes
+disaggregated, that nothing starts when the planner refuses (a layout, a memory fit, or the
+topology: colocated on 2 nodes), and that a failing engine, a failing trainer or a
 SIGTERM (preemption: the trainer checkpoints first) tears everything down.
 """
 
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.plan.slurm_kit import engine_venv, workdir
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDINS = Path(__file__).resolve().parent / "standins"
@@ -68,6 +72,8 @@ class Job:
 
 def _env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
     (tmp / "d").mkdir(parents=True, exist_ok=True)
+    if not (tmp / "work").exists():  # the recipes' relative model paths, weights in them
+        workdir(tmp)
     env = {
         **os.environ,
         "PATH": f"{STANDINS}:{os.environ['PATH']}",
@@ -76,6 +82,7 @@ def _env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
         "STANDIN_DIR": str(tmp / "d"),
         "CONFIG": str(RECIPE),
         "PYTHON": sys.executable,
+        "ENGINE_PYTHON": engine_venv(tmp / "cache"),
         "GPUS_PER_NODE": str(GPUS),
         "GPU_MEM_GB": "141",
         "LOG_DIR": str(tmp / "logs"),
@@ -94,7 +101,7 @@ def _sbatch(tmp: Path, cache: Path, script: str, nodes: int, **extra: str) -> Jo
     proc = subprocess.run(
         cmd,
         env=env,
-        cwd=ROOT,
+        cwd=tmp / "work",
         capture_output=True,
         text=True,
         timeout=120,
@@ -109,7 +116,7 @@ def _sbatch_sets(tmp: Path, cache: Path, script: str, nodes: int, *sets: str) ->
     proc = subprocess.run(
         cmd,
         env=_env(tmp, cache),
-        cwd=ROOT,
+        cwd=tmp / "work",
         capture_output=True,
         text=True,
         timeout=120,
@@ -146,7 +153,8 @@ def _check_engines(job: Job, hosts: list[str], *, colocated: bool) -> list[str]:
     for opts, cmd in engines:
         host = _value(cmd, "--host")
         assert f"--nodelist={host}" in opts and "--nodes=1" in opts and "--overlap" in opts
-        assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+        # the engine venv's interpreter (ENGINE_PYTHON), not the trainer's
+        assert cmd[:3] == [engine_venv(job.tmp / "cache"), "-m", "sglang.launch_server"]
         port, gpu = int(_value(cmd, "--port")), int(_value(cmd, "--base-gpu-id"))
         j = port - 30000
         assert gpu == j * ENGINE_TP and _value(cmd, "--tp-size") == str(ENGINE_TP)
@@ -213,6 +221,8 @@ def test_disaggregated_command_lines(nodes: int, tmp_path: Path, counts_cache: P
     assert sets["weights.transport"] == "distributed"
     ((opts, router),) = job.of("sglang_router.launch_router")
     assert f"--nodelist={engines[0]}" in opts
+    # the engine venv has no sglang_router: the trainer's interpreter (the planner checked)
+    assert router[:3] == [sys.executable, "-m", "sglang_router.launch_router"]
     workers = router[router.index("--worker-urls") + 1 :]
     assert sorted(workers) == sorted(urls)
     assert sets["rollout.client.router_url"] == f"http://{engines[0]}:29999"
@@ -283,7 +293,7 @@ def test_sigterm_checkpoints_then_tears_down(tmp_path: Path, counts_cache: Path)
     proc = subprocess.Popen(
         cmd,
         env=env,
-        cwd=ROOT,
+        cwd=tmp_path / "work",
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
