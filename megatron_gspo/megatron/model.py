@@ -2,7 +2,8 @@
 
 The one place that builds Megatron models: `AutoBridge` reads the HF config and owns the
 HF <-> Megatron weight mapping (Qwen3-MoE, Qwen3, Llama-style, ...); we choose the layer spec,
-precision and parallel layout. On CPU: local spec with our `CPUCoreAttention`, fp32, fusions off.
+precision and parallel layout. On CPU: local spec with our `CPUCoreAttention`, fusions off, fp32
+or bf16 (wrapped in `Float16Module` as on GPU: fp32 main params in the optimizer).
 """
 
 from __future__ import annotations
