@@ -9,7 +9,10 @@ with an entropy term) w.r.t. the final hidden states [T, H] and the output weigh
   straightforward  logits = h @ W^T; log_softmax(logits.float() / temp)   ([T, V] float32 x 2+)
   chunked          logits = h @ W^T; megatron_gspo.algo.vocab_parallel_logprobs (the unfused
                    trainer path: bf16 [T, V] logits and their bf16 gradient, fp32 per chunk)
-  fused            megatron_gspo.algo.fused_lm_head_logprobs (no [T, V] tensor in either pass)
+  fused            megatron_gspo.algo.fused_lm_head_logprobs (no [T, V] tensor in either pass),
+                   fp32 logit blocks from bf16 operands (SGLang's fp32 LM head; on CPU the
+                   block's operands upcast, on CUDA the bf16 GEMM with an fp32 output)
+  fused-bf16       the same with fp32_logits=False: logit blocks rounded to bf16 (before issue 35)
   gemm             one forward h @ W^T, no grad: the unit of matmul time (the three above do
                    3, 3 and 4 such GEMMs: the fused backward recomputes the logit blocks)
 
@@ -61,11 +64,13 @@ from megatron_gspo.algo import (  # noqa: E402
 )
 
 MIB, GIB = 2**20, 2**30
-VARIANTS = ("straightforward", "chunked", "fused", "gemm")
+VARIANTS = ("straightforward", "chunked", "fused", "fused-bf16", "gemm")
 # Bytes per [T, V] element alive at the peak, rounded up from the ops each path runs (used only
 # to skip what cannot fit): bf16 logits + fp32 copy + fp32 log-softmax + their gradients.
-PEAK_BYTES_PER_TV = {"straightforward": 18, "chunked": 4.5, "fused": 0, "gemm": 2}
-GEMMS = {"straightforward": 3, "chunked": 3, "fused": 4, "gemm": 1}
+PEAK_BYTES_PER_TV = {
+    "straightforward": 18, "chunked": 4.5, "fused": 0, "fused-bf16": 0, "gemm": 2
+}  # fmt: skip
+GEMMS = {"straightforward": 3, "chunked": 3, "fused": 4, "fused-bf16": 4, "gemm": 1}
 
 
 def _rss_hwm_bytes() -> int:
@@ -89,7 +94,7 @@ def _reset_rss_hwm() -> bool:
 
 
 def _logprobs(args: argparse.Namespace, h: torch.Tensor, w: torch.Tensor, target: torch.Tensor):
-    if args.variant == "fused":
+    if args.variant in ("fused", "fused-bf16"):
         return fused_lm_head_logprobs(
             h,
             w,
@@ -98,6 +103,7 @@ def _logprobs(args: argparse.Namespace, h: torch.Tensor, w: torch.Tensor, target
             chunk_size=args.chunk,
             vocab_chunk=args.vocab_chunk,
             with_entropy=True,
+            fp32_logits=args.variant == "fused",
         )
     logits = h @ w.T
     if args.variant == "straightforward":

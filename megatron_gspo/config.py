@@ -86,7 +86,8 @@ class ModelConfig:
     load_weights: bool = True
     """false: build the model from config.json with random weights (toy and test runs)."""
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    """Parameter / compute dtype of the trainer (CPU runs need fp32)."""
+    """Parameter / compute dtype of the trainer (bf16: fp32 main params in the optimizer; CPU
+    runs take fp32 or bf16)."""
     activation_recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation granularity (megatron-core recompute_granularity)."""
     moe_token_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
@@ -467,6 +468,10 @@ class Config:
         if embedded_fp8 and self.weights.dtype is None:
             # FP8 sync sends the unquantised tensors (norms, router, embeddings) in this dtype;
             # the embedded engine holds them in fp32, so its checksums match only in fp32.
+            self.weights.dtype = "float32"
+        if self.rollout.embedded and self.weights.dtype is None and self.model.dtype != "fp32":
+            # The embedded engine holds fp32 and checks what it holds: a bf16 trainer's
+            # weights (CPU rehearsals in the recipes' precision) go as fp32, an exact upcast.
             self.weights.dtype = "float32"
         if (
             launch is not None

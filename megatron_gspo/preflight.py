@@ -139,17 +139,18 @@ def _check_driver(cfg: Config) -> None:
 
 
 def _check_dtype(cfg: Config) -> None:
-    """megatron-core's CPU path here is fp32 only; make_provider says the same, but only after
-    megatron-core has been initialised on every rank."""
+    """megatron-core's CPU path runs fp32 and bf16 (fp32 main params), not fp16 (its loss
+    scaler); make_provider says the same, but only after megatron-core has been initialised on
+    every rank."""
     device = cfg.train.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     require(
-        device != "cpu" or cfg.model.dtype == "fp32",
-        f"model.dtype={cfg.model.dtype} on CPU: the CPU path computes in fp32; set "
-        "model.dtype=fp32",
+        device != "cpu" or cfg.model.dtype != "fp16",
+        "model.dtype=fp16 on CPU: fp16 needs a loss scaler and CPU kernels megatron-core lacks; "
+        "set model.dtype=bf16 or fp32",
     )
 
 

@@ -199,13 +199,14 @@ def test_missing_tokenizer_path(tmp_path: Path) -> None:
     assert _one_line(e).startswith(f"model.tokenizer_path={tmp_path}/t: no such directory")
 
 
-def test_bf16_on_cpu(tmp_path: Path) -> None:
+def test_fp16_on_cpu(tmp_path: Path) -> None:
     """Was a ValueError from make_provider after megatron-core had started (a checksum error
-    before that)."""
-    cfg = load_config(_write(tmp_path, _base(tmp_path)), ["model.dtype=bf16"])
+    before that). bf16 runs on CPU (issue 35: the recipes' precision in the rehearsals)."""
+    cfg = load_config(_write(tmp_path, _base(tmp_path)), ["model.dtype=fp16"])
     with pytest.raises(ConfigError) as e:
         _check(cfg)
-    assert _one_line(e).startswith("model.dtype=bf16 on CPU")
+    assert _one_line(e).startswith("model.dtype=fp16 on CPU")
+    _check(load_config(_write(tmp_path, _base(tmp_path)), ["model.dtype=bf16"]))
 
 
 @pytest.mark.parametrize(
@@ -374,7 +375,7 @@ def test_entry_point_prints_one_line_and_exits_2(tmp_path: Path) -> None:
         (["--config", str(bad_yaml)], f"{bad_yaml}:"),
         (["--config", str(good), "--set", "model.hf_path=Qwen/nope"], "model.hf_path=Qwen/nope"),
         (["--config", str(good), "--set", f"data.train_path={bad_data}"], f"{bad_data}:2:"),
-        (["--config", str(good), "--set", "model.dtype=bf16"], "model.dtype=bf16 on CPU"),
+        (["--config", str(good), "--set", "model.dtype=fp16"], "model.dtype=fp16 on CPU"),
     ]
     for args, expected in cases:
         r = _train(tmp_path, *args)

@@ -246,6 +246,9 @@ def test_weights_dtype_follows_a_real_servers_dtype():
     assert cfg(sglang, "weights.dtype=float32").weights.dtype == "float32"
     assert cfg(sglang, "weights.fp8=true").weights.dtype is None  # fp8 picks per tensor
     assert cfg("model.dtype=fp32").weights.dtype is None  # embedded
+    # the embedded engine holds fp32: a bf16 trainer sends its weights upcast (exact)
+    assert cfg("model.dtype=bf16").weights.dtype == "float32"
+    assert cfg("model.dtype=bf16", "weights.dtype=bfloat16").weights.dtype == "bfloat16"
     # the embedded FP8 emulation holds its unquantised tensors in fp32
     fp8 = cfg("rollout.launch.quantization=fp8", "weights.fp8=true")
     assert fp8.weights.dtype == "float32"

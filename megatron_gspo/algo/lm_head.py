@@ -24,10 +24,19 @@ W's dtype into a [T, Vb] buffer) and multiplied into dL/dhidden ([T, H], compute
 the token chunks, dL/dW of the block is one GEMM over all T tokens, written once. The per-block
 buffers are allocated once and reused (a fresh large block per chunk costs page faults on CPU).
 So the largest buffers are [C, Vc]-element blocks, [T, H]-element ones and [Vp, H] (the gradient
-W needs anyway): no [T, V] or [T, Vp] tensor exists in either pass. Logit blocks are computed in
-the inputs' dtype (a bf16 GEMM, as the unfused output layer does) and upcast to float32 (float64
-for float64 inputs) for the softmax statistics; the gradient blocks are cast back to W's dtype
-for the two backward GEMMs, as the unfused path's bf16 logits gradient is.
+W needs anyway): no [T, V] or [T, Vp] tensor exists in either pass.
+
+Precision: logit blocks are fp32 (float64 for float64 inputs) straight out of the GEMM, from
+bf16/fp16 operands with fp32 accumulation, as SGLang's `--enable-fp32-lm-head` computes the
+engine's logits (`rollout.launch.fp32_lm_head`, on by default; SGLang 0.5.23
+`LogitsProcessor._compute_lm_head`): on CUDA `torch.mm(h, W^T, out_dtype=float32)`, the bf16 GEMM
+at bf16 cost with an fp32 output; on CPU, where that kernel does not exist, the block's operands
+upcast to fp32 (products of bf16 values are exact in fp32, so both are the same sum up to its
+order). Rounding the logits to bf16 instead (`fp32_logits=False`, the unfused output layer's
+precision) puts up to half a bf16 ulp of the logit (~4e-3 at |z| ~ 1) into every log-prob: a
+train/inference mismatch the size of GSPO's 3e-4 clip band. The gradient blocks dL/dz are
+computed in fp32 and cast to W's dtype for the two backward GEMMs (bf16 cost, as the unfused
+output layer's bf16 backward), dL/dhidden accumulating in fp32.
 
 Cost: 4 [T, Vp, H] GEMMs (forward, backward recompute, dH, dW) to the unfused path's 3, and
 the same softmax work; measured breakdown in docs/lm_head.md.
@@ -66,6 +75,21 @@ def _view(flat: Tensor, rows: int, cols: int) -> Tensor:
     return flat[: rows * cols].view(rows, cols)
 
 
+def _logits_into(out: Tensor, h: Tensor, w: Tensor, fp32_logits: bool, lo_buf: Tensor) -> Tensor:
+    """out[C, Vc] (float32/float64) = h[C, H] @ w[Vc, H]^T, the block of logits.
+
+    fp32_logits: fp32 accumulation and output from bf16/fp16 operands, as SGLang's fp32 LM head
+    (CUDA: the same-dtype GEMM with `out_dtype`; elsewhere the operands upcast, as SGLang does
+    off CUDA). False: the GEMM in the inputs' dtype into `lo_buf`, rounded there, then upcast."""
+    if h.dtype == out.dtype:  # fp32 / fp64 inputs: the GEMM is already in the compute dtype
+        return torch.mm(h, w.T, out=out)
+    if not fp32_logits:
+        return out.copy_(torch.mm(h, w.T, out=_view(lo_buf, *out.shape)))
+    if h.is_cuda and h.dtype == w.dtype:
+        return torch.mm(h, w.T, out_dtype=out.dtype, out=out)
+    return torch.mm(h.to(out.dtype), w.T.to(out.dtype), out=out)
+
+
 class _FusedLMHead(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -80,6 +104,7 @@ class _FusedLMHead(torch.autograd.Function):
         vocab_chunk: int,
         with_entropy: bool,
         reduce_grad_hidden: bool,
+        fp32_logits: bool,
     ) -> tuple[Tensor, Tensor]:
         num_tok, vp = hidden.shape[0], weight.shape[0]
         dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -91,7 +116,8 @@ class _FusedLMHead(torch.autograd.Function):
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         cols = _spans(vp, vocab_chunk)
         blk = min(num_tok, chunk_size) * min(vp, vocab_chunk)
-        lo_buf = hidden.new_empty(blk)  # the GEMM's [C, Vc] output, in the inputs' dtype
+        # the GEMM's [C, Vc] output in the inputs' dtype (only for blocks rounded there)
+        lo_buf = hidden.new_empty(0 if fp32_logits else blk)
         z_buf, e_buf = logp.new_empty(blk), logp.new_empty(blk)  # z - max, exp(z - max)
         for rows in _spans(num_tok, chunk_size):
             h = hidden[rows]
@@ -101,9 +127,7 @@ class _FusedLMHead(torch.autograd.Function):
             s, a, tgt = (logp.new_zeros(h.shape[0]) for _ in range(3))
             for vc in cols:
                 nc, nv = h.shape[0], vc.stop - vc.start
-                zl = torch.mm(h, weight[vc].T, out=_view(lo_buf, nc, nv))
-                z = _view(z_buf, nc, nv)
-                z.copy_(zl)  # [C, Vc] in the compute dtype
+                z = _logits_into(_view(z_buf, nc, nv), h, weight[vc], fp32_logits, lo_buf)
                 if inv_t != 1.0:  # a full pass over the block: skip it at temperature 1
                     z.mul_(inv_t)
                 hit = own & (loc >= vc.start) & (loc < vc.stop)
@@ -143,7 +167,7 @@ class _FusedLMHead(torch.autograd.Function):
                 entropy[rows] = ent
         ctx.save_for_backward(hidden, weight, local, owned, lse, entropy)
         ctx.group = group
-        ctx.cfg = (inv_t, chunk_size, vocab_chunk, with_entropy, reduce_grad_hidden)
+        ctx.cfg = (inv_t, chunk_size, vocab_chunk, with_entropy, reduce_grad_hidden, fp32_logits)
         ctx.set_materialize_grads(False)  # unused outputs give None, not [T] zeros
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -154,8 +178,8 @@ class _FusedLMHead(torch.autograd.Function):
         ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         hidden, weight, local, owned, lse, entropy = ctx.saved_tensors
-        inv_t, chunk_size, vocab_chunk, with_entropy, reduce_grad_hidden = ctx.cfg
-        nones = (None,) * 8
+        inv_t, chunk_size, vocab_chunk, with_entropy, reduce_grad_hidden, fp32_logits = ctx.cfg
+        nones = (None,) * 9
         if not with_entropy:
             grad_entropy = None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -178,7 +202,7 @@ class _FusedLMHead(torch.autograd.Function):
         hd = hidden.shape[1]
         vb = min(vp, max(1, nc0 * vocab_chunk // num_tok, min(hd, vocab_chunk))) if num_tok else vp
         blk = nc0 * vb
-        lo_buf = hidden.new_empty(blk)  # recomputed [C, Vb] logits, inputs' dtype
+        lo_buf = hidden.new_empty(0 if fp32_logits else blk)  # [C, Vb] logits rounded there
         lq_buf = lse.new_empty(blk)  # log p, then dL/dz (compute dtype)
         p_buf = lse.new_empty(blk) if g_h is not None else None  # p (entropy term)
         gz_buf = weight.new_empty(num_tok * vb)  # [T, Vb] dL/dlogits, W's dtype
@@ -191,8 +215,7 @@ class _FusedLMHead(torch.autograd.Function):
                 h = hidden[rows]
                 nc = h.shape[0]
                 # log p of the block, in place in the recomputed logits.
-                logq = _view(lq_buf, nc, nv)
-                logq.copy_(torch.mm(h, w.T, out=_view(lo_buf, nc, nv)))
+                logq = _logits_into(_view(lq_buf, nc, nv), h, w, fp32_logits, lo_buf)
                 if inv_t != 1.0:
                     logq.mul_(inv_t)
                 logq.sub_(lse[rows, None])
@@ -232,6 +255,7 @@ def fused_lm_head_logprobs(
     vocab_chunk: int = 8192,
     with_entropy: bool = False,
     reduce_grad_hidden: bool = True,
+    fp32_logits: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """log softmax(hidden @ W^T / temperature)[target] over the full (sharded) vocab, and entropy,
     without building the [T, Vp] logits (see the module docstring for the math and memory).
@@ -249,6 +273,9 @@ def fused_lm_head_logprobs(
         with_entropy: also return H_t = -sum_v p log p from the same pass (differentiable).
         reduce_grad_hidden: sum dL/dhidden over `group` in backward (False when the caller's
             sequence-parallel gather reduce-scatters it).
+        fp32_logits: bf16/fp16 inputs give fp32 logit blocks (fp32 accumulation and output,
+            SGLang's fp32 LM head); False rounds each block to the inputs' dtype first (the
+            unfused output layer's precision). No effect on fp32/fp64 inputs.
 
     Returns:
         (logp [T], entropy [T] or None), float32 (float64 for float64 hidden), identical on
@@ -276,5 +303,6 @@ def fused_lm_head_logprobs(
         vocab_chunk,
         with_entropy,
         reduce_grad_hidden,
+        fp32_logits,
     )
     return logp, (entropy if with_entropy else None)

@@ -189,9 +189,11 @@ def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, direc
     adopt_current_param_groups(optimizer, loaded["optimizer"])
     with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
         optimizer.load_state_dict(loaded["optimizer"])
-    # Re-link the optimizer's main params with the restored model params, as megatron-core's
-    # training loop does after a load.
-    optimizer.reload_model_params()
+    # No `reload_model_params()` here: the optimizer state just restored the fp32 main params,
+    # and reloading would overwrite them with the bf16 model params (rounding away every update
+    # smaller than a bf16 ulp). megatron-core's own `load_checkpoint` reloads only when it did
+    # not load the optimizer state (the fresh-optimizer branch above). In fp32 the main params
+    # alias the model params, so the call was a no-op there and only bf16 showed it.
     rank = torch.distributed.get_rank()
     steps = torch.load(Path(directory) / f"adam_steps_rank{rank}.pt", weights_only=True)
     hooks.restore_adam_steps(optimizer, steps)

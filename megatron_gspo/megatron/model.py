@@ -2,7 +2,8 @@
 
 The one place that builds Megatron models: `AutoBridge` reads the HF config and owns the
 HF <-> Megatron weight mapping (Qwen3-MoE, Qwen3, Llama-style, ...); we choose the layer spec,
-precision and parallel layout. On CPU: local spec with our `CPUCoreAttention`, fp32, fusions off.
+precision and parallel layout. On CPU: local spec with our `CPUCoreAttention`, fusions off, fp32
+or bf16 (wrapped in `Float16Module` as on GPU: fp32 main params in the optimizer).
 """
 
 from __future__ import annotations
@@ -124,10 +125,10 @@ def make_provider(
     if dtype is None and model is not None:
         dtype = DTYPES[model.dtype]
     dtype = dtype or (torch.float32 if cpu else torch.bfloat16)
-    if cpu and dtype != torch.float32:
+    if cpu and dtype == torch.float16:
         raise ValueError(
-            f"model.dtype={dtype} on CPU: the CPU path computes in fp32 (the gloo collectives and "
-            "CPU kernels of megatron-core are fp32 here); set model.dtype=fp32"
+            "model.dtype=fp16 on CPU: fp16 needs a loss scaler and CPU kernels megatron-core "
+            "lacks; set model.dtype=bf16 or fp32"
         )
     provider = bridge.to_megatron_provider(load_weights=False)
     provider.tensor_model_parallel_size = layout.tp
@@ -222,7 +223,7 @@ def build_model(
         ddp_config=ddp_config,
         wrap_with_ddp=ddp_config is not None,
         use_cpu_initialization=on_cpu(),
-        mixed_precision_wrapper=None if on_cpu() else _float16_module(),
+        mixed_precision_wrapper=_float16_module(),
     )
     if load_from is not None:
         load_from.load_hf_weights(model)

@@ -20,9 +20,11 @@ LM head: with `StepConfig.fused_lm_head` (the default) the model's output layer 
 call, through megatron-core's own `output_processor` hook of `GPTModel.forward` (no patch): it
 receives the final hidden states and the output (or tied embedding) weight and returns
 `(logp, entropy)` from `megatron_gspo.algo.fused_lm_head_logprobs`, so no [T, Vp] logits exist
-on the last stage in either pass. Otherwise the output layer's logits go through the chunked
-`vocab_parallel_logprobs`. Either way `Float16Module` is asked not to upcast its output
-(`fp32_output=False`): the log-prob ops upcast per chunk themselves.
+on the last stage in either pass; its logits are fp32 from the bf16 GEMM, as the engines' fp32
+LM head (`rollout.launch.fp32_lm_head`) computes them. Otherwise the output layer's logits (in
+the model's dtype) go through the chunked `vocab_parallel_logprobs`. Either way `Float16Module`
+is asked not to upcast its output (`fp32_output=False`): the log-prob ops upcast per chunk
+themselves.
 
 Shape legend: `T` packed tokens of a micro-batch on this CP shard, `H` hidden size, `Vp` vocab
 shard.

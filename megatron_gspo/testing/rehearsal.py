@@ -17,9 +17,9 @@ device, so that what it would do on the GPU cluster runs here for a couple of st
   moe-TP ranks (in 128-row blocks for FP8); 2 layers per pipeline stage; vocab 128.
 
 Everything else (transport, FP8, verification, colocation, recompute, dispatcher, loss, GSPO
-settings) stays the recipe's, but for the verification schedule (every push: a rehearsal runs
-a couple of steps); the device-only changes (`device_sets`) are fp32 on CPU, no grouped GEMM
-(Transformer Engine) and a small batch / response length.
+settings) stays the recipe's, precision included (bf16 parameters with fp32 main params, bf16
+engines with fp32 logits); the device-only changes (`device_sets`) are CPU ranks, no grouped
+GEMM (Transformer Engine) and a small batch / response length.
 """
 
 from __future__ import annotations
@@ -132,11 +132,13 @@ def shrink(
 
 
 def device_sets(cfg: Config) -> list[str]:
-    """The device changes: CPU ranks over gloo in fp32, no Transformer Engine grouped GEMM,
-    and a CPU-sized batch (token budget, responses, prompts per rollout)."""
+    """The device changes: CPU ranks over gloo, no Transformer Engine grouped GEMM, and a
+    CPU-sized batch (token budget, responses, prompts per rollout). The precision stays the
+    recipe's (`model.dtype`: bf16 parameters, fp32 main params in its distributed optimizer;
+    its engines' dtype and fp32 LM head): megatron-core's CPU path runs bf16, and fp32 would
+    hide what only bf16 shows (main params that are not the model's, issue 35)."""
     return [
         "train.device=cpu",
-        "model.dtype=fp32",
         "model.moe_grouped_gemm=false",
         "rl.group_size=2" if hasattr(cfg, "rl") else "gspo.group_size=2",
         "rl.prompts_per_rollout=2" if hasattr(cfg, "rl") else "gspo.prompts_per_rollout=2",

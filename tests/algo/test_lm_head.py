@@ -4,6 +4,7 @@ memory check that no [T, V]-sized buffer is ever allocated."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import pytest
@@ -106,11 +107,12 @@ def test_gradcheck_float64() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_matches_unfused(dtype) -> None:
-    # The unfused path on the same (rounded) logits: the fused one rounds each logit block to
-    # `dtype` exactly as the one GEMM does; gradients differ by the accumulation order.
+    # The unfused path on the same (rounded) logits: with fp32_logits=False the fused one rounds
+    # each logit block to `dtype` exactly as the one GEMM does; gradients differ by the
+    # accumulation order.
     hidden, weight, target, g_lp, g_h = _data(40, 301, 16, dtype, seed=1)
     kw: dict[str, Any] = dict(temperature=0.7, chunk_size=16)
-    fused = fused_lm_head_logprobs
+    fused = partial(fused_lm_head_logprobs, fp32_logits=False)
     got = _run(fused, hidden, weight, target, g_lp, g_h, True, vocab_chunk=64, **kw)
     want = _run(_unfused, hidden, weight, target, g_lp, g_h, True, **kw)
     assert got[0].dtype == torch.float32 and got[2].dtype == dtype and got[3].dtype == dtype
@@ -119,6 +121,53 @@ def test_low_precision_matches_unfused(dtype) -> None:
     rtol = 1e-5 if dtype == torch.float32 else 2**-6
     for a, b in zip(got[2:], want[2:], strict=True):
         torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=rtol * b.abs().max())
+
+
+def _fp32_head(h, w, target, **kw):
+    """The unfused fp32 head, as SGLang computes `--enable-fp32-lm-head` off CUDA: operands
+    upcast, one fp32 GEMM, fp32 log-softmax; autograd casts the gradients back to bf16."""
+    return vocab_parallel_logprobs(h.float() @ w.float().T, target, **kw)
+
+
+def _float64_head(h, w, target, **kw):
+    return vocab_parallel_logprobs(h.double() @ w.double().T, target, **kw)
+
+
+def test_bf16_inputs_give_fp32_logits() -> None:
+    """bf16 hidden states and weight (the recipes' trainer), fp32 logits (the engines'
+    `rollout.launch.fp32_lm_head`): the fused head's log-probs and entropy equal the float64
+    math on the same bf16 values to fp32 rounding, and the unfused fp32 head's; its gradients
+    (bf16, from bf16 backward GEMMs) are within a bf16 rounding of both. Logits up to |z| ~ 46
+    (a sharpened policy): bf16 logit blocks put 0.14 into a log-prob here (measured), fp32
+    ones 5e-6."""
+    hidden, weight, target, g_lp, g_h = _data(48, 301, 64, torch.bfloat16, seed=2)
+    weight = (weight.double() * 4).bfloat16()  # large logits (exact: a power of 2)
+    kw: dict[str, Any] = dict(temperature=0.7, chunk_size=16, with_entropy=True)
+    fused = _run(fused_lm_head_logprobs, hidden, weight, target, g_lp, g_h, vocab_chunk=64, **kw)
+    ref = _run(_float64_head, hidden, weight, target, g_lp, g_h, **kw)
+    fp32 = _run(_fp32_head, hidden, weight, target, g_lp, g_h, **kw)
+    assert fused[0].dtype == fused[1].dtype == torch.float32
+    assert fused[2].dtype == fused[3].dtype == torch.bfloat16
+    for want, atol in ((ref, 1e-5), (fp32, 1e-5)):
+        for i in (0, 1):  # logp, entropy
+            torch.testing.assert_close(fused[i].double(), want[i].double(), rtol=0, atol=atol)
+    for want in (ref, fp32):
+        for got, w in zip(fused[2:], want[2:], strict=True):  # dL/dhidden, dL/dW
+            err = (got.double() - w.double()).abs().max() / w.double().abs().max()
+            assert err < 2**-6, err  # measured 4e-3 (dH), 7e-3 (dW); bf16 blocks: 2e-2, 3e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA branch: bf16 GEMM, fp32 out")
+def test_cuda_fp32_logits_match_the_cpu_branch() -> None:
+    """On CUDA the blocks come from `torch.mm(..., out_dtype=float32)` (SGLang's CUDA branch),
+    on CPU from upcast operands: the same products summed in another order."""
+    hidden, weight, target, g_lp, g_h = _data(48, 301, 64, torch.bfloat16, seed=2)
+    kw: dict[str, Any] = dict(chunk_size=16, vocab_chunk=64, with_entropy=True)
+    cpu = _run(fused_lm_head_logprobs, hidden, weight, target, g_lp, g_h, **kw)
+    dev = [t.cuda() for t in (hidden, weight, target, g_lp, g_h)]
+    gpu = _run(fused_lm_head_logprobs, *dev, **kw)
+    for i in (0, 1):
+        torch.testing.assert_close(gpu[i].cpu(), cpu[i], rtol=0, atol=1e-5)
 
 
 def test_shard_partial_and_errors() -> None:

@@ -1,6 +1,7 @@
 """Rank program for test_checkpoint.py: train, save, train on; then a fresh model and optimizer
-load the checkpoint and train on the same batches. Returns both runs' weights and the optimizer
-state right after the save and right after the load."""
+load the checkpoint and train on the same batches. Returns both runs' weights, the optimizer
+state right after the save and right after the load, and both runs' final optimizer state (in
+bf16 cases the optimizer's params are the fp32 main params, not the model's bf16 ones)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from megatron_gspo.config import OptimConfig
 from megatron_gspo.megatron import step as mstep
 from megatron_gspo.megatron.checkpoint import load_model_and_optimizer, save_model_and_optimizer
 from megatron_gspo.megatron.model import (
+    DTYPES,
     Layout,
     build_model,
     build_optimizer,
@@ -47,9 +49,9 @@ def _optimizer_state(optimizer: Any) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _build(bridge: Any, layout: Layout, distopt: bool) -> tuple[list, Any]:
+def _build(bridge: Any, layout: Layout, distopt: bool, dtype: str) -> tuple[list, Any]:
     init_megatron(layout)
-    provider = make_provider(bridge, layout)
+    provider = make_provider(bridge, layout, dtype=DTYPES[dtype])
     model = build_model(provider, ddp_config=ddp_config(distopt), load_from=bridge)
     opt = build_optimizer(
         model,
@@ -95,8 +97,8 @@ def main(rank: int, world: int, hf_dir: str, root: str, cases: dict[str, dict]) 
 
 def run_case(bridge: Any, rank: int, ckpt: str, case: dict[str, Any]) -> dict[str, Any]:
     layout = Layout(**case["layout"])
-    distopt = case["distopt"]
-    model, opt = _build(bridge, layout, distopt)
+    distopt, dtype = case["distopt"], case.get("dtype", "fp32")
+    model, opt = _build(bridge, layout, distopt, dtype)
     metrics, saved_state = [], None
     for s in range(STEPS):
         metrics.append(_step(bridge, model, opt, layout, seed=s))
@@ -107,8 +109,10 @@ def run_case(bridge: Any, rank: int, ckpt: str, case: dict[str, Any]) -> dict[st
             save_model_and_optimizer(model, opt, Path(ckpt))
             saved_state = _optimizer_state(opt)
     straight = hf_state(bridge, model)
+    straight_state = _optimizer_state(opt)
+    precision = _precision(model, opt)
 
-    model, opt = _build(bridge, layout, distopt)
+    model, opt = _build(bridge, layout, distopt, dtype)
     load_model_and_optimizer(model, opt, Path(ckpt))
     loaded_state = _optimizer_state(opt)
     resumed_metrics = [_step(bridge, model, opt, layout, seed=s) for s in range(SAVE_AFTER, STEPS)]
@@ -119,4 +123,21 @@ def run_case(bridge: Any, rank: int, ckpt: str, case: dict[str, Any]) -> dict[st
         "resumed_metrics": resumed_metrics,
         "saved_state": saved_state,
         "loaded_state": loaded_state,
+        "straight_state": straight_state,
+        "resumed_state": _optimizer_state(opt),
+        "precision": precision,
+    }
+
+
+def _precision(model: list, optimizer: Any) -> dict[str, Any]:
+    """The dtypes of model and optimizer params, and how many fp32 main-param elements a bf16
+    copy would round (0 would make a bf16 resume test blind to main params lost on load)."""
+    main = [
+        p for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+        for g in opt.optimizer.param_groups for p in g["params"]
+    ]  # fmt: skip
+    return {
+        "model": sorted({str(p.dtype) for m in model for p in m.parameters()}),
+        "main": sorted({str(p.dtype) for p in main}),
+        "off_bf16_grid": sum(int((p != p.bfloat16().float()).sum()) for p in main),
     }

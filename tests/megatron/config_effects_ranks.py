@@ -128,7 +128,7 @@ def refused(hf_dir: str) -> dict[str, str]:
         "model.moe_grouped_gemm=true",
         "model.moe_token_dispatcher=flex",
         "model.moe_token_dispatcher=allgather",  # with parallel.ep=2
-        "model.dtype=bf16",
+        "model.dtype=fp16",  # bf16 runs on CPU (fp32 main params); fp16 needs a loss scaler
     )
     for key in keys:
         try:

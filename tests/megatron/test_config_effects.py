@@ -88,7 +88,7 @@ def test_unsupported_options_are_refused_clearly(results: dict) -> None:
     )
     assert "flex needs DeepEP" in r["model.moe_token_dispatcher=flex"]
     assert "use alltoall (or parallel.ep=1)" in r["model.moe_token_dispatcher=allgather"]
-    assert "set model.dtype=fp32" in r["model.dtype=bf16"]
+    assert "model.dtype=fp16 on CPU" in r["model.dtype=fp16"]
 
 
 def test_planted_nan_skips_every_update(results: dict) -> None:
