@@ -30,6 +30,11 @@ class AgentEndpointConfig:
     """Cap on a call's `max_tokens` / `max_completion_tokens` (and the default without one)."""
     max_n: int = 16
     """Most choices (`n`) in one call."""
+    temperature: float | None = None
+    """Every call samples at this temperature whatever the agent asks (in training: the
+    rollout's, since the trainer's log-probs are at `rollout.temperature`). None: the agent's."""
+    top_p: float | None = None
+    """As `temperature`, for nucleus sampling (None: the agent's)."""
 
     def __post_init__(self) -> None:
         if self.on_edit not in ON_EDIT:
@@ -40,5 +45,9 @@ class AgentEndpointConfig:
             raise ConfigError("agent endpoint max_new_tokens must be >= 1")
         if self.max_n < 1:
             raise ConfigError("agent endpoint max_n must be >= 1")
+        if self.temperature is not None and self.temperature < 0:
+            raise ConfigError("agent endpoint temperature must be >= 0 (or null)")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError("agent endpoint top_p must be in (0, 1] (or null)")
         if not 0 <= self.port < 65536:
             raise ConfigError("agent endpoint port must be in [0, 65535]")

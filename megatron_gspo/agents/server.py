@@ -170,13 +170,15 @@ class AgentEndpoint:
                     "served (a cut inside the sampled ids would train on text the agent never saw)",
                 )
             stop_ids += ids
+        cfg = self.config
+        temperature = body.get("temperature")
+        temperature = cfg.temperature if cfg.temperature is not None else temperature
+        top_p = cfg.top_p if cfg.top_p is not None else body.get("top_p")
         try:
             sampling = SamplingParams(
                 max_new_tokens=min(int(want), cap),
-                temperature=float(
-                    body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0
-                ),
-                top_p=float(body.get("top_p") or 1.0),
+                temperature=1.0 if temperature is None else float(temperature),
+                top_p=1.0 if top_p is None else float(top_p),
                 top_k=int(body.get("top_k") or -1),
                 stop_token_ids=tuple(dict.fromkeys(stop_ids)),
                 seed=body.get("seed"),

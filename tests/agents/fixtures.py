@@ -133,3 +133,22 @@ class RecordingProxy:
                 lps = [e[0] for e in item["meta_info"]["output_token_logprobs"]]
                 out.append((list(prompt), list(item["output_ids"]), lps))
         return out
+
+
+def check_token_exact(sample, engine_turns) -> None:
+    """`sample` trains on exactly the engine's turns: each turn's input is a prefix of the
+    sequence, its output follows it with the engine's log-probs, and nothing else is trained."""
+    full = sample.prompt_ids + sample.response_ids
+    p = len(sample.prompt_ids)
+    trained = [False] * len(full)
+    for k, (inp, out, lps) in enumerate(engine_turns):
+        assert full[: len(inp)] == inp, f"engine turn {k}: its input is not the sequence's prefix"
+        end = len(inp) + len(out)
+        assert full[len(inp) : end] == out, f"engine turn {k}: its output is not in the sequence"
+        assert len(inp) >= p, f"engine turn {k} starts inside the prompt"
+        assert sample.logprobs[len(inp) - p : end - p] == lps, f"engine turn {k}: log-probs differ"
+        trained[len(inp) : end] = [True] * len(out)
+    assert sample.logprob_mask == trained[p:], "trained tokens are not exactly the engine's"
+    for k, (inp, _out, _) in enumerate(engine_turns[1:]):
+        prev_in, prev_out, _ = engine_turns[k]
+        assert inp[: len(prev_in) + len(prev_out)] == prev_in + prev_out  # token-in, token-out

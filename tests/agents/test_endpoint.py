@@ -19,34 +19,9 @@ import pytest
 from megatron_gspo.agents.config import AgentEndpointConfig
 from megatron_gspo.agents.server import AgentEndpoint
 from megatron_gspo.agents.trajectory import to_samples
-from megatron_gspo.data.chat_toy import build_chat_toy_tokenizer
-from tests.agents.fixtures import (
-    QUESTION,
-    TOOLS,
-    RecordingProxy,
-    memorised_checkpoint,
-)
+from tests.agents.fixtures import QUESTION, TOOLS, check_token_exact
 
 openai = pytest.importorskip("openai")
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    from megatron_gspo.engines.client import ClientConfig, SGLangClient
-    from megatron_gspo.engines.embedded.server import EmbeddedServer
-
-    ckpt = memorised_checkpoint(tmp_path_factory.mktemp("agent_ckpt"))
-    engine = EmbeddedServer(ckpt).start()
-    proxy = RecordingProxy(engine.url)
-    client = SGLangClient(ClientConfig(engine_urls=[proxy.url], validate_requests=True))
-    tok = build_chat_toy_tokenizer()
-    endpoint = AgentEndpoint(client, tok, AgentEndpointConfig())
-    endpoint.start()
-    yield endpoint, proxy, tok
-    endpoint.stop()
-    client.close()
-    proxy.stop()
-    engine.stop()
 
 
 def _client(endpoint: AgentEndpoint, tid: str):
@@ -112,25 +87,6 @@ def _streamed(client, messages) -> dict:
     return msg
 
 
-def check_token_exact(sample, engine_turns) -> None:
-    """`sample` trains on exactly the engine's turns: each turn's input is a prefix of the
-    sequence, its output follows it with the engine's log-probs, and nothing else is trained."""
-    full = sample.prompt_ids + sample.response_ids
-    p = len(sample.prompt_ids)
-    trained = [False] * len(full)
-    for k, (inp, out, lps) in enumerate(engine_turns):
-        assert full[: len(inp)] == inp, f"engine turn {k}: its input is not the sequence's prefix"
-        end = len(inp) + len(out)
-        assert full[len(inp) : end] == out, f"engine turn {k}: its output is not in the sequence"
-        assert len(inp) >= p, f"engine turn {k} starts inside the prompt"
-        assert sample.logprobs[len(inp) - p : end - p] == lps, f"engine turn {k}: log-probs differ"
-        trained[len(inp) : end] = [True] * len(out)
-    assert sample.logprob_mask == trained[p:], "trained tokens are not exactly the engine's"
-    for k, (inp, _out, _) in enumerate(engine_turns[1:]):
-        prev_in, prev_out, _ = engine_turns[k]
-        assert inp[: len(prev_in) + len(prev_out)] == prev_in + prev_out  # token-in, token-out
-
-
 def test_tool_conversation_is_token_exact(stack):
     endpoint, proxy, tok = stack
     since = len(proxy.calls)
@@ -144,6 +100,11 @@ def test_tool_conversation_is_token_exact(stack):
     assert dict(traj.counts) == {"root": 1, "continued": 1}
     (sample,) = to_samples(traj)
     check_token_exact(sample, turns)
+    # what the engine saw is the template's rendering with the model's own text as its turn
+    raw = tok.decode(turns[0][1][:-1])  # without the model's <|im_end|>
+    mine = [messages[0], {"role": "assistant", "content": raw}, messages[2]]
+    expect = tok.apply_chat_template(mine, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(turns[1][0]) == expect
     # the drift is real: the conversation rendered whole is not what the engine saw
     assert endpoint.renderer.prompt_ids(messages[:-1], TOOLS) != turns[1][0]
     assert sample.meta["num_model_turns"] == 2 and sample.finish_reason == "stop"

@@ -1,0 +1,65 @@
+"""`rollout.agent`: user agents in sandbox workers, each with a real OpenAI client on the
+endpoint; one token-exact training sample per episode, failures marked and counted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from megatron_gspo.agents.runner import AgentPool, AgentRollout
+from megatron_gspo.engines.types import SamplingParams
+from megatron_gspo.sandbox.process import WorkerLimits
+from tests.agents.fixtures import QUESTION, check_token_exact
+
+FIX = "tests.agents.agent_fixtures"
+SP = SamplingParams()
+
+
+def _run(stack, spec: str, record: dict, n: int = 2):
+    endpoint, proxy, _ = stack
+    pool = AgentPool(
+        f"{FIX}:{spec}", num_workers=2, timeout_s=300, limits=WorkerLimits(max_memory_mb=4096)
+    )
+    try:
+        rollout = AgentRollout(pool, endpoint.store, endpoint.url)
+        since = len(proxy.calls)
+        samples = asyncio.run(rollout.group_fn(record, [], SP, n, 3))
+        return samples, rollout, proxy.engine_turns(since), pool.worker_pids
+    finally:
+        pool.close()
+
+
+def test_agent_episodes_are_token_exact_samples(stack):
+    samples, rollout, turns, _ = _run(stack, "tool_agent", {"prompt": QUESTION, "answer": "5"})
+    assert [s.sample_index for s in samples] == [0, 1]
+    assert all(s.failed is None and s.env_reward == 1.0 for s in samples)
+    unique = list(dict.fromkeys((tuple(i), tuple(o), tuple(lp)) for i, o, lp in turns))
+    assert len(unique) == 2  # greedy: both episodes made the same two engine turns
+    for s in samples:
+        assert s.prompt_index == 3 and s.meta["num_model_turns"] == 2
+        check_token_exact(s, [(list(i), list(o), list(lp)) for i, o, lp in unique])
+    assert rollout.counts["episodes"] == 2 and rollout.counts["continued"] == 2
+    assert not rollout.store.ids() or all(
+        not t.startswith("p3-") for t in rollout.store.ids()
+    )  # taken from the store
+
+
+def test_agents_run_in_the_sandbox(stack, tmp_path):
+    pid_file = tmp_path / "pid"
+    samples, _, _, pids = _run(
+        stack, "pid_agent", {"prompt": "x", "meta": {"pid_file": str(pid_file)}}, n=1
+    )
+    (s,) = samples
+    assert s.failed is None and s.env_reward is None  # left to reward.kind
+    assert int(pid_file.read_text()) in pids and int(pid_file.read_text()) != os.getpid()
+
+
+@pytest.mark.parametrize(
+    "spec, why", [("failing_agent", "the agent broke"), ("idle_agent", "no chat-completion call")]
+)
+def test_failed_agents_are_marked_and_counted(stack, spec, why):
+    samples, rollout, _, _ = _run(stack, spec, {"prompt": "x"})
+    assert all(s.failed and why in s.failed for s in samples)
+    assert rollout.counts["failed"] == 2 and why in rollout.errors[0]
