@@ -31,7 +31,7 @@ from megatron_gspo.agents.trajectory import TrajectoryStore, to_samples
 from megatron_gspo.engines.types import Sample, SamplingParams
 from megatron_gspo.sandbox.process import WorkerDied, WorkerLimits, WorkerProcess, WorkerTimeout
 
-__all__ = ["AgentPool", "AgentRollout"]
+__all__ = ["AgentPool", "AgentRollout", "make_agent_rollout"]
 
 _MAX_ERRORS_KEPT = 8
 
@@ -118,6 +118,8 @@ class AgentRollout:
         """`episodes`, `failed`, `extra_branches`, and the endpoint's per-call counts
         (`continued`, `replaced`, `unmatched`, `refused`, `aborted`) summed over episodes."""
         self.errors: list[str] = []
+        self.endpoint: Any = None
+        """The endpoint this rollout started (stopped by `close`), if any."""
 
     async def group_fn(
         self,
@@ -163,6 +165,64 @@ class AgentRollout:
         sample.sample_index = j
         sample.env_reward = reward
         return sample
+
+    def take_report(self) -> tuple[dict[str, float], str | None]:
+        """`agent/*` counters since the last call (metrics) and a stderr block with the first
+        errors (None when no agent failed); resets them. The slot `Rollout.envs` reads."""
+        counts, errors = self.counts, self.errors
+        self.counts, self.errors = Counter(), []
+        keys = (
+            "episodes",
+            "failed",
+            "extra_branches",
+            "continued",
+            "replaced",
+            "unmatched",
+            "refused",
+            "aborted",
+        )
+        metrics = {f"agent/{k}": float(counts[k]) for k in keys}
+        if not counts["failed"]:
+            return metrics, None
+        head = f"[agent] {counts['failed']} agent episodes failed; first errors:"
+        return metrics, "\n".join([head, *(f"  {e}" for e in errors)])
+
+    def close(self) -> None:
+        self.pool.close()
+        if self.endpoint is not None:
+            self.endpoint.stop()
+
+
+def make_agent_rollout(cfg: Any, engine: Any, tokenizer: Any) -> tuple[Any, AgentRollout]:
+    """rollout.agent: the endpoint in front of `engine` (sampling forced to the rollout's
+    temperature and top_p, calls capped at rollout.max_new_tokens), the agent workers, and the
+    `group_fn` over them."""
+    from megatron_gspo.agents.config import AgentEndpointConfig
+    from megatron_gspo.agents.server import AgentEndpoint
+    from megatron_gspo.config_io import ConfigError
+    from megatron_gspo.rewards.pool import worker_limits
+
+    r = cfg.rollout
+    try:
+        endpoint = AgentEndpoint(
+            engine,
+            tokenizer,
+            AgentEndpointConfig(
+                temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens
+            ),
+        )
+        pool = AgentPool(
+            r.agent,
+            num_workers=r.agent_workers,
+            timeout_s=r.agent_timeout_s,
+            limits=worker_limits(cfg.sandbox, r.agent_timeout_s),
+        )
+    except ValueError as e:  # no chat template; an agent that cannot be imported
+        raise ConfigError(str(e)) from None
+    url = endpoint.start()
+    rollout = AgentRollout(pool, endpoint.store, url)
+    rollout.endpoint = endpoint
+    return rollout.group_fn, rollout
 
 
 def _record_dict(record: Any) -> dict[str, Any]:

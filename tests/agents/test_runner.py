@@ -63,3 +63,62 @@ def test_failed_agents_are_marked_and_counted(stack, spec, why):
     samples, rollout, _, _ = _run(stack, spec, {"prompt": "x"})
     assert all(s.failed and why in s.failed for s in samples)
     assert rollout.counts["failed"] == 2 and why in rollout.errors[0]
+
+
+def _cfg(*extra: str):
+    from megatron_gspo.config import load_config
+
+    return load_config(
+        None,
+        [
+            "model.hf_path=/m",
+            "data.train_path=/d.jsonl",
+            "rollout.max_new_tokens=128",
+            "rollout.temperature=0.5",
+            "reward.kind=toy",
+            *extra,
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        (["rollout.agent=no_function"], "rollout.agent"),
+        ([f"rollout.agent={FIX}:tool_agent", "rollout.env=a:B"], "rollout.env"),
+        ([f"rollout.agent={FIX}:tool_agent", "rollout.agent_workers=0"], "agent_workers"),
+    ],
+)
+def test_bad_agent_configs_name_the_key(extra, key):
+    from megatron_gspo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        _cfg(*extra)
+
+
+def test_the_job_wiring_forces_the_rollout_sampling(stack):
+    """`make_agent_rollout` (what `make_rollout` calls for rollout.agent): its own endpoint
+    samples at rollout.temperature whatever the agent asks (the agent asks 0.0)."""
+    from megatron_gspo.agents.runner import make_agent_rollout
+
+    endpoint, proxy, tok = stack
+    cfg = _cfg(f"rollout.agent={FIX}:tool_agent", "rollout.agent_workers=1")
+    group_fn, rollout = make_agent_rollout(cfg, endpoint.generator, tok)
+    try:
+        since = len(proxy.calls)
+        (s,) = asyncio.run(group_fn({"prompt": QUESTION, "answer": "5"}, [], SP, 1, 0))
+        bodies = [b for b, _ in proxy.calls[since:]]
+        assert bodies and all(
+            sp["temperature"] == 0.5 and sp["max_new_tokens"] <= 128
+            for b in bodies
+            for sp in (
+                [b["sampling_params"]]
+                if isinstance(b["sampling_params"], dict)
+                else b["sampling_params"]
+            )
+        )
+        assert s.failed is None
+        metrics, report = rollout.take_report()
+        assert metrics["agent/episodes"] == 1.0 and report is None
+    finally:
+        rollout.close()
