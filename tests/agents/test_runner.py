@@ -74,7 +74,7 @@ def _cfg(*extra: str):
             "model.hf_path=/m",
             "data.train_path=/d.jsonl",
             "rollout.max_new_tokens=128",
-            "rollout.temperature=0.5",
+            "rollout.temperature=0.05",  # forced on the agent; near-greedy: the memorised path
             "reward.kind=toy",
             *extra,
         ],
@@ -98,7 +98,8 @@ def test_bad_agent_configs_name_the_key(extra, key):
 
 def test_the_job_wiring_forces_the_rollout_sampling(stack):
     """`make_agent_rollout` (what `make_rollout` calls for rollout.agent): its own endpoint
-    samples at rollout.temperature whatever the agent asks (the agent asks 0.0)."""
+    samples at rollout.temperature whatever the agent asks (the agent asks 0.0, the rollout
+    says 0.05)."""
     from megatron_gspo.agents.runner import make_agent_rollout
 
     endpoint, proxy, tok = stack
@@ -109,7 +110,7 @@ def test_the_job_wiring_forces_the_rollout_sampling(stack):
         (s,) = asyncio.run(group_fn({"prompt": QUESTION, "answer": "5"}, [], SP, 1, 0))
         bodies = [b for b, _ in proxy.calls[since:]]
         assert bodies and all(
-            sp["temperature"] == 0.5 and sp["max_new_tokens"] <= 128
+            sp["temperature"] == 0.05 and sp["max_new_tokens"] <= 128
             for b in bodies
             for sp in (
                 [b["sampling_params"]]
@@ -122,3 +123,56 @@ def test_the_job_wiring_forces_the_rollout_sampling(stack):
         assert metrics["agent/episodes"] == 1.0 and report is None
     finally:
         rollout.close()
+
+
+def test_a_rollout_step_trains_on_the_agents_tokens(stack):
+    """The RL side end to end (`Rollout.next_batch` over the agent `group_fn`): each training
+    sequence is one episode, trained on exactly the engine's tokens with its log-probs as
+    pi_old, rewarded by the agent; `agent/*` metrics logged."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.agents.runner import make_agent_rollout
+    from megatron_gspo.data.prompts import PromptDataset, PromptLoader, PromptRecord
+    from megatron_gspo.rewards import RewardPool
+    from megatron_gspo.rollout.experience import Rollout
+
+    endpoint, proxy, tok = stack
+    cfg = _cfg(
+        f"rollout.agent={FIX}:tool_agent",
+        "rl.group_size=2",
+        "rl.prompts_per_rollout=1",
+        "rl.mini_batches_per_rollout=1",
+        "reward.num_workers=0",
+    )
+    dataset = PromptDataset([PromptRecord(index=0, prompt=QUESTION, answer="5")], tok)
+    loader = PromptLoader(dataset, 1, seed=0, shuffle=False)
+    group_fn, agents = make_agent_rollout(cfg, endpoint.generator, tok)
+    ro = Rollout(
+        cfg,
+        endpoint.generator,
+        tok,
+        loader,
+        RewardPool("toy", num_workers=0),
+        group_fn=group_fn,
+        envs=agents,
+    )
+    since = len(proxy.calls)
+    try:
+        seqs, metrics = ro.next_batch()
+    finally:
+        ro.close()
+    turns = proxy.engine_turns(since)
+    assert len(seqs) == 2 and metrics["agent/episodes"] == 2 and metrics["agent/failed"] == 0
+    for seq in seqs:
+        full = list(seq.prompt_ids) + list(seq.response_ids)
+        mine = [t for t in turns if full[: len(t[0]) + len(t[1])] == t[0] + t[1]]
+        mine = [list(map(list, t)) for t in dict.fromkeys(tuple(map(tuple, t)) for t in mine)]
+        as_sample = SimpleNamespace(
+            prompt_ids=list(seq.prompt_ids),
+            response_ids=list(seq.response_ids),
+            logprobs=list(seq.old_logp),
+            logprob_mask=[bool(m) for m in seq.loss_mask],
+        )
+        assert mine  # the tool call and the answer, when sampled as memorised
+        check_token_exact(as_sample, mine)
+        assert seq.reward in (0.0, 1.0)  # the agent's own reward, not toy_reward's partial credit
