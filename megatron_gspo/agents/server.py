@@ -40,7 +40,7 @@ from megatron_gspo.agents.chat import ChatDeltaError, ChatRenderer, message_key
 from megatron_gspo.agents.config import AgentEndpointConfig
 from megatron_gspo.agents.trajectory import Trajectory, TrajectoryStore, Turn
 from megatron_gspo.engines.protocols import EngineError, Generator, NoEnginesLeft
-from megatron_gspo.engines.tool_calls import parse_tool_calls
+from megatron_gspo.engines.tool_calls import parse_tool_calls, tool_call_parser_names
 from megatron_gspo.engines.types import Sample, SamplingParams
 
 __all__ = ["AgentEndpoint", "RequestError"]
@@ -394,7 +394,15 @@ class AgentEndpoint:
 
     # ---- the server thread ---------------------------------------------------------------
     def start(self) -> str:
-        """Serve on `config.host:config.port` from a thread of this process; returns the URL."""
+        """Serve on `config.host:config.port` from a thread of this process; returns the URL.
+        SGLang's tool-call parsers load here (seconds), not inside the first call's handler
+        where the import would hold up every agent; an unknown parser name raises ValueError."""
+        parser = self.config.tool_call_parser
+        if parser is not None and parser not in tool_call_parser_names():
+            raise ValueError(
+                f"agent endpoint tool_call_parser={parser!r} is not one of SGLang's "
+                f"{', '.join(tool_call_parser_names())}"
+            )
         ready = threading.Event()
         failure: list[BaseException] = []
 

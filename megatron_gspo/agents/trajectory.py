@@ -184,13 +184,14 @@ def to_samples(traj: Trajectory, *, prompt_index: int = 0) -> list[Sample]:
         p = len(root.prompt_ids)
         turns: list[dict[str, Any]] = []
         for pos in range(p, len(ids)):
-            kind = "env" if who[pos] is None else "model"
-            if turns and turns[-1]["kind"] == kind and turns[-1].get("turn") == who[pos]:
+            w = who[pos]
+            kind = "env" if w is None else "model"
+            if turns and turns[-1]["kind"] == kind and turns[-1].get("turn") == w:
                 turns[-1]["end"] = pos - p + 1
                 continue
             seg: dict[str, Any] = {"kind": kind, "start": pos - p, "end": pos - p + 1}
-            if who[pos] is not None:
-                src = traj.turns[who[pos]]
+            if w is not None:
+                src = traj.turns[w]
                 seg.update(turn=src.index, weight_version=src.weight_version)
             turns.append(seg)
         versions = _token_versions(traj, who[p:])

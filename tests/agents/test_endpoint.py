@@ -19,6 +19,7 @@ import pytest
 from megatron_gspo.agents.config import AgentEndpointConfig
 from megatron_gspo.agents.server import AgentEndpoint
 from megatron_gspo.agents.trajectory import to_samples
+from megatron_gspo.data.chat_toy import build_chat_toy_tokenizer
 from tests.agents.fixtures import QUESTION, TOOLS, check_token_exact
 
 openai = pytest.importorskip("openai")
@@ -197,3 +198,10 @@ def test_requests_without_a_trajectory_id_are_refused(stack):
     )
     (turn,) = endpoint.store.get("by-header").turns
     assert [c.logprob for c in resp.choices[0].logprobs.content] == turn.logprobs
+
+
+def test_an_unknown_tool_call_parser_is_refused_at_start():
+    tok = build_chat_toy_tokenizer()
+    endpoint = AgentEndpoint(None, tok, AgentEndpointConfig(tool_call_parser="qwen9"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tool_call_parser='qwen9' is not one of SGLang's"):
+        endpoint.start()
