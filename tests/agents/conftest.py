@@ -1,6 +1,6 @@
 """The agent tests' shared stack: a memorised tiny model on the embedded engine, a recording
 proxy in front of it, and the endpoint (built once for the package: the memorising costs
-seconds of CPU)."""
+seconds of CPU, ~20 s on 2 loaded cores: every test that uses it is in the slow tier)."""
 
 from __future__ import annotations
 
@@ -29,3 +29,9 @@ def stack(tmp_path_factory):
     client.close()
     proxy.stop()
     engine.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "stack" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

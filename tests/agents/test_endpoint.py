@@ -200,6 +200,7 @@ def test_requests_without_a_trajectory_id_are_refused(stack):
     assert [c.logprob for c in resp.choices[0].logprobs.content] == turn.logprobs
 
 
+@pytest.mark.slow  # imports SGLang's parsers (8-20 s)
 def test_an_unknown_tool_call_parser_is_refused_at_start():
     tok = build_chat_toy_tokenizer()
     endpoint = AgentEndpoint(None, tok, AgentEndpointConfig(tool_call_parser="qwen9"))  # type: ignore[arg-type]
