@@ -25,7 +25,8 @@ MYPY_PATHS=(megatron_gspo/algo megatron_gspo/config.py megatron_gspo/config_io.p
   megatron_gspo/layout.py megatron_gspo/dist.py megatron_gspo/megatron/policy.py
   megatron_gspo/rollout/experience.py megatron_gspo/checkpoint.py megatron_gspo/train.py
   megatron_gspo/preflight.py megatron_gspo/rollout/config.py megatron_gspo/rollout/scheduler.py
-  megatron_gspo/engines/protocols.py megatron_gspo/engines/connect.py)
+  megatron_gspo/engines/protocols.py megatron_gspo/engines/connect.py
+  megatron_gspo/agents megatron_gspo/engines/tool_calls.py)
 out=$(mktemp -d "${TMPDIR:-/tmp}/mgspo-test.XXXXXX")
 trap 'rm -rf "$out"' EXIT
 # mypy (one core, ~50 s without its cache) checks beside pytest; its verdict counts at the end.

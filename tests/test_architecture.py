@@ -92,6 +92,21 @@ def _rule_engines(mod: str) -> str | None:
     return None
 
 
+def _rule_agents(mod: str) -> str | None:
+    if (msg := _rule_no_megatron(mod)) is not None:
+        return msg
+    if _under(mod, ("sglang",)):
+        return "agents/ reaches SGLang only through engines/ (e.g. engines.tool_calls)"
+    engines_ok = (
+        "megatron_gspo.engines.protocols",
+        "megatron_gspo.engines.types",
+        "megatron_gspo.engines.tool_calls",
+    )
+    if _under(mod, ("megatron_gspo.engines",)) and not _under(mod, engines_ok):
+        return "agents/ reaches engines/ only through protocols, types and tool_calls"
+    return None
+
+
 def _rule_megatron(mod: str) -> str | None:
     if _under(mod, ("megatron_gspo.engines", "megatron_gspo.rollout")):
         return "megatron/ knows Megatron, not SGLang or the rollout"
@@ -109,6 +124,7 @@ RULES = {
     "rollout": _rule_rollout,
     "engines": _rule_engines,
     "megatron": _rule_megatron,
+    "agents": _rule_agents,
 }
 
 
@@ -144,6 +160,8 @@ def test_the_package_keeps_its_layers():
         ("engines/x.py", "from megatron_gspo.rollout.scheduler import GroupScheduler\n"),
         ("engines/sub/x.py", "from ...megatron import model\n"),
         ("megatron/x.py", "from megatron_gspo.engines import client\n"),
+        ("agents/x.py", "from sglang.srt.function_call import function_call_parser\n"),
+        ("agents/x.py", "from megatron_gspo.engines.client import SGLangClient\n"),
         ("train.py", "from megatron_gspo.testing import faults\n"),
         ("data/x.py", "from megatron_gspo import testing\n"),
     ],

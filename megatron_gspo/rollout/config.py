@@ -78,6 +78,15 @@ class RolloutConfig:
     env_timeout_s: float = 10.0
     """Wall timeout of one environment call (reset or step); past it the worker is killed
     and replaced, and its episodes fail: never trained (env/timeouts)."""
+    agent: str | None = None
+    """Agent rollouts: an agent "package.module:function" written against the OpenAI API
+    (`fn(record, openai_client) -> reward or None`, see docs/agents.md), run in sandbox
+    workers with a client on the job's token-exact endpoint (megatron_gspo/agents/)."""
+    agent_workers: int = 2
+    """Agent worker processes (rollout.agent only): episodes that run at once."""
+    agent_timeout_s: float = 600.0
+    """Wall timeout of one agent episode (rollout.agent only); past it the worker is killed
+    and replaced, and the episode is failed (masked and counted)."""
 
     def __post_init__(self) -> None:
         _positive("rollout", temperature=self.temperature, top_p=self.top_p)
@@ -88,6 +97,20 @@ class RolloutConfig:
             env_workers=self.env_workers,
             env_timeout_s=self.env_timeout_s,
         )
+        if self.agent is not None:
+            mod, sep, fn = self.agent.partition(":")
+            _require(
+                bool(sep and mod and fn),
+                f'rollout.agent={self.agent!r} is not "module:function"; change rollout.agent',
+            )
+            _require(
+                self.env is None and self.partial_tokens is None,
+                "rollout.agent runs whole agent episodes; unset rollout.env and "
+                "rollout.partial_tokens",
+            )
+            _positive(
+                "rollout", agent_workers=self.agent_workers, agent_timeout_s=self.agent_timeout_s
+            )
         if self.env is not None:
             mod, sep, cls = self.env.partition(":")
             _require(

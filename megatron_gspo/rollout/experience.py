@@ -255,6 +255,10 @@ def make_rollout(cfg: Config, launched: Any = None) -> Rollout:
         dataset, cfg.rl.prompts_per_rollout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
     )
     group_fn, envs = make_multiturn(cfg, engine, tokenizer) if r.env is not None else (None, None)
+    if r.agent is not None:  # rollout.agent: the endpoint and the agent workers
+        from megatron_gspo.agents.runner import make_agent_rollout
+
+        group_fn, envs = make_agent_rollout(cfg, engine, tokenizer)
     rewards = build_reward_pool(cfg.reward, cfg.sandbox)
     return Rollout(
         cfg, engine, tokenizer, loader, rewards, servers=servers, group_fn=group_fn, envs=envs

@@ -1,7 +1,8 @@
 """A user-code worker process: `python -m megatron_gspo.sandbox.worker KIND SPEC [limits]`.
 
-KIND is `reward` (SPEC a reward function, "math", "toy" or "module:function") or `env`
-(SPEC an environment class "module:Class", see `megatron_gspo.envs`). The worker first applies
+KIND is `reward` (SPEC a reward function, "math", "toy" or "module:function"), `env`
+(SPEC an environment class "module:Class", see `megatron_gspo.envs`) or `agent` (SPEC an OpenAI
+agent "module:function", see `megatron_gspo.agents.worker`). The worker first applies
 its resource limits (`--max-memory-mb`: RLIMIT_AS; `--max-cpu-s`: RLIMIT_CPU per call), then
 imports SPEC and writes `{"ready": true}` (or `{"ready": false, "error": ...}` when SPEC cannot be
 loaded) on the original stdout. Then one JSON request per line on stdin, one JSON reply per line:
@@ -128,7 +129,7 @@ def _env_loop(spec: str, out: Any, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("kind", choices=("reward", "env"))
+    p.add_argument("kind", choices=("reward", "env", "agent"))
     p.add_argument("spec")
     p.add_argument("--max-memory-mb", type=int, default=None)
     p.add_argument("--max-cpu-s", type=float, default=None)
@@ -139,6 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     _limit_memory(args.max_memory_mb)  # before the user module is imported
+    if args.kind == "agent":  # rollout.agent: megatron_gspo/agents/worker.py
+        from megatron_gspo.agents.worker import agent_loop
+
+        agent_loop(args.spec, out, args)
+        return
     (_reward_loop if args.kind == "reward" else _env_loop)(args.spec, out, args)
 
 
