@@ -150,18 +150,34 @@ class EngineChecksums:
     """
 
     def __init__(
-        self, layouts: list[EngineLayout], *, namings: frozenset[str] = frozenset({"hf", "sglang"})
+        self,
+        layouts: list[EngineLayout],
+        *,
+        namings: frozenset[str] = frozenset({"hf", "sglang"}),
+        device: str = "cpu",
     ) -> None:
         """namings: what the engines report, "hf" (HF names of the bytes sent) and / or "sglang"
         (fused, per rank); only those are hashed (`WeightSync` learns it at the first verified
-        push), so the sender hashes each byte about once instead of up to four times."""
+        push), so the sender hashes each byte about once instead of up to four times.
+        device: where the engines hold their weights ("cpu", "cuda"), which decides SGLang's
+        hash function; every checksum is computed with it, on that device."""
         if not namings <= {"hf", "sglang"} or not namings:
             raise ValueError(f"namings {sorted(namings)}: a non-empty subset of hf, sglang")
-        self.namings = namings
-        self.plain = SGLangChecksums(fused=False)
+        self.namings, self.device = namings, device
+        self.plain = SGLangChecksums(fused=False, device=device)
         self.layouts = {lay.tp_size: lay for lay in layouts}
         ranks = self.layouts if "sglang" in namings else {}
-        self._ranks = {tp: [SGLangChecksums(hf=False) for _ in range(tp)] for tp in ranks}
+        self._ranks = {
+            tp: [
+                SGLangChecksums(
+                    hf=False,
+                    device=device,
+                    num_experts=self.layouts[tp].num_experts // self.layouts[tp].ep_size,
+                )
+                for _ in range(tp)
+            ]
+            for tp in ranks
+        }
         self._fp8: dict[str, torch.Tensor] = {}
 
     @property
@@ -194,8 +210,9 @@ class EngineChecksums:
                     acc.add(*part, hf_digest=digest if same else None)
 
     def add_bucket(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """`add` every tensor of a bucket, in order, from one host copy of it (`host_views`)."""
-        for name, tensor in host_views(named):
+        """`add` every tensor of a bucket, in order: for engines on CPU from one host copy of
+        it (`host_views`), for engines on CUDA where it is (hashed on the GPU)."""
+        for name, tensor in named if self.device == "cuda" else host_views(named):
             self.add(name, tensor)
 
     def ranks(self, tp_size: int) -> list[dict[str, str]]:
