@@ -301,6 +301,21 @@ def fused_checksum(parts: Sequence[torch.Tensor], device: str = "cpu") -> str:
     return tensor_checksum(out, device)
 
 
+def fp8_checksummed_weight(
+    q: torch.Tensor, scale_inv: torch.Tensor, device: str = "cpu"
+) -> torch.Tensor:
+    """The tensor SGLang's `/weights_checker` hashes for a block-FP8 weight: its bf16
+    dequantisation by SGLang's own `Fp8BlockComparable.dequantize` (`block_quant_dequant`),
+    computed on the engine's device. SGLang dequantises the parameter it holds (fused, per TP
+    rank); every 128x128 block is dequantised on its own, so this equals the matching part of
+    it for any block-aligned fusing or sharding."""
+    _weight_checker()  # the one-line error if sglang does not import
+    from sglang.srt.utils.weight_checker_comparator import Fp8BlockComparable
+
+    weight = Fp8BlockComparable(on_engine_device(q, device), on_engine_device(scale_inv, device))
+    return weight.dequantize(torch.bfloat16)
+
+
 def overall_checksum(checksums: dict[str, str]) -> str:
     """SGLang's `per_gpu_checksum` over per-tensor checksums (its own `overall_checksum`)."""
     return str(_weight_checker().overall_checksum(checksums))

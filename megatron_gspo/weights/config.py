@@ -75,7 +75,8 @@ class WeightSyncConfig:
     function and device the sender predicts the checksums with. auto: cpu for launched
     embedded engines and `rollout.launch.device=cpu`, cuda for launched SGLang engines on a
     GPU device; otherwise (external engines) cuda when this trainer sees a CUDA device, else
-    cpu. Set it when external engines run on another kind of device than the trainer."""
+    cpu. Set it when external engines run on another kind of device than the trainer. (An
+    embedded engine, which reports HF names, is always checked with the CPU branch.)"""
     master_address: str | None = None
     """Address of the sender for the distributed transport's rendezvous, which every engine
     rank connects to (and the sender's gloo device binds). None: the local address that routes

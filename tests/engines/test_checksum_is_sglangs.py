@@ -177,3 +177,66 @@ def test_engine_device_follows_the_launched_engines() -> None:
     assert dev(sglang, "rollout.launch.device=cuda") == "cuda"
     assert dev(sglang) == "auto"  # SGLang's default device: decided where the sender runs
     assert dev(sglang, "rollout.launch.device=cuda", "weights.engine_device=cpu") == "cpu"
+
+
+@pytest.fixture
+def marked_fp8(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """SGLang's `block_quant_dequant` (as its FP8 comparable calls it) marked: negated."""
+    from sglang.srt.utils import weight_checker_comparator as wcc
+
+    seen: list[torch.Tensor] = []
+    real = wcc.block_quant_dequant
+
+    def marked_dequant(q: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
+        seen.append(q)
+        return -real(q, *args, **kw)
+
+    monkeypatch.setattr(wcc, "block_quant_dequant", marked_dequant)
+    return seen
+
+
+def _fp8_qkv() -> tuple[list[tuple[str, torch.Tensor]], str]:
+    """Block-FP8 q/k/v (128 rows each) as sent, and SGLang's checksum of the fused parameter:
+    `_hash_tensor(Fp8BlockComparable(q, scale).dequantize())`, as `_compute_checksum` does."""
+    from sglang.srt.utils.weight_checker import _hash_tensor
+    from sglang.srt.utils.weight_checker_comparator import Fp8BlockComparable
+
+    from megatron_gspo.engines.fp8_blocks import quantise_blockwise
+
+    g = torch.Generator().manual_seed(3)
+    sent, qs, ss = [], [], []
+    for p in "qkv":
+        q, s = quantise_blockwise(torch.randn(128, 256, generator=g).to(torch.bfloat16))
+        sent += [(f"{A}.{p}_proj.weight", q), (f"{A}.{p}_proj.weight_scale_inv", s)]
+        qs.append(q)
+        ss.append(s)
+    fused = Fp8BlockComparable(torch.cat(qs), torch.cat(ss)).dequantize()
+    return sent, _hash_tensor(fused)
+
+
+def _own_dequant_prediction(sent: list[tuple[str, torch.Tensor]]) -> str:
+    """The pre-fix prediction: our own dequantisation (same fp32 products), then the hash."""
+    from megatron_gspo.engines.fp8_blocks import dequantise_blockwise
+
+    d = dict(sent)
+    parts = [
+        dequantise_blockwise(d[f"{A}.{p}_proj.weight"], d[f"{A}.{p}_proj.weight_scale_inv"])
+        for p in "qkv"
+    ]
+    return wire.tensor_checksum(torch.cat(parts).to(torch.bfloat16))
+
+
+def test_fp8_checksums_are_sglangs_dequantisation(marked_fp8: list[torch.Tensor]) -> None:
+    """A block-FP8 weight is hashed as SGLang's own `Fp8BlockComparable.dequantize` makes it;
+    the pre-fix prediction (our dequantisation, equal by value) fails under the mark."""
+    sent, reported = _fp8_qkv()
+    assert marked_fp8  # SGLang's side ran through the marked function
+    sums = EngineChecksums([EngineLayout(1, 1, 1, 1, 1)], namings=frozenset({"sglang"}))
+    sums.add_bucket(sent)
+    assert sums.ranks(1)[0] == {f"{A}.qkv_proj.weight": reported}
+    assert _own_dequant_prediction(sent) != reported
+
+
+def test_fp8_unmarked_agrees() -> None:
+    sent, reported = _fp8_qkv()
+    assert _own_dequant_prediction(sent) == reported  # same products: the mark is what differs
