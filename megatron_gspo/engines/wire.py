@@ -302,18 +302,24 @@ def fused_checksum(parts: Sequence[torch.Tensor], device: str = "cpu") -> str:
 
 
 def fp8_checksummed_weight(
-    q: torch.Tensor, scale_inv: torch.Tensor, device: str = "cpu"
+    q: torch.Tensor, scale_inv: torch.Tensor, device: str = "cpu", block: int = 128
 ) -> torch.Tensor:
     """The tensor SGLang's `/weights_checker` hashes for a block-FP8 weight: its bf16
     dequantisation by SGLang's own `Fp8BlockComparable.dequantize` (`block_quant_dequant`),
     computed on the engine's device. SGLang dequantises the parameter it holds (fused, per TP
-    rank); every 128x128 block is dequantised on its own, so this equals the matching part of
-    it for any block-aligned fusing or sharding."""
-    _weight_checker()  # the one-line error if sglang does not import
-    from sglang.srt.utils.weight_checker_comparator import Fp8BlockComparable
+    rank); every block is dequantised on its own, so this equals the matching part of it for
+    any block-aligned fusing or sharding.
 
-    weight = Fp8BlockComparable(on_engine_device(q, device), on_engine_device(scale_inv, device))
-    return weight.dequantize(torch.bfloat16)
+    The comparable infers the block edge as K / Kb, which is `block` whenever K is a multiple
+    of it (every real model). Below that (tiny test models: K < 128) the inference is wrong and
+    its repeat fails, so there SGLang's `block_quant_dequant` is called with `block` itself."""
+    _weight_checker()  # the one-line error if sglang does not import
+    from sglang.srt.utils import weight_checker_comparator as wcc
+
+    q, scale_inv = on_engine_device(q, device), on_engine_device(scale_inv, device)
+    if q.shape[-1] // scale_inv.shape[-1] == block:
+        return wcc.Fp8BlockComparable(q, scale_inv).dequantize(torch.bfloat16)
+    return wcc.block_quant_dequant(q, scale_inv.float(), [block, block], dtype=torch.bfloat16)
 
 
 def overall_checksum(checksums: dict[str, str]) -> str:

@@ -203,7 +203,9 @@ class EngineChecksums:
             q = self._fp8.pop(weight, None)
             if q is None:
                 raise ValueError(f"{name} sent before (or without) its FP8 weight {weight}")
-            name, tensor = weight, fp8_checksummed_weight(q, tensor.float(), self.device)
+            name, tensor = weight, fp8_checksummed_weight(
+                q, tensor.float(), self.device, fp8_lib.BLOCK
+            )
             digest = None  # SGLang hashes the dequantised weight, not the bytes sent
         for tp, accs in self._ranks.items():
             for r, acc in enumerate(accs):

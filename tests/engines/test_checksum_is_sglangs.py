@@ -240,3 +240,17 @@ def test_fp8_checksums_are_sglangs_dequantisation(marked_fp8: list[torch.Tensor]
 def test_fp8_unmarked_agrees() -> None:
     sent, reported = _fp8_qkv()
     assert _own_dequant_prediction(sent) == reported  # same products: the mark is what differs
+
+
+def test_fp8_below_one_block_uses_sglangs_dequantisation(marked_fp8) -> None:
+    """Tiny test models (K < 128): SGLang's comparable would infer the block edge wrong, so the
+    prediction calls SGLang's block_quant_dequant with the checkpoint's 128 (still marked)."""
+    from megatron_gspo.engines.fp8_blocks import dequantise_blockwise, quantise_blockwise
+
+    name = "model.layers.0.self_attn.o_proj.weight"
+    q, s = quantise_blockwise(torch.randn(64, 32).to(torch.bfloat16))
+    sums = EngineChecksums([EngineLayout(1, 1, 1, 1, 1)], namings=frozenset({"sglang"}))
+    sums.add_bucket([(name, q), (name + "_scale_inv", s)])
+    got = sums.ranks(1)[0][name]
+    own = dequantise_blockwise(q, s).to(torch.bfloat16)
+    assert marked_fp8 and got == wire.tensor_checksum(-own) != wire.tensor_checksum(own)

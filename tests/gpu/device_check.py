@@ -5,7 +5,8 @@
     PYTHONPATH=. python tests/gpu/device_check.py --out device_check.json
 
 One process, one GPU, no network, under 10 minutes on one H200 (4 sections, each timed in its
-JSON). It needs torch and Triton (present on the machine) plus the wheels of
+JSON). It needs torch and Triton (present on the machine; Triton builds its kernel launcher
+with the machine's C compiler the first time) plus the wheels of
 `tests/gpu/fetch_wheels.sh` (megatron-core, sglang without its dependencies, and the few
 modules their imports need: the list and sizes are in that script). A section whose imports are
 missing is reported "skip" with the ImportError, never a crash. `--device cpu --small` runs the
