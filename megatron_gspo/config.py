@@ -463,6 +463,13 @@ class Config:
         )
         if launch is not None:  # what each engine TP rank holds of the experts (verification)
             self.weights.engine_ep_size = launch.ep_size
+        if launch is not None and self.weights.engine_device == "auto":
+            # SGLang hashes CUDA tensors with its Triton kernel, every other device with sha256
+            # (`engines.wire.tensor_checksum`); None: SGLang's default device, a GPU's there.
+            if launch.backend == "embedded" or launch.device not in (None, "cuda"):
+                self.weights.engine_device = "cpu"
+            elif launch.device == "cuda":
+                self.weights.engine_device = "cuda"
         if launch is not None and not launch.model_path:
             launch.model_path = self.model.hf_path  # the engines start from the same model
         if embedded_fp8 and self.weights.dtype is None:

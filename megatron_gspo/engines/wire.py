@@ -3,13 +3,13 @@
 Everything that knows SGLang's JSON field names or its Python classes lives here (plus the
 embedded engine), so a version bump touches one place; `tests/engines/test_drift.py` pins the
 routes and fields listed in `ROUTES`. SGLang modules are imported lazily: importing
-`sglang.srt` costs ~15 s, and only the weight-payload and validation helpers need it.
+`sglang.srt` costs ~15 s, and only the weight-payload, checksum and validation helpers
+need it.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -236,25 +236,95 @@ def deserialize_named_tensors(
     return bucket.reconstruct_tensors()
 
 
-# ---- checksums ----------------------------------------------------------------------------
-def tensor_checksum(t: torch.Tensor) -> str:
-    """SGLang's `/weights_checker` per-tensor checksum: sha256 of the raw bytes, first 8 bytes.
+# ---- checksums: SGLang's own function, on the device the engine holds its weights on -------
+ENGINE_DEVICES: tuple[str, ...] = ("cpu", "cuda")
+"""Devices whose `/weights_checker` hash the trainer can predict: SGLang's `tensor_hash` takes
+sha256 of the bytes for every tensor that is not CUDA (CPU, and XPU/NPU after `.cpu()`) and
+its Triton `gpu_tensor_hash` for CUDA tensors (ROCm included)."""
 
-    Equal to `sglang.srt.utils.weight_checker._hash_tensor` for CPU tensors, so a trainer
-    can compute the same value without SGLang.
-    """
-    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    digest = hashlib.sha256(memoryview(data)).digest()[:8]
-    return f"{int.from_bytes(digest, byteorder='big', signed=False):016x}"
+
+@functools.cache
+def _weight_checker() -> Any:
+    # Lazy: importing sglang.srt costs seconds, and config/planner must stay sglang-free.
+    try:
+        from sglang.srt.utils import weight_checker
+    except ImportError as e:
+        raise RuntimeError(
+            f"verifying a weight sync computes SGLang's own checksums, but sglang's Python "
+            f"modules do not import here ({e}); install sglang==0.5.23 (constraints.txt) or set "
+            "weights.verify_every=0"
+        ) from e
+    return weight_checker
+
+
+def on_engine_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    """`t` on the device an engine holds its weights on, so that SGLang's `tensor_hash` takes
+    the branch the engine takes (it dispatches on `tensor.is_cuda`)."""
+    if device == "cpu":
+        return t.detach().cpu()
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "the engines hold their weights on CUDA, where SGLang checksums with its Triton "
+                "gpu_tensor_hash, but this trainer process sees no CUDA device to compute it "
+                "on; set weights.engine_device=cpu if the engines run on CPU, or "
+                "weights.verify_every=0"
+            )
+        return t.detach().to("cuda")
+    raise ValueError(f"engine device {device!r}: one of {', '.join(ENGINE_DEVICES)}")
+
+
+def tensor_checksum(t: torch.Tensor, device: str = "cpu") -> str:
+    """SGLang's `/weights_checker` checksum of `t` as an engine holding it on `device` reports
+    it: SGLang's own `weight_checker._hash_tensor` (`f"{mm_utils.tensor_hash(t):016x}"`) called
+    on `t` moved to that device, never a re-implementation: sha256 of the raw bytes (first 8)
+    on CPU, the Triton `gpu_tensor_hash` on CUDA, whatever later SGLang versions make of them."""
+    return str(_weight_checker()._hash_tensor(on_engine_device(t, device)))
+
+
+def fused_checksum(parts: Sequence[torch.Tensor], device: str = "cpu") -> str:
+    """The checksum of the one tensor an engine holds where the trainer sends `parts` (a fused
+    qkv_proj, gate_up_proj or stacked experts: the parts' bytes back to back, in order),
+    assembled on `device` and hashed there by SGLang's function (`tensor_checksum`)."""
+    if not parts:
+        raise ValueError("a fused parameter has at least one part")
+    dtype = parts[0].dtype
+    if any(p.dtype != dtype for p in parts):
+        raise ValueError(f"fused parts differ in dtype: {sorted({str(p.dtype) for p in parts})}")
+    dev = "cuda" if device == "cuda" else "cpu"
+    on_engine_device(parts[0][:0], device)  # the one-line error before allocating
+    out = torch.empty(sum(p.numel() for p in parts), dtype=dtype, device=dev)
+    offset = 0
+    for p in parts:
+        out[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+        offset += p.numel()
+    return tensor_checksum(out, device)
+
+
+def fp8_checksummed_weight(
+    q: torch.Tensor, scale_inv: torch.Tensor, device: str = "cpu", block: int = 128
+) -> torch.Tensor:
+    """The tensor SGLang's `/weights_checker` hashes for a block-FP8 weight: its bf16
+    dequantisation by SGLang's own `Fp8BlockComparable.dequantize` (`block_quant_dequant`),
+    computed on the engine's device. SGLang dequantises the parameter it holds (fused, per TP
+    rank); every block is dequantised on its own, so this equals the matching part of it for
+    any block-aligned fusing or sharding.
+
+    The comparable infers the block edge as K / Kb, which is `block` whenever K is a multiple
+    of it (every real model). Below that (tiny test models: K < 128) the inference is wrong and
+    its repeat fails, so there SGLang's `block_quant_dequant` is called with `block` itself."""
+    _weight_checker()  # the one-line error if sglang does not import
+    from sglang.srt.utils import weight_checker_comparator as wcc
+
+    q, scale_inv = on_engine_device(q, device), on_engine_device(scale_inv, device)
+    if q.shape[-1] // scale_inv.shape[-1] == block:
+        return wcc.Fp8BlockComparable(q, scale_inv).dequantize(torch.bfloat16)
+    return wcc.block_quant_dequant(q, scale_inv.float(), [block, block], dtype=torch.bfloat16)
 
 
 def overall_checksum(checksums: dict[str, str]) -> str:
-    """SGLang's `per_gpu_checksum` over per-tensor checksums (sorted by name)."""
-    h = hashlib.sha256()
-    for name in sorted(checksums):
-        h.update(name.encode())
-        h.update(checksums[name].encode())
-    return h.hexdigest()
+    """SGLang's `per_gpu_checksum` over per-tensor checksums (its own `overall_checksum`)."""
+    return str(_weight_checker().overall_checksum(checksums))
 
 
 # ---- validation with SGLang's own code (tests, and `validate=True` clients) ----------------

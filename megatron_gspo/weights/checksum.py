@@ -1,13 +1,14 @@
 """Per-tensor integrity check of a weight sync: sender and engine checksum the same bytes.
 
-The checksum is the one SGLang's `/weights_checker` computes per tensor (sha256 of the raw
-bytes, first 8 bytes), taken from `megatron_gspo.engines.wire` so that the trainer
-and every engine implementing `RolloutEngine.weights_checksum()` agree bit for bit. It is
-computed on the host, because SGLang hashes with sha256 on its side and a device has no sha256:
-`WeightSync` feeds it one bucket at a time on its send thread, while the next bucket is
-exported (`host_views`: one device->host copy per bucket on GPU, none on CPU). It costs about
-one sha256 per byte sent on each side, which is why `WeightSyncConfig.verify_every` thins it
-out (docs/performance.md has the measured cost).
+The checksum is the one SGLang's `/weights_checker` computes per tensor, with SGLang's own
+function on the device the engines hold their weights on (`engines.wire.tensor_checksum`:
+sha256 of the raw bytes for CPU engines, the Triton `gpu_tensor_hash` for CUDA ones;
+`weights.engine_device`), so the trainer and every engine implementing
+`RolloutEngine.weights_checksum()` agree bit for bit. `WeightSync` feeds it one bucket at a
+time on its send thread, while the next bucket is exported (for CPU engines through
+`host_views`: one device->host copy per bucket on GPU, none on CPU). It costs about one hash
+per byte sent on each side, which is why `WeightSyncConfig.verify_every` thins it out
+(docs/performance.md has the measured cost of the sha256 branch).
 
 Engines report checksums of what they HOLD, in the dtype they hold it: the embedded engine
 under HF names, a real SGLang server under its own fused parameter names (q/k/v, gate/up,

@@ -69,6 +69,14 @@ class WeightSyncConfig:
     """Expert-parallel size inside each engine (SGLang `--ep-size`), which decides what each
     engine TP rank holds of the experts (verification); set from rollout.launch.ep_size when
     the trainer launches the engines."""
+    engine_device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the engines hold their weights, which decides how SGLang's `/weights_checker`
+    hashes them (sha256 of the bytes on CPU, its Triton `gpu_tensor_hash` on CUDA) and so the
+    function and device the sender predicts the checksums with. auto: cpu for launched
+    embedded engines and `rollout.launch.device=cpu`, cuda for launched SGLang engines on a
+    GPU device; otherwise (external engines) cuda when this trainer sees a CUDA device, else
+    cpu. Set it when external engines run on another kind of device than the trainer. (An
+    embedded engine, which reports HF names, is always checked with the CPU branch.)"""
     master_address: str | None = None
     """Address of the sender for the distributed transport's rendezvous, which every engine
     rank connects to (and the sender's gloo device binds). None: the local address that routes
@@ -98,8 +106,18 @@ class WeightSyncConfig:
             raise ConfigError("weights.verify_every must be >= 0")
         if self.engine_ep_size < 1:
             raise ConfigError(f"weights.engine_ep_size={self.engine_ep_size} must be >= 1")
+        if self.engine_device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"weights.engine_device={self.engine_device!r}: auto|cpu|cuda")
         if not 0 <= self.master_port < 65536:
             raise ConfigError(f"weights.master_port={self.master_port}: 0 (free) or a TCP port")
+
+    def resolved_engine_device(self) -> str:
+        """`engine_device` with auto decided in this process (cuda if torch sees a GPU)."""
+        if self.engine_device != "auto":
+            return self.engine_device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def bucket_bytes(self) -> int:

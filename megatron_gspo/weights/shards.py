@@ -20,10 +20,10 @@ The narrowed HF-named shards then fuse exactly as with one rank (`sglang_names`)
 
 Block-FP8 weights: SGLang's checksum of a quantised parameter is the hash of its bf16
 dequantisation `(q.float() * repeat(weight_scale_inv)).to(bf16)` (`Fp8BlockComparable`), so a
-wrong FP8 byte or a wrong scale changes it. The sender dequantises what it sent the same way
-(`fp8.dequantise_blockwise`, the same fp32 products) and shards that; SGLang requires every
-shard to be block aligned (128 rows / columns), so sharding before or after dequantising is the
-same tensor (`topology` refuses layouts where it is not).
+wrong FP8 byte or a wrong scale changes it. The sender dequantises what it sent with that same
+SGLang function on the engines' device (`wire.fp8_checksummed_weight`) and shards that; SGLang
+requires every shard to be block aligned (128 rows / columns), so sharding before or after
+dequantising is the same tensor (`topology` refuses layouts where it is not).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.engines.wire import fp8_checksummed_weight
 from megatron_gspo.weights import fp8 as fp8_lib
 from megatron_gspo.weights.checksum import host_views
 from megatron_gspo.weights.sglang_names import SGLangChecksums
@@ -150,18 +151,37 @@ class EngineChecksums:
     """
 
     def __init__(
-        self, layouts: list[EngineLayout], *, namings: frozenset[str] = frozenset({"hf", "sglang"})
+        self,
+        layouts: list[EngineLayout],
+        *,
+        namings: frozenset[str] = frozenset({"hf", "sglang"}),
+        device: str = "cpu",
     ) -> None:
         """namings: what the engines report, "hf" (HF names of the bytes sent) and / or "sglang"
         (fused, per rank); only those are hashed (`WeightSync` learns it at the first verified
-        push), so the sender hashes each byte about once instead of up to four times."""
+        push), so the sender hashes each byte about once instead of up to four times.
+        device: where the engines that report SGLang's names hold their weights ("cpu",
+        "cuda"), which decides SGLang's hash function; their checksums are computed with it, on
+        that device. HF-named checksums (`hf`) are always the CPU branch: only the embedded
+        engine reports them, and it holds its weights on the CPU."""
         if not namings <= {"hf", "sglang"} or not namings:
             raise ValueError(f"namings {sorted(namings)}: a non-empty subset of hf, sglang")
-        self.namings = namings
-        self.plain = SGLangChecksums(fused=False)
+        self.namings, self.device = namings, device
+        # HF names are what the embedded engine reports, and it holds its weights on the CPU.
+        self.plain = SGLangChecksums(fused=False, device="cpu")
         self.layouts = {lay.tp_size: lay for lay in layouts}
         ranks = self.layouts if "sglang" in namings else {}
-        self._ranks = {tp: [SGLangChecksums(hf=False) for _ in range(tp)] for tp in ranks}
+        self._ranks = {
+            tp: [
+                SGLangChecksums(
+                    hf=False,
+                    device=device,
+                    num_experts=self.layouts[tp].num_experts // self.layouts[tp].ep_size,
+                )
+                for _ in range(tp)
+            ]
+            for tp in ranks
+        }
         self._fp8: dict[str, torch.Tensor] = {}
 
     @property
@@ -173,7 +193,8 @@ class EngineChecksums:
             self.plain.add(name, tensor)
         if not self._ranks:
             return
-        digest = self.plain.hf.get(name)  # of the bytes sent, when hashed above
+        # of the bytes sent, when hashed above by the same function (both on CPU)
+        digest = self.plain.hf.get(name) if self.device == "cpu" else None
         if tensor.dtype == torch.float8_e4m3fn:
             self._fp8[name] = tensor.detach().cpu().clone()  # until its scale arrives
             return
@@ -182,8 +203,9 @@ class EngineChecksums:
             q = self._fp8.pop(weight, None)
             if q is None:
                 raise ValueError(f"{name} sent before (or without) its FP8 weight {weight}")
-            s = tensor.detach().cpu().float()
-            name, tensor = weight, fp8_lib.dequantise_blockwise(q, s).to(torch.bfloat16)
+            name, tensor = weight, fp8_checksummed_weight(
+                q, tensor.float(), self.device, fp8_lib.BLOCK
+            )
             digest = None  # SGLang hashes the dequantised weight, not the bytes sent
         for tp, accs in self._ranks.items():
             for r, acc in enumerate(accs):
@@ -194,8 +216,10 @@ class EngineChecksums:
                     acc.add(*part, hf_digest=digest if same else None)
 
     def add_bucket(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """`add` every tensor of a bucket, in order, from one host copy of it (`host_views`)."""
-        for name, tensor in host_views(named):
+        """`add` every tensor of a bucket, in order: from one host copy of it (`host_views`)
+        unless only engines on CUDA are checked (then where it is, hashed on the GPU)."""
+        on_gpu = self.device == "cuda" and "hf" not in self.namings
+        for name, tensor in named if on_gpu else host_views(named):
             self.add(name, tensor)
 
     def ranks(self, tp_size: int) -> list[dict[str, str]]:

@@ -178,6 +178,17 @@ def unwritten_parameters(sent: dict[str, str], held: dict[str, str], engine_id: 
         )
 
 
+def _num_experts(bridge: Any) -> int:
+    """Routed experts per MoE layer from the bridge's HF config; 0 when it has none (the
+    checksums then hold a layer's expert members until the push ends)."""
+    try:
+        hf = hf_io.hf_config_of(bridge)
+    except AttributeError:
+        return 0
+    get = hf.get if isinstance(hf, dict) else lambda k: getattr(hf, k, None)
+    return int(get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0)
+
+
 def _with_last(buckets: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
     """Yield (bucket, is_last) with one bucket of lookahead."""
     prev = None
@@ -331,9 +342,11 @@ class WeightSync:
 
     def _checksums(self) -> EngineChecksums:
         tps = engine_tp_sizes(self.engines) if self.sender else []
-        kw = {"namings": self._namings} if self._namings else {}
-        if tps == [1]:  # nothing is sharded: no model shape needed
-            return EngineChecksums([EngineLayout(1, 1, 1, 1, 1)], **kw)
+        kw: dict[str, Any] = {"namings": self._namings} if self._namings else {}
+        # SGLang's own hash on the engines' device (sha256 on CPU, Triton on CUDA).
+        kw["device"] = self.config.resolved_engine_device()
+        if tps == [1]:  # nothing is sharded: only the expert count (when the bridge has it)
+            return EngineChecksums([EngineLayout(1, 1, 1, 1, 1, _num_experts(self.bridge))], **kw)
         hf = hf_io.hf_config_of(self.bridge) if tps else None
         ep = self.config.engine_ep_size
         return EngineChecksums([EngineLayout.of(hf, tp, ep if tp > 1 else 1) for tp in tps], **kw)

@@ -123,23 +123,26 @@ def _layer() -> list[tuple[str, torch.Tensor]]:
 def test_one_naming_hashes_each_byte_once(monkeypatch: pytest.MonkeyPatch, naming: str) -> None:
     """Once the engines' naming is known, the sender hashes every byte it sent once (not once
     per naming and again per rank), and the checksums are those of hashing for both."""
-    from megatron_gspo.weights import sglang_names
+    from sglang.srt.utils import weight_checker
 
     named = _layer()
     both = EngineChecksums([EngineLayout(1, 1, 1, 1, 1)])
     for n, t in named:
         both.add(n, t)
+    both.ranks(1)
     hashed: list[int] = []
-    raw = sglang_names._raw_bytes
+    real = weight_checker._hash_tensor
 
-    def counting(t: torch.Tensor) -> memoryview:
+    def counting(t: torch.Tensor) -> str:  # SGLang's own hash, counted
         hashed.append(t.numel() * t.element_size())
-        return raw(t)
+        return real(t)
 
-    monkeypatch.setattr(sglang_names, "_raw_bytes", counting)
+    monkeypatch.setattr(weight_checker, "_hash_tensor", counting)
     one = EngineChecksums([EngineLayout(1, 1, 1, 1, 1)], namings=frozenset({naming}))
     for n, t in named:
         one.add(n, t)
+    if naming == "sglang":
+        one.ranks(1)
     assert sum(hashed) == sum(t.numel() * t.element_size() for _, t in named)
     if naming == "hf":
         assert one.hf == both.hf == {n: tensor_checksum(t) for n, t in named}
