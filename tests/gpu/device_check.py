@@ -162,7 +162,8 @@ def _sglang_hash_functions(src: Path) -> str:
     """Make `sglang.srt.utils.weight_checker._hash_tensor` importable: the sglang package
     ("sglang <version>") if it imports, else SGLang's own functions compiled from its source
     files under `src` (tests/gpu/fetch_wheels.sh), without the package's other imports
-    (transformers, ...): `gpu_tensor_hash.py` whole, and the named functions, verbatim."""
+    (transformers, ...): `sglang/kernels/ops/memory/gpu_tensor_hash.py` whole, and the named
+    functions, verbatim."""
     try:
         from sglang.srt.utils import weight_checker  # noqa: F401
 
