@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import types
 import typing
 from pathlib import Path
@@ -131,6 +132,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         require(
             isinstance(value, int | float) and not isinstance(value, bool),
             f"{key}={value!r} must be a number; change {key}",
+        )
+        # Every float key, as a class: no setting means inf or NaN (an inf learning rate made
+        # the weights non-finite, pushed and checkpointed them; a NaN compares False to every
+        # bound, so a check `x > 0` alone would let it through).
+        require(
+            math.isfinite(value),
+            f"{key}={value!r} is not a finite number; change {key}",
         )
         return float(value)
     if tp is str:
