@@ -167,6 +167,15 @@ def build_dataclass(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
                 f"unknown config key {key!r}" + _suggest(str(name), list(fields), prefix)
             )
         kwargs[name] = _coerce(value, hints[name], key)
+        # An empty string is no value: `checkpoint.dir=` wrote no checkpoint and said nothing,
+        # `logging.dir=` would write into the working directory. Refused for every string key
+        # but those whose own default is "" (their documented "unset").
+        if isinstance(kwargs[name], str) and not kwargs[name].strip():
+            require(
+                fields[name].default == "",
+                f"{key}={kwargs[name]!r} is empty; give it a value"
+                + (", or null to leave it unset" if _accepts_none(hints[name]) else ""),
+            )
     for name, f in fields.items():
         if (
             name not in kwargs
@@ -227,6 +236,11 @@ def _section(tp: Any) -> Any:
         if len(arms) == 1:
             return arms[0]
     return tp
+
+
+def _accepts_none(tp: Any) -> bool:
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    return union and type(None) in typing.get_args(tp)
 
 
 def _accepts_str_only(tp: Any) -> bool:
