@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import struct
 import threading
@@ -385,3 +386,31 @@ def test_a_resume_with_changed_keys_keeps_the_previous_config_json(tmp_path: Pat
     MetricsLogger(tmp_path, config={"optim": {"lr": 2}}, start_step=2, **kw).close()
     assert json.loads((tmp_path / "config.step_000002.json").read_text()) == {"optim": {"lr": 1}}
     assert json.loads((tmp_path / "config.json").read_text()) == {"optim": {"lr": 2}}
+
+
+@pytest.mark.parametrize("where", ["mkdir", "lock-file"])
+def test_a_full_disk_at_the_run_dir_lock_is_one_line(
+    tmp_path: Path, toy: Path, monkeypatch, where: str
+) -> None:
+    """A full disk when rank 0 takes the run-directory lock (after preflight: the disk filled
+    since). Was: an `OSError: [Errno 28] No space left on device` traceback from the lock."""
+    import errno
+
+    from megatron_gspo import run_dir
+
+    _prepare(tmp_path, toy)
+    cfg = _config(tmp_path, toy, {})
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def no_space(*args: Any, **kwargs: Any) -> Any:
+        raise full
+
+    if where == "mkdir":
+        monkeypatch.setattr(run_dir.Path, "mkdir", no_space)
+    else:
+        monkeypatch.setattr(run_dir.os, "open", no_space)
+    with pytest.raises(ConfigError) as e:
+        run_dir.RunLock.acquire(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "No space left on device" in msg and "logging.dir" in msg, msg
+    assert exit_code(e.value) == 2
