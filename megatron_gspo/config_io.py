@@ -173,7 +173,7 @@ def build_dataclass(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if isinstance(kwargs[name], str) and not kwargs[name].strip():
             require(
                 fields[name].default == "",
-                f"{key}={kwargs[name]!r} is empty; give it a value"
+                f"{key}={kwargs[name]!r} is empty; set {key}"
                 + (", or null to leave it unset" if _accepts_none(hints[name]) else ""),
             )
     for name, f in fields.items():
