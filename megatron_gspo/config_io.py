@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import types
 import typing
 from pathlib import Path
@@ -132,6 +133,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             isinstance(value, int | float) and not isinstance(value, bool),
             f"{key}={value!r} must be a number; change {key}",
         )
+        # Every float key, as a class: no setting means inf or NaN (an inf learning rate made
+        # the weights non-finite, pushed and checkpointed them; a NaN compares False to every
+        # bound, so a check `x > 0` alone would let it through).
+        require(
+            math.isfinite(value),
+            f"{key}={value!r} is not a finite number; change {key}",
+        )
         return float(value)
     if tp is str:
         require(isinstance(value, str), f"{key}={value!r} must be a string; change {key}")
@@ -159,6 +167,15 @@ def build_dataclass(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
                 f"unknown config key {key!r}" + _suggest(str(name), list(fields), prefix)
             )
         kwargs[name] = _coerce(value, hints[name], key)
+        # An empty string is no value: `checkpoint.dir=` wrote no checkpoint and said nothing,
+        # `logging.dir=` would write into the working directory. Refused for every string key
+        # but those whose own default is "" (their documented "unset").
+        if isinstance(kwargs[name], str) and not kwargs[name].strip():
+            require(
+                fields[name].default == "",
+                f"{key}={kwargs[name]!r} is empty; set {key}"
+                + (", or null to leave it unset" if _accepts_none(hints[name]) else ""),
+            )
     for name, f in fields.items():
         if (
             name not in kwargs
@@ -219,6 +236,11 @@ def _section(tp: Any) -> Any:
         if len(arms) == 1:
             return arms[0]
     return tp
+
+
+def _accepts_none(tp: Any) -> bool:
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    return union and type(None) in typing.get_args(tp)
 
 
 def _accepts_str_only(tp: Any) -> bool:

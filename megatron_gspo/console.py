@@ -34,7 +34,7 @@ __all__ = [
 THIRD_PARTY_LOG = "third_party.log"
 _OURS = "megatron_gspo"
 _FORMAT = "%(asctime)s {rank} %(levelname)s %(name)s: %(message)s"
-_state: dict[str, Any] = {}
+_state: dict[Any, Any] = {}
 
 
 def _rank() -> int:
@@ -150,9 +150,24 @@ def third_party_stdio(log_dir: str | Path) -> Iterator[Path]:
     bar. Python-level only: what C++ code writes to the file descriptors is not caught."""
     path = Path(log_dir) / THIRD_PARTY_LOG
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8", buffering=1) as f:
+    f = _stdio_file(path)
+    try:
         with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
             yield path
+    finally:
+        f.flush()
+
+
+def _stdio_file(path: Path) -> IO[str]:
+    """One append stream per third_party.log, open for the life of the process: a library
+    that keeps `sys.stderr` as it was inside the block (a logging handler made there, a
+    progress bar) writes to the file later too. Closing it at the end of each block made
+    those writes fail (`--- Logging error --- ... I/O operation on closed file`, issue 40)."""
+    key = str(path.resolve())
+    f = _state.get(("stdio", key))
+    if f is None or f.closed:
+        f = _state[("stdio", key)] = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+    return f
 
 
 class _ConsoleStream:

@@ -223,3 +223,35 @@ def release_device_memory() -> None:
 def barrier() -> None:
     if world_size() > 1:
         torch.distributed.barrier()
+
+
+# OS thread names (/proc/self/task/*/comm) of torch.distributed's backends on CPU: gloo's
+# transport loop and a process group's workers, the TCP store's libuv server.
+COMM_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop", "pt_tcpstore_uv")
+
+
+def comm_threads() -> list[str]:
+    """The names of this process's threads that belong to a process group or store (Linux;
+    an empty list elsewhere)."""
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended while we looked
+            continue
+        if name in COMM_THREADS:
+            names.append(name)
+    return names
+
+
+def shutdown() -> None:
+    """Destroy every process group of this process (local: no collective, so a rank whose
+    peers are gone does not wait for them)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+

@@ -7,6 +7,8 @@ pass. Unset (every real run), `point` returns at once. Points, in the order a st
 * `rollout`: right after rank 0 got the step's samples and rewards, before they are broadcast
   (the loader and the sample ids have advanced; the other ranks wait in the broadcast);
 * `backward`: inside the step's first backward pass (a gradient hook on the first parameter);
+* `update`: right after the step's optimizer updates, before the weights are checked, pushed
+  or saved (`inf-weight` only: pass the model chunks);
 * `checkpoint`: inside `save_checkpoint`, after the model and optimizer are written to the
   temporary directory and before the manifest, the rename and `latest`.
 
@@ -15,8 +17,9 @@ making progress, as one stuck in a collective with a dead peer), `sigterm` (a SI
 rank only), `sigterm-launcher` (a SIGTERM to the launcher, as a scheduler's preemption notice
 reaches torchrun), `ctrl-c` (a SIGINT to the launcher, as a terminal's Ctrl-C reaches torchrun),
 `ctrl-c-twice` (the same twice: the second once this rank has seen the first, forwarded),
-`sighup-launcher` (a SIGHUP to the launcher, as a closed terminal or ssh session sends it) and
-`sigkill-launcher` (the launcher SIGKILLed: the ranks outlive it).
+`sighup-launcher` (a SIGHUP to the launcher, as a closed terminal or ssh session sends it),
+`sigkill-launcher` (the launcher SIGKILLed: the ranks outlive it) and `inf-weight` (one
+element of this rank's first parameter becomes inf, as an overflowing update makes it).
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ _ACTIONS = (
     "ctrl-c-twice",
     "sighup-launcher",
     "sigkill-launcher",
+    "inf-weight",
 )
-_PHASES = ("rollout", "backward", "checkpoint")
+_PHASES = ("rollout", "backward", "update", "checkpoint")
 
 
 class PlantedFault(RuntimeError):
@@ -80,6 +84,14 @@ def point(phase: str, step: int, model: list[Any] | None = None) -> None:
 
         handle.append(param.register_hook(hook))
         return
+    if "inf-weight" in actions:
+        if model is None:
+            raise ValueError("inf-weight needs the model")
+        import torch
+
+        with torch.no_grad():
+            next(iter(model[0].parameters())).view(-1)[0] = float("inf")
+        actions = [a for a in actions if a != "inf-weight"]
     _fire(actions, phase, step)
 
 

@@ -196,7 +196,13 @@ class MetricsLogger:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if config is not None:
             # The resolved config next to the metrics, so a curve can be traced to its settings.
-            (self.log_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+            # A resume with changed keys keeps the record: the previous config.json moves to
+            # config.step_<N>.json (N: the step it was replaced at) before the new one is written.
+            current = self.log_dir / "config.json"
+            text = json.dumps(config, indent=2, default=str)
+            if start_step and current.exists() and current.read_text() != text:
+                current.replace(self.log_dir / f"config.step_{start_step:06d}.json")
+            current.write_text(text)
         if jsonl and start_step is not None:
             _drop_steps_after(self.log_dir / "metrics.jsonl", start_step)
         if jsonl:

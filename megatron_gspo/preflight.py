@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +24,7 @@ from megatron_gspo.config import Config
 from megatron_gspo.config_io import ConfigError, require
 from megatron_gspo.data.formats import load_prompt_records
 from megatron_gspo.engines.interpreter import sglang_python
+from megatron_gspo.model_files import check_model_files, estimate_checkpoint_bytes
 from megatron_gspo.resume_check import (
     check_checkpoint_dir_writable,
     check_resume_model,
@@ -34,7 +36,8 @@ __all__ = ["check_resume", "check_run_dir", "preflight", "read_hf_config"]
 
 
 def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) -> None:
-    """Every input check that needs no megatron-core: run directory, model directory, dtype for
+    """Every input check that needs no megatron-core: run directory, model directory (its weight
+    files as the loaders read them: `model_files`), room for a checkpoint, dtype for
     the device, the layout against `world_size`, the prompt files and the reward module. Raises
     `ConfigError` (one line naming the file, line or key). Nothing is written or deleted here:
     `--overwrite` clears the previous run only once the new one has started
@@ -44,12 +47,12 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
     hf_config = read_hf_config(cfg.model.hf_path, "model.hf_path")
     if cfg.model.tokenizer_path is not None:
         _check_dir(cfg.model.tokenizer_path, "model.tokenizer_path")
-    if cfg.model.load_weights:
-        _check_weights(Path(cfg.model.hf_path))
+    tensors = check_model_files(cfg.model.hf_path) if cfg.model.load_weights else {}
     _check_driver(cfg)
     _check_dtype(cfg)
     cfg.parallel.validate(world_size, hf_config)
     check_checkpoint_dir_writable(cfg.checkpoint.dir)
+    _check_room_for_a_checkpoint(cfg, tensors)
     if resume:
         check_resume_layout(cfg.checkpoint.dir, cfg.parallel, world_size)
         check_resume(cfg)
@@ -77,7 +80,20 @@ def check_resume(cfg: Config) -> list[str]:
     if cfg.checkpoint.dir is None or (path := latest_checkpoint(cfg.checkpoint.dir)) is None:
         return []
     check_resume_model(path, cfg.model.hf_path)
+    step = _checkpoint_step(path)
+    require(
+        step is None or cfg.train.steps >= step,
+        f"train.steps={cfg.train.steps} is below the step of the checkpoint to resume ({path},"
+        f" step {step}): the run would train nothing; set train.steps above {step}, or resume"
+        " another checkpoint.dir",
+    )
     return resume_config_changes(path, cfg.to_dict())
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """The step of a `step_<N>` checkpoint directory (None for another name)."""
+    head, _, digits = path.name.partition("_")
+    return int(digits) if head == "step" and digits.isdigit() else None
 
 
 def check_run_dir(cfg: Config, *, resume: bool, overwrite: bool) -> None:
@@ -117,12 +133,21 @@ def read_hf_config(path: str, key: str) -> SimpleNamespace:
     return SimpleNamespace(**data)
 
 
-def _check_weights(path: Path) -> None:
-    found = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+def _check_room_for_a_checkpoint(cfg: Config, tensors: dict[str, Any]) -> None:
+    """checkpoint.dir's file system has room for one checkpoint (estimated from the weight
+    files' headers: fp32 parameters and optimizer state, a lower bound of what it writes)."""
+    if not cfg.checkpoint.dir or not tensors:
+        return
+    need = estimate_checkpoint_bytes(tensors, cfg.optim.optimizer)
+    path = Path(cfg.checkpoint.dir).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    free = shutil.disk_usage(path).free
     require(
-        found,
-        f"{path}: no *.safetensors or *.bin weights; add them, or set model.load_weights=false "
-        "to train from random weights",
+        free >= need,
+        f"checkpoint.dir={cfg.checkpoint.dir}: {free / 2**20:.1f} MiB free on its file system, "
+        f"one checkpoint takes at least {need / 2**20:.1f} MiB (estimated: fp32 weights and "
+        f"{cfg.optim.optimizer} state); free space or change checkpoint.dir",
     )
 
 

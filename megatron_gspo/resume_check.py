@@ -41,6 +41,13 @@ directory."""
 FIXED_ON_RESUME = {
     "optim.optimizer": "its saved optimizer state is that optimizer's",
     "optim.use_distributed_optimizer": "its optimizer state is saved in that format",
+    # The saved prompt loader (epoch, shuffled order, position) indexes the prompts of that
+    # file as that run read, filtered and shuffled them (was: two tracebacks after start-up).
+    "data.train_path": "its saved prompt-loader position indexes that file's prompts",
+    "data.format": "its saved prompt-loader position indexes the prompts read that way",
+    "data.seed": "its saved prompt order was shuffled with that seed",
+    "data.shuffle": "its saved prompt order was made with that setting",
+    "data.max_prompt_tokens": "its saved prompt-loader position indexes the prompts kept by it",
 }
 
 # config.json entries that define the model's parameters (names and shapes). A checkpoint of

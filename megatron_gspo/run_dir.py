@@ -162,6 +162,18 @@ def _pid_alive_here(holder: dict[str, Any]) -> bool:
     return True
 
 
+def _cannot_lock(cfg: Config, d: Path, e: OSError) -> ConfigError:
+    """The one line for a run directory whose lock file cannot be written (was: a traceback
+    from the lock, e.g. on a full disk)."""
+    keys = [k for k, v in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir))
+            if v is not None and Path(v).resolve() == d.resolve()]
+    why = e.strerror or type(e).__name__
+    return ConfigError(
+        f"{d}: cannot write the run's lock file {LOCK_NAME} ({why}); free space or fix the "
+        f"mount, or change {' / '.join(keys) or 'logging.dir / checkpoint.dir'}"
+    )
+
+
 def probe_lock(cfg: Config) -> None:
     """Every rank, before anything is written: a ConfigError naming the PID and host of a run
     that holds a lock on one of the run directories. A shared probe: ranks of one job do not
@@ -199,9 +211,12 @@ class RunLock:
         fds: list[int] = []
         try:
             for d in _run_dirs(cfg):
-                d.mkdir(parents=True, exist_ok=True)
                 path = d / LOCK_NAME
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    d.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                except OSError as e:  # a full disk, a read-only or vanished mount: bad input
+                    raise _cannot_lock(cfg, d, e) from None
                 fds.append(fd)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -212,8 +227,11 @@ class RunLock:
                     if holder and holder.get("pid") != os.getpid() and _pid_alive_here(holder):
                         raise _in_use(d, holder) from None
                 me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+                except OSError as e:
+                    raise _cannot_lock(cfg, d, e) from None
         except BaseException:
             for fd in fds:
                 os.close(fd)

@@ -12,6 +12,7 @@ from megatron_gspo.interrupt import quiet_ctrl_c
 if __name__ == "__main__":  # Ctrl-C inside the imports below: one line (the console script's
     quiet_ctrl_c("megatron_gspo.train")  # entry does the same: megatron_gspo/entry.py)
 
+import math
 import os
 import sys
 import time
@@ -48,6 +49,11 @@ class TrainingDiverged(RuntimeError):
 
 class RewardsFailing(TrainingDiverged):
     """Every reward call failed in train.max_failed_reward_steps consecutive steps."""
+
+
+class WeightsNotFinite(TrainingDiverged):
+    """A parameter is inf or NaN after an update (or as loaded): stopped before any push or
+    save, so neither the engines nor a checkpoint ever hold such weights."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,6 +174,7 @@ def _loop(
     colocated_job = bool(cfg.rollout.launch and cfg.rollout.launch.colocated)  # every rank
     colocated = bool(rollout) and colocated_job
     push = _pusher(policy, rollout, sync)
+    _check_weights_finite(cfg, policy, start, None)  # as loaded: before they are first pushed
     # The engines serve exactly the trainer's weights from step 0; a verified push that fails
     # here means they serve another model (user_errors.first_push: one line naming both).
     first_push(push, cfg, [rollout.engine] if rollout else [])
@@ -191,6 +198,9 @@ def _loop(
         metrics |= reload_trainer(cfg, policy)
         faults.point("backward", step + 1, policy.model)
         metrics |= policy.update(seqs, step)
+        faults.point("update", step + 1, policy.model)  # tests only: MGSPO_FAULT
+        # Whatever made them so, non-finite weights stop the step before any push or save.
+        _check_weights_finite(cfg, policy, step + 1, metrics)
         t2 = time.perf_counter()
         # Every rank frees its cached blocks, then rank 0 resumes the engines' memory.
         resume_engines(rollout.engine if rollout else None, colocated=colocated_job)
@@ -253,6 +263,38 @@ def lock_run_dirs(cfg: Config) -> RunLock | None:
     if error is not None:
         raise ConfigError(error)
     return lock
+
+
+def _check_weights_finite(
+    cfg: Config, policy: Policy, step: int, metrics: dict[str, float] | None
+) -> None:
+    """Collective: raise `WeightsNotFinite` (every rank alike) naming the first non-finite
+    parameter, what made it so and the last checkpoint, which is from before it."""
+    from megatron_gspo.checkpoint import latest_checkpoint
+    from megatron_gspo.megatron.step import nonfinite_params
+
+    where = nonfinite_params(policy.model)
+    if where is None:
+        return
+    if metrics is None:
+        what = f"as loaded at step {step}"
+        cause = "the model directory or the checkpoint holds them; check model.hf_path"
+    else:
+        what = f"after the update of step {step}"
+        finite = all(math.isfinite(metrics.get(k, math.nan)) for k in ("loss", "grad_norm"))
+        if finite and not metrics.get("train/skipped_updates"):
+            cause = (
+                "the loss and gradient norm were finite, so the optimizer update itself "
+                f"overflowed (optim.lr={cfg.optim.lr}); lower optim.lr"
+            )
+        else:
+            cause = "a non-finite loss or gradient preceded it; check the data and rewards"
+    latest = latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+    kept = f"the last checkpoint, {latest}, is from before it" if latest else "no checkpoint"
+    raise WeightsNotFinite(
+        f"the weights are not finite {what} ({where}): {cause}. Nothing of it was pushed to "
+        f"the engines or saved; {kept}"
+    )
 
 
 def _collect(rollout: Rollout | None) -> tuple[Any, Any, str | None]:
@@ -321,36 +363,37 @@ def _hold_stop_signals() -> None:
 
 
 def cli() -> None:
+    """The entry point: `main`, each documented failure as one line and its exit code, and the
+    rank's end in order (`teardown.end_process`: process groups and their threads first)."""
+    from megatron_gspo.teardown import end_process
+
     try:
         main(sys.argv[1:])
     except ConfigError as e:  # bad input (DatasetError included): one line, no traceback
         _hold_stop_signals()  # torchrun ending this rank now adds no "[train] SIGTERM" line
         if dist.rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        raise SystemExit(2) from None
+        end_process(2)
     except (TrainingDiverged, NoEnginesLeft) as e:  # checkpointed first; exit 3 / 4
         if dist.rank() == 0:
             print(f"[train] stopped: {e}", file=sys.stderr, flush=True)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        raise SystemExit(3 if isinstance(e, TrainingDiverged) else 4) from None
+        end_process(3 if isinstance(e, TrainingDiverged) else 4)
     except Exception as e:  # the other documented kinds (user_errors.EXIT_CODES): one line
         if (code := exit_code(e)) is None:
             raise
         _one_line_exit(e, code)
+    end_process(0)
 
 
 def _one_line_exit(e: BaseException, code: int) -> NoReturn:
     """Rank 0 prints `e` as one line (every rank raises it alike); exit with `code`."""
+    from megatron_gspo.teardown import end_process
+
     _hold_stop_signals()
     if dist.rank() == 0:
         text = " ".join(str(e).split())
         print(f"error: {type(e).__name__}: {text}", file=sys.stderr, flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    raise SystemExit(code) from None
+    end_process(code)
 
 
 if __name__ == "__main__":

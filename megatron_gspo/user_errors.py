@@ -5,7 +5,9 @@ the code of its kind (`EXIT_CODES`; `docs/reliability.md` lists them):
 
 * 2: bad input (`ConfigError`): a config, model directory or engine that does not fit the run
 * 3: training cannot go on, checkpoint written first: non-finite steps
-  (`train.max_bad_steps`), every reward call failing (`train.max_failed_reward_steps`)
+  (`train.max_bad_steps`), every reward call failing (`train.max_failed_reward_steps`); or
+  weights that an update made non-finite (`WeightsNotFinite`, `UpdateOverflow`): stopped
+  before any push or save, the last checkpoint is from before that step
 * 4: no rollout engine left, checkpoint written first
 * 5: a checkpoint could not be written (`CheckpointWriteError`)
 * 6: a weight sync after the first failed (`WeightSyncError`, `WeightIntegrityError`)
@@ -38,6 +40,8 @@ EXIT_CODES = {
     "EngineModelMismatch": 2,
     "TrainingDiverged": 3,
     "RewardsFailing": 3,
+    "WeightsNotFinite": 3,
+    "UpdateOverflow": 3,
     "NoEnginesLeft": 4,
     "CheckpointWriteError": 5,
     "WeightSyncError": 6,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,8 @@ def _base(tmp: Path) -> dict:
     model = tmp / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(HF_CONFIG))
-    (model / "model.safetensors").write_bytes(b"")  # preflight only checks that weights exist
+    # a valid safetensors file holding no tensor (preflight reads every weight file's header)
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
     data = tmp / "data.jsonl"
     data.write_text('{"prompt": "12", "answer": "12"}\n{"prompt": "3", "answer": "3"}\n')
     return {

@@ -264,3 +264,29 @@ def test_plot_tool_writes_png(tmp_path):
     with pytest.raises(SystemExit):
         plot.main([str(path), "--keys", "nope", "--out", str(tmp_path / "x.png")])
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_stream_kept_from_inside_third_party_stdio_still_writes_to_the_log(tmp_path, capfd):
+    """A logging handler made inside the block (its stream: the block's sys.stderr) and used
+    after it (issue 40: `--- Logging error --- ... I/O operation on closed file` in
+    third_party.log): its records land in third_party.log, and no logging error is printed."""
+    import logging
+    import sys
+
+    from megatron_gspo.console import third_party_stdio
+
+    logger = logging.getLogger("some_library_issue40")
+    logger.propagate = False
+    with third_party_stdio(tmp_path):
+        handler = logging.StreamHandler(sys.stderr)
+    logger.handlers.append(handler)  # not through addHandler: nothing redirects it
+    try:
+        with third_party_stdio(tmp_path):  # a later block, as the trainer has several
+            logger.warning("inside a later block")
+        logger.warning("after every block")
+    finally:
+        logger.handlers.remove(handler)
+    text = (tmp_path / "third_party.log").read_text()
+    err = capfd.readouterr().err
+    assert "Logging error" not in text + err, text + err
+    assert "inside a later block" in text and "after every block" in text, text

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -48,7 +49,8 @@ def _model(tmp: Path, name: str, **over: Any) -> Path:
     d = tmp / name
     d.mkdir()
     (d / "config.json").write_text(json.dumps({**HF, **over}))
-    (d / "model.safetensors").write_bytes(b"")  # preflight only checks that weights exist
+    # a valid safetensors file holding no tensor (preflight reads every weight file's header)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
     return d
 
 

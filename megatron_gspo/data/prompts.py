@@ -202,11 +202,15 @@ class PromptDataset(Sequence[PromptRecord]):
         system_prompt: str | None = None,
         max_prompt_tokens: int | None = None,
         context: tuple[int, int, str] | None = None,
+        fit: tuple[int, str] | None = None,
         source: str = "the prompt dataset",
     ) -> None:
         """context: (the engine's context length, the response budget, the budget's key):
         prompts longer than their difference cannot be served (SGLang refuses a request whose
-        prompt plus max_new_tokens exceeds its context) and are dropped here, counted."""
+        prompt plus max_new_tokens exceeds its context) and are dropped here, counted.
+        fit: (the most prompt tokens a training micro-batch can hold with a whole response,
+        what sets it): longer prompts would make sequences no micro-batch holds
+        (`train.micro_batch_tokens` silently ignored); dropped here, counted, all: refused."""
         self.records = records
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -214,6 +218,7 @@ class PromptDataset(Sequence[PromptRecord]):
         self.max_prompt_tokens = max_prompt_tokens
         self.num_too_long = 0  # prompts dropped for being longer than max_prompt_tokens
         self.num_over_context = 0  # ... for not fitting the engine's context with the budget
+        self.num_over_micro_batch = 0  # ... for making a sequence no micro-batch holds
         limits = []
         if max_prompt_tokens is not None:
             limits.append((max_prompt_tokens, f"data.max_prompt_tokens={max_prompt_tokens}"))
@@ -226,16 +231,20 @@ class PromptDataset(Sequence[PromptRecord]):
                     "response tokens",
                 )
             )
+        if fit is not None:
+            limits.append(fit)
         if limits:
             if tokenizer is None:
                 raise ValueError("max_prompt_tokens / context need a tokenizer")
             # Filtered here, once, rather than at the step that samples one: an over-long prompt
             # would otherwise fail (or be truncated by) the engine mid-run.
             lengths = [len(self.encode(r)) for r in records]
-            for i, (limit, what) in enumerate(limits):
+            for limit, what in limits:
                 records, lengths = self._drop_longer(records, lengths, limit, what, source)
-                if i == 0 and max_prompt_tokens is not None:
+                if what.startswith("data."):
                     self.num_too_long = self._dropped
+                elif what.startswith("train."):
+                    self.num_over_micro_batch = self._dropped
                 else:
                     self.num_over_context = self._dropped
             self.records = records
@@ -248,7 +257,10 @@ class PromptDataset(Sequence[PromptRecord]):
         self._dropped = len(records) - len(kept)
         if not kept:
             fix = "raise data.max_prompt_tokens"
-            if not what.startswith("data."):
+            if what.startswith("train."):
+                fix = f"at most {limit} prompt tokens fit: raise train.micro_batch_tokens or "
+                fix += "lower rollout.max_new_tokens"
+            elif not what.startswith("data."):
                 fix = f"at most {limit} prompt tokens fit: lower rollout.max_new_tokens or raise "
                 fix += "the engine's context length"
             raise DatasetError(
@@ -279,6 +291,7 @@ class PromptDataset(Sequence[PromptRecord]):
         *,
         path: str | None = None,
         key: str | None = None,
+        fit: tuple[int, str] | None = None,
     ) -> PromptDataset:
         """Build from a `megatron_gspo.config.DataConfig`: `data.train_path`, or `path` (named
         `key` in messages, e.g. the held-out set's `eval.path`) read the same way."""
@@ -300,6 +313,7 @@ class PromptDataset(Sequence[PromptRecord]):
             system_prompt=data_cfg.system_prompt,
             max_prompt_tokens=data_cfg.max_prompt_tokens,
             context=context,
+            fit=fit,
             source=str(source),
         )
 

@@ -160,7 +160,7 @@ def error_message(body: bytes | str) -> str:
     try:
         obj = json.loads(text)
     except ValueError:
-        return text.strip()
+        return _one_line(text)
     if isinstance(obj, dict):
         err = obj.get("error", obj)
         if isinstance(err, dict):
@@ -170,6 +170,19 @@ def error_message(body: bytes | str) -> str:
         if "message" in obj:
             return str(obj["message"])
     return text.strip()
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """A body that is not SGLang's JSON as one short line: an HTML page (a URL that is a plain
+    web server, a proxy's error page) by its title; anything else with its whitespace folded,
+    cut at `limit` characters (was: the raw page, tens of lines, in every message)."""
+    low = text.lower()
+    if "<html" in low or "<!doctype html" in low:
+        start, end = low.find("<title>"), low.find("</title>")
+        title = " ".join(text[start + 7 : end].split()) if 0 <= start < end else ""
+        return f"an HTML page{f' titled {title[:80]!r}' if title else ''}, not an SGLang answer"
+    folded = " ".join(text.split())
+    return folded if len(folded) <= limit else folded[:limit] + "..."
 
 
 # ---- weight payloads --------------------------------------------------------------------

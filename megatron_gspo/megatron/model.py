@@ -66,6 +66,22 @@ def init_megatron(layout: Layout, seed: int = 1234) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def release_parallel_state() -> None:
+    """Drop megatron-core's references to its process groups, so that each group's gloo
+    threads end with it (call after `torch.distributed.destroy_process_group`, which shuts
+    the groups down but cannot free one a global still names). megatron-core 0.19.2's
+    `destroy_model_parallel` leaves `_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP` and its gloo
+    twin set: every group-valued global is cleared here."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    group = torch.distributed.ProcessGroup
+    for name, value in list(vars(parallel_state).items()):
+        held = value if isinstance(value, list) else [value]
+        if held and all(isinstance(v, group) for v in held):
+            setattr(parallel_state, name, None)
+
+
 def initialize_parallel_state(layout: Layout, *, create_gloo_process_groups: bool = True) -> None:
     """megatron-core's parallel state for `layout` on the current default group (the one place
     that maps a `Layout` to `initialize_model_parallel`; the planner calls it in a fake group)."""

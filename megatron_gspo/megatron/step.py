@@ -306,6 +306,10 @@ def reduce_metrics(outputs: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+class UpdateOverflow(RuntimeError):
+    """The optimizer's step size does not fit in the parameters' dtype (exit code 3)."""
+
+
 def train_step(
     model: list[torch.nn.Module],
     optimizer: Any,
@@ -323,7 +327,16 @@ def train_step(
     # does), and clipping by a NaN norm would write NaN into every weight: check every rank's
     # gradients and the global loss, and skip the step everywhere if any is not finite.
     if math.isfinite(metrics["loss"]) and grads_finite(model):
-        ok, grad_norm, _ = optimizer.step()
+        try:
+            ok, grad_norm, _ = optimizer.step()
+        except RuntimeError as e:  # torch: a step size past float32's range (optim.lr=1e38)
+            if "without overflow" not in str(e):
+                raise
+            lr = optimizer.param_groups[0]["lr"]
+            raise UpdateOverflow(
+                f"the optimizer step at learning rate {lr:g} does not fit in the parameters' "
+                f"dtype ({e}); lower optim.lr. Nothing of this step was pushed or saved"
+            ) from None
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
     else:
@@ -349,6 +362,37 @@ def grads_finite(model: list[torch.nn.Module]) -> bool:
                 bad += (~torch.isfinite(g)).any()
     torch.distributed.all_reduce(bad)
     return bool(bad.item() == 0)
+
+
+def nonfinite_params(model: list[torch.nn.Module]) -> str | None:
+    """None when every parameter on every rank is finite, else the first non-finite one of
+    each rank that has one (`name (rank r)`, comma-separated). A collective: call on all ranks.
+
+    The common path is one fused max-|x| per parameter (`_foreach_norm`, NaN propagates), one
+    flag, one all-reduce and one host sync; names are looked up only once a rank has one."""
+    params = [p for chunk in model for p in chunk.parameters()]
+    bad = torch.zeros(1, device=dist.device())
+    if params:
+        maxes = torch._foreach_norm([p.detach() for p in params], float("inf"))
+        bad += (~torch.isfinite(torch.stack([m.float() for m in maxes]))).any()
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if initialized:
+        torch.distributed.all_reduce(bad)
+    if bad.item() == 0:
+        return None
+    mine = ""
+    for chunk in model:
+        for name, p in chunk.named_parameters():
+            if not bool(torch.isfinite(p.detach()).all()):
+                mine = f"{name.removeprefix('module.')} (rank {dist.rank()})"
+                break
+        if mine:
+            break
+    found = [mine]
+    if initialized:
+        found = [""] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(found, mine)
+    return ", ".join(f for f in found if f)
 
 
 def _logprob_rows(mb: PackedMicroBatch, cfg: StepConfig, output: ModelOutput) -> dict[str, Tensor]:

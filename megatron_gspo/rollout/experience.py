@@ -250,7 +250,14 @@ def make_rollout(cfg: Config, launched: Any = None) -> Rollout:
     context = (
         None if context_len is None else (context_len, r.max_new_tokens, "rollout.max_new_tokens")
     )
-    dataset = PromptDataset.from_config(cfg.data, tokenizer, context)
+    # A prompt whose sequence no micro-batch can hold with a whole response (was: accepted,
+    # train.micro_batch_tokens silently exceeded; issue 40).
+    budget = cfg.train.micro_batch_tokens
+    fit = (
+        budget - r.episode_tokens,
+        f"train.micro_batch_tokens={budget} with {r.episode_tokens} response tokens",
+    )
+    dataset = PromptDataset.from_config(cfg.data, tokenizer, context, fit=fit)
     loader = PromptLoader(
         dataset, cfg.rl.prompts_per_rollout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
     )

@@ -64,3 +64,24 @@ def test_the_engines_context_length() -> None:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
         assert engine_context_length(d) == 2048
         assert engine_context_length(Path(d) / "nothing") is None
+
+
+def test_prompts_no_micro_batch_can_hold_are_dropped_or_refused(
+    tmp_path: Path, toy_tokenizer
+) -> None:
+    """train.micro_batch_tokens=5 with 4 response tokens (issue 40: accepted, though no
+    sequence fits; the budget was silently exceeded): what `make_rollout` passes as `fit`."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "x" * n, "answer": "a"}) + "\n" for n in (2, 9)))
+    records = load_prompt_jsonl(path)
+    lengths = [len(PromptDataset(records, toy_tokenizer, chat_template=False).encode(r))
+               for r in records]  # fmt: skip
+    fit = (lengths[0], "train.micro_batch_tokens=N with 4 response tokens")
+    ds = PromptDataset(records, toy_tokenizer, chat_template=False, fit=fit, source=str(path))
+    assert [len(r.prompt or "") for r in ds] == [2] and ds.num_over_micro_batch == 1
+    with pytest.raises(ConfigError) as e:
+        PromptDataset(records, toy_tokenizer, chat_template=False, fit=(1, "train.micro_batch_"
+                      "tokens=5 with 4 response tokens"), source=str(path))  # fmt: skip
+    msg = str(e.value)
+    assert "all 2 prompts are longer than train.micro_batch_tokens=5" in msg, msg
+    assert "raise train.micro_batch_tokens" in msg and "\n" not in msg

@@ -133,3 +133,16 @@ def test_error_message_reads_every_sglang_envelope():
     assert proto.error_message(b'{"object":"error","message":"m"}') == "m"
     assert proto.error_message(b'{"success": false, "message": "no session"}') == "no session"
     assert proto.error_message(b"Cache not flushed") == "Cache not flushed"
+
+
+def test_a_body_that_is_not_sglang_json_is_one_short_line():
+    """An engine URL that is a plain web server (issue 40): its HTML page named by its title,
+    not printed (was: the raw page, over ten lines, in the drop message)."""
+    page = (
+        b"<!DOCTYPE html>\n<html>\n<head>\n<title>Directory listing\n for /</title>\n</head>\n"
+        + b"<body>\n" + b"<li><a href='x'>x</a></li>\n" * 40 + b"</body>\n</html>\n"
+    )
+    msg = proto.error_message(page)
+    assert msg == "an HTML page titled 'Directory listing for /', not an SGLang answer"
+    long = proto.error_message(b"line one\nline two\n" + b"x" * 500)
+    assert "\n" not in long and long.startswith("line one line two x") and len(long) <= 203
