@@ -13,7 +13,7 @@ Cost (estimated from the reads it makes): a 30B MoE checkpoint (Qwen3-30B-A3B: 1
 ~18,900 tensors, ~61 GB in bf16) means 16 header reads (~1.5 MB of JSON in all) and ~38,000
 reads of 256 bytes: ~10 MB read, dominated by seeks (~0.1 s per 1,000 on an SSD or a warm page
 cache, so seconds; a cold network file system may take tens of seconds). Reading every value
-instead would read all 61 GB: minutes. `tests/test_model_files.py` times nothing; the
+instead would read all 61 GB: minutes. `tests/test_input_generated.py` times nothing; the
 benchmark-free estimate above is arithmetic on those counts.
 
     check_model_files("/models/Qwen3-30B-A3B")   # None, or ConfigError("<file>: ...")

@@ -239,7 +239,9 @@ NOT_KEYS = {
     "optim.lrr": "the misspelt key in an example of the unknown-key error",
     "model.norm.weight": "a tensor name in an example of the missing-tensor error",
 }
-NOT_KEY_SUFFIXES = (*SUFFIXES, ".log", ".pt", ".jsonl", ".lock", ".parquet", ".csv", ".arrow")
+NOT_KEY_SUFFIXES = (
+    *SUFFIXES, ".log", ".pt", ".jsonl", ".lock", ".parquet", ".csv", ".arrow", ".safetensors"
+)
 CALL = re.compile(r"([\w.]+)\(")
 
 

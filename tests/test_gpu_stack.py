@@ -2,9 +2,9 @@
 on PATH stands for the driver (`tests/plan/slurm_kit.fake_nvidia_smi`); this machine's torch is
 the locks' CUDA 13.0 build and sees no GPU, as on a node whose driver is too old.
 
-Before the fix, a bf16 job on such a node ended with `model.dtype=bf16 on CPU: ...`, which says
-nothing about the driver; now the driver and what to do come first, in one line. Also the
-weight-file check the planner runs before launch (`model_files_problem`).
+Before the fix, a bf16 job on such a node ended with `model.dtype=bf16 on CPU: ...` (bf16 was
+refused on CPU then; fp16 is now), which says nothing about the driver; now the driver and
+what to do come first, in one line. Also the weight-file check the planner runs before launch (`model_files_problem`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _on_path(monkeypatch: pytest.MonkeyPatch, bin_dir: Path) -> None:
 
 
 def _preflight_error(tmp: Path, *sets: str) -> str:
-    cfg = load_config(_write(tmp, _base(tmp)), ["model.dtype=bf16", *sets])
+    cfg = load_config(_write(tmp, _base(tmp)), ["model.dtype=fp16", *sets])
     with pytest.raises(ConfigError) as e:
         preflight(cfg, resume=False, overwrite=False, world_size=1)
     msg = str(e.value)
@@ -65,12 +65,12 @@ def test_driver_new_enough_but_no_gpu_seen(tmp_path: Path, monkeypatch: pytest.M
 def test_cpu_device_or_no_driver_skips_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert nvidia_driver() is None  # this machine (else the skip above would have applied)
     # no nvidia-smi: the old message, unchanged
-    assert _preflight_error(tmp_path, "train.device=auto").startswith("model.dtype=bf16 on CPU")
+    assert _preflight_error(tmp_path, "train.device=auto").startswith("model.dtype=fp16 on CPU")
     _on_path(monkeypatch, fake_nvidia_smi(tmp_path / "bin", driver="570.124.06", cuda="12.8",
                                           mem_mib=143771))  # fmt: skip
     assert nvidia_driver() == Driver(version="570.124.06", cuda="12.8")
     # train.device=cpu asks for the CPU: no driver line
-    assert _preflight_error(tmp_path, "train.device=cpu").startswith("model.dtype=bf16 on CPU")
+    assert _preflight_error(tmp_path, "train.device=cpu").startswith("model.dtype=fp16 on CPU")
 
 
 def test_driver_problem_branches() -> None:
