@@ -4,7 +4,8 @@ the locks' CUDA 13.0 build and sees no GPU, as on a node whose driver is too old
 
 Before the fix, a bf16 job on such a node ended with `model.dtype=bf16 on CPU: ...` (bf16 was
 refused on CPU then; fp16 is now), which says nothing about the driver; now the driver and
-what to do come first, in one line. Also the weight-file check the planner runs before launch (`model_files_problem`).
+what to do come first, in one line. Also the weight-file check the planner runs before
+launch (`model_files_problem`).
 """
 
 from __future__ import annotations
