@@ -143,6 +143,19 @@ def audit_lines(runs_dir: Path = RUNS, sources: Path = SOURCES) -> list[str]:
             s16 = statistics.fmean(r["rows"][min(r["rows"])][key] for r in runs[bf16])
             body.append([f"{fp8} / {bf16}", f"{_g(x8)} / {_g(x16)} = 1/{x16 / x8:.1f}",
                          f"{_g(s8)} / {_g(s16)} = {s8 / s16:.1f}x"])  # fmt: skip
+    body = []
+    for arm in ("gspo-bf16-fp32head", "gspo-bf16"):
+        if arm in runs:
+            key = "mismatch/seq_outside_clip"
+            body.append([arm, str(len(runs[arm])), _g(_mean_key(runs[arm], key, None)),
+                         _g(_mean_key(runs[arm], key, 10))])  # fmt: skip
+    lines += [
+        "**Training sequences outside GSPO's band from mismatch alone** (L = 32, first "
+        "mini-batch, `mismatch/seq_outside_clip`), mean over steps and seeds:",
+        "",
+        *_table(["arm", "seeds", "all steps", "last 10 steps"], body),
+        "",
+    ]
     lines += [
         "**FP8 against bf16**, first-mini-batch dlogp/token (FP8's fp32 control is gspo-fp32, "
         "whose mismatch is 0 up to fp32 rounding):",
@@ -179,6 +192,11 @@ def _length_lines(sources: Path) -> list[str]:
     for r in rows:
         n16, n32 = (round(16 * r[v]["outside_band"]) for v in ("bf16", "bf16-h32"))
         body.append([r["model"], str(r["length"]), f"{n16} of 16", f"{n32} of 16"])
+    logits = [
+        f"{r['model']}: {r['logit_token']:.2f} (top {r['logit_top']:.2f})"
+        for r in json.loads((sources / "lengths.json").read_text())["hf"]
+        if r["length"] == 32 and "logit_token" in r
+    ]
     stages = json.loads((sources / "stages.json").read_text())["hf"]
     has = [s["model"] for s in stages if "logit_token" in s]
     return [
@@ -188,6 +206,7 @@ def _length_lines(sources: Path) -> list[str]:
         *_table(["policy", "L", "bf16 logits", "fp32 logits"], body),
         "",
         f"Stages with the sampled token's logit in `stages.json`: {has or 'none'} (the "
-        "per-stage logits once quoted for steps 15-45 are in no committed file).",
+        "per-stage logits once quoted for steps 15-45 are in no committed file). Mean logit "
+        f"of the sampled token at L = 32 in `lengths.json`: {'; '.join(logits)}.",
         "",
     ]
