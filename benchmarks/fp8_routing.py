@@ -35,39 +35,15 @@ if __name__ == "__main__":
 import argparse
 import copy
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.mismatch_sources import load, prompts, response_logits, sample
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def provenance(argv: list[str]) -> dict[str, Any]:
-    """Commit, dirty flag, command line, UTC time and load average of this invocation."""
-
-    def git(*a: str) -> str:
-        try:
-            out = subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True)
-            return out.stdout.strip()
-        except OSError:
-            return "unknown"
-
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs")),
-        "command": " ".join(["python", "benchmarks/fp8_routing.py", *argv]),
-        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
-        "cpus": os.cpu_count(),
-    }
+from benchmarks.provenance import provenance
 
 
 class RouteRecorder:
@@ -174,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         results.append(r)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"provenance": {**provenance(argv), "seed": a.seed}, "results": results}
+        doc = {"provenance": provenance(sys.argv, seed=a.seed), "results": results}
         a.json.write_text(json.dumps(doc, indent=1) + "\n")
     return results
 
