@@ -270,8 +270,15 @@ def study_lines(arms: Sequence[str], study_dir: Path = STUDY_DIR) -> list[str]:
         f"`{commit or 'not set'}` (`docs/evidence/study/COMMIT`), from a detached worktree of "
         "it; this section is computed by `python tools/evidence_study.py --report` (rules and "
         "tests: `tools/evidence_study_report.py`, `tools/evidence_stats.py`). Resume the runs "
-        "from a clean worktree of that commit: `python tools/evidence_study.py --study` (runs "
-        "whose data exist are skipped; `--dry-run` prints the order and what is done).",
+        "(runs whose data exist are skipped; `--dry-run` prints the order and what is done; "
+        "the bf16 arms need the engine venv of `bash scripts/engine_env.sh`):",
+        "",
+        f"    git worktree add --detach ../study-run {commit or 'COMMIT'}",
+        "    mkdir -p ../study-run/docs/evidence/study/runs",
+        "    cp docs/evidence/study/runs/* ../study-run/docs/evidence/study/runs/  # done runs",
+        '    cd ../study-run && PYTHONPATH=. "$(bash scripts/env.sh)"/bin/python \\',
+        "        tools/evidence_study.py --study --stop-at HH:MM   # UTC; starts no run after",
+        "    # as runs end: copy docs/evidence/study/runs/<arm>-seed<k>.* back and commit them",
         "",
     ]
     total = sum(len(rs) for rs in runs.values())
