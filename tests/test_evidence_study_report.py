@@ -100,10 +100,11 @@ def test_dip_rule_and_last_mean(tmp_path: Path) -> None:
 def test_study_order_is_interleaved_and_complete() -> None:
     order = study_order()
     assert len(order) == len(set(order)) == 10 * sum(len(b) for b in STUDY_BLOCKS)
-    assert order[:6] == [("grpo-fp32", 0), ("gspo-fp32", 0), ("grpo-fp32-replay", 0),
-                         ("gspo-fp32", 1), ("grpo-fp32-replay", 1), ("grpo-fp32", 1)]  # fmt: skip
-    first_b = order.index(("gspo-fp32-replay", 0))
-    assert first_b == 30 and all(a in STUDY_BLOCKS[0] for a, _ in order[:30])
+    assert order[:6] == [("grpo-fp32", 3), ("gspo-fp32", 3), ("grpo-fp32-replay", 3),
+                         ("gspo-fp32", 4), ("grpo-fp32-replay", 4), ("grpo-fp32", 4)]  # fmt: skip
+    assert {s for _, s in order} == set(range(3, 13))  # 0..2 repeat the exploratory runs
+    assert all(a in STUDY_BLOCKS[0] for a, _ in order[:30]) and order[30][0] in STUDY_BLOCKS[1]
+    assert order[30] == ("gspo-bf16-fp32head", 3)  # block B's order rotated by 3 mod 5
     assert all(a in STUDY_ARMS for a, _ in order)
 
 
