@@ -163,6 +163,7 @@ def audit_lines(runs_dir: Path = RUNS, sources: Path = SOURCES) -> list[str]:
         *_table(["arms", "last 10 steps", "step 1"], body),
         "",
     ]
+    lines += _reproduction_lines(runs, runs_dir.parent / "study" / "reproduction")
     lines += _length_lines(sources)
     body = []
     for a in sorted(runs):
@@ -181,6 +182,34 @@ def audit_lines(runs_dir: Path = RUNS, sources: Path = SOURCES) -> list[str]:
         "",
     ]
     return lines
+
+
+def _reproduction_lines(runs: dict[str, list[dict[str, Any]]], repro: Path) -> list[str]:
+    """Reruns of exploratory (arm, seed) pairs at a later commit: steps with equal reward."""
+    from tools.evidence_report import load_runs
+
+    body = []
+    for arm, rs in sorted(load_runs(repro).items()) if repro.exists() else []:
+        old = {r["seed"]: r for r in runs.get(arm, [])}
+        for r in rs:
+            o = old.get(r["seed"])
+            if not r["rows"] or o is None:
+                continue
+            same = sum(
+                o["rows"].get(s, {}).get("reward/mean") == row.get("reward/mean")
+                for s, row in r["rows"].items()
+            )
+            body.append([f"{arm} seed {r['seed']}", f"{o['meta']['commit']} -> "
+                         f"{r['meta']['commit'][:7]}", f"{same} of {len(r['rows'])}"])  # fmt: skip
+    if not body:
+        return []
+    return [
+        "**Reproduction** (`docs/evidence/study/reproduction`): exploratory runs rerun at a "
+        "later commit; steps whose `reward/mean` is equal to the last bit:",
+        "",
+        *_table(["run", "commits", "equal steps"], body),
+        "",
+    ]
 
 
 def _length_lines(sources: Path) -> list[str]:
