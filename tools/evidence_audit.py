@@ -164,6 +164,7 @@ def audit_lines(runs_dir: Path = RUNS, sources: Path = SOURCES) -> list[str]:
         "",
     ]
     lines += _reproduction_lines(runs, runs_dir.parent / "study" / "reproduction")
+    lines += _routing_lines(runs_dir.parent / "fp8_routing" / "routing.json")
     lines += _length_lines(sources)
     body = []
     for a in sorted(runs):
@@ -208,6 +209,47 @@ def _reproduction_lines(runs: dict[str, list[dict[str, Any]]], repro: Path) -> l
         "later commit; steps whose `reward/mean` is equal to the last bit:",
         "",
         *_table(["run", "commits", "equal steps"], body),
+        "",
+    ]
+
+
+def _routing_lines(path: Path) -> list[str]:
+    """The FP8 routing check (plan S6, benchmarks/fp8_routing.py) from its JSON."""
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    body = []
+    for r in doc["results"]:
+        f8, b16 = r["fp8"], r["bf16"]
+        body.append([
+            r["model"], str(r["tokens"]), f"{r['fp32_margin_median']:.3f}",
+            f"{r['fp32_margin_below_1e-2']:.3f}",
+            f"{f8['route_disagreement']:.4f} ({' / '.join(f'{x:.4f}' for x in
+                                                        f8['route_disagreement_per_layer'])})",
+            f"{b16['route_disagreement']:.4f}", _g(f8["abs_dlogp_token"]),
+            _g(b16["abs_dlogp_token"]),
+        ])  # fmt: skip
+    prov = doc["provenance"]
+    return [
+        "**FP8 routing check** (plan S6; `docs/evidence/fp8_routing/routing.json`, commit "
+        f"{prov['commit'][:7]}, seed {prov['seed']}): share of (token, MoE layer) whose top-2 "
+        "experts differ from the fp32 forward's, on 16 fp32-sampled sequences (prompt + 32 "
+        "tokens); the fp32 router's margin between its 2nd and 3rd logit; dlogp per response "
+        "token against fp32. step100: the final model of a 100-step gspo-fp8 run, seed 0.",
+        "",
+        *_table(
+            [
+                "model",
+                "tokens",
+                "fp32 margin (median)",
+                "margin < 0.01",
+                "FP8 flips (layer 0 / 1)",
+                "bf16 flips",
+                "FP8 dlogp/token",
+                "bf16 dlogp/token",
+            ],
+            body,
+        ),  # fmt: skip
         "",
     ]
 
