@@ -151,20 +151,18 @@ def dip_rows(
     one_sided: bool = True,
 ) -> list[list[str]]:
     """One table row per dip comparison (A higher than B), Holm over the rows."""
-    rows, ps = [], []
+    ps: list[float] = []
     for _, a, b in tests:
         ra, rb = runs.get(a, []), runs.get(b, [])
         xa, xb = sum(dipped(r, window) for r in ra), sum(dipped(r, window) for r in rb)
-        if ra and rb:
-            p = (fisher_greater if one_sided else fisher_two_sided)(xa, len(ra), xb, len(rb))
-        else:
-            p = math.nan
-        ps.append(p)
-        rows.append([a, b, xa, len(ra), xb, len(rb), p, ra, rb])
-    valid = [p for p in ps if math.isfinite(p)]
-    adj = iter(holm(valid))
+        test = fisher_greater if one_sided else fisher_two_sided
+        ps.append(test(xa, len(ra), xb, len(rb)) if ra and rb else math.nan)
+    adj = iter(holm([p for p in ps if math.isfinite(p)]))
     out = []
-    for (name, *_), (a, b, xa, na, xb, nb, p, ra, rb) in zip(tests, rows, strict=True):
+    for (name, a, b), p in zip(tests, ps, strict=True):
+        ra, rb = runs.get(a, []), runs.get(b, [])
+        na, nb = len(ra), len(rb)
+        xa, xb = sum(dipped(r, window) for r in ra), sum(dipped(r, window) for r in rb)
         if not math.isfinite(p):
             out.append([name, f"{a} vs {b}", f"{xa}/{na}", f"{xb}/{nb}", "-", "-", "-", "-",
                         "no data"])  # fmt: skip
