@@ -118,3 +118,17 @@ def test_a_run_is_done_only_with_its_meta(tmp_path: Path) -> None:
     assert not run_complete(plan)
     plan.meta.write_text(json.dumps({"status": "ok"}))
     assert run_complete(plan)
+
+
+def test_audit_of_the_committed_exploratory_data() -> None:
+    """The checks section on the committed data: the counts the review (issue 37) found by
+    hand, and the fp32-logit length measurement at L = 32."""
+    from tools.evidence_audit import audit_lines
+
+    text = "\n".join(audit_lines())
+    assert "| GRPO without replay, 4 mini-batches | 9 | 6 | 4 |" in text
+    assert "| GRPO with replay | 3 | 0 | 0 |" in text
+    assert "| GSPO, 4 mini-batches | 18 | 0 | 0 |" in text
+    assert "| step60 | 32 | 13 of 16 | 5 of 16 |" in text
+    assert "| step60 | 256 | 10 of 16 | 0 of 16 |" in text
+    assert "| gspo-fp32 seed 0 | a0609c1 -> 3c843c0 | 100 of 100 |" in text
