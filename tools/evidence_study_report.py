@@ -182,7 +182,8 @@ def dip_rows(
         out.append([
             name, f"{a} vs {b}", f"{xa}/{na}", f"{xb}/{nb}", _p(p), _p(p_adj),
             f"{_p(mc)} ({len(pairs)} pairs)" if pairs else "-",
-            _f(mde, 2) if mde is not None else "-", verdict,
+            _f(mde, 2) if mde is not None else ("none reachable" if one_sided else "-"),
+            verdict,
         ])  # fmt: skip
     return out
 
@@ -324,7 +325,7 @@ def study_lines(arms: Sequence[str], study_dir: Path = STUDY_DIR) -> list[str]:
         *_table(
             dip_head, dip_rows(runs, (("S1", "gspo-fp32-replay", "gspo-fp32"),), one_sided=False)
         ),  # fmt: skip
-        *_table(dip_head, dip_rows(runs, P1, window=10))[2:],
+        *_table(dip_head, dip_rows(runs, [(f"S5 ({h})", a, b) for h, a, b in P1], 10))[2:],
         *_table(dip_head, dip_rows(runs, S2_DIPS))[2:],
         "",
         *_table(eq_head, tost_rows(runs, S2_EQ)),
