@@ -36,6 +36,14 @@ significant bits). Results of one invocation: docs/evidence.md ("What makes the 
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a script: this checkout's packages (benchmarks.provenance)
+    import sys
+    from pathlib import Path
+
+    _root = str(Path(__file__).resolve().parents[1])
+    if _root not in sys.path:
+        sys.path.insert(0, _root)
+
 import argparse
 import copy
 import json
@@ -298,7 +306,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                   f"{b['outside_band']:.2f} | {h['abs_dlogp_token']:.1e} | "
                   f"{h['abs_seq_log_ratio']:.1e} | {h['outside_band']:.2f} |")  # fmt: skip
     if a.json:
-        a.json.write_text(json.dumps({"hf": results, "sglang": engine}, indent=1) + "\n")
+        from benchmarks.provenance import provenance
+
+        doc = {"hf": results, "sglang": engine, "provenance": provenance(seed=a.seed)}
+        a.json.write_text(json.dumps(doc, indent=1) + "\n")
     assert all(math.isfinite(r["bf16"]["abs_dlogp_token"]) for r in results + engine)
     return results + engine
 

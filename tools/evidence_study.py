@@ -443,7 +443,9 @@ STUDY_BLOCKS = (
     ("gspo-fp32-replay", "gspo-fp8", "gspo-bf16", "gspo-bf16-fp32head", "gspo-bf16-recompute"),
     ("grpo-fp32-deep", "gspo-fp32-deep", "grpo-fp32-replay-deep"),
 )
-STUDY_SEEDS = tuple(range(10))
+# Seeds 3..12, not 0..9 (plan.md, amendment 2): runs are deterministic, so seeds 0..2 repeat the
+# exploratory runs that suggested the hypotheses bit for bit and cannot confirm them.
+STUDY_SEEDS = tuple(range(3, 13))
 STUDY_NICE = 19
 
 
@@ -543,7 +545,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[evidence] {plan.stem}: data exists, not rerun ({plan.data})")
                     continue
                 failed += not run_one(plan, a.timeout)
-    write_report(data_dir, out, ARMS, {n: why_not(x, check_engine=False) for n, x in ARMS.items()})
+    skipped = {n: why_not(x, check_engine=False) for n, x in ARMS.items()}
+    preface = None
+    if data_dir == DATA_DIR:  # the committed report: the pre-registered study first
+        from tools.evidence_audit import audit_lines
+        from tools.evidence_study_report import study_lines
+
+        preface = study_lines([a for block in STUDY_BLOCKS for a in block]) + audit_lines()
+    write_report(data_dir, out, ARMS, skipped, preface)
     print(f"[evidence] wrote {out}")
     return 1 if failed else 0
 
