@@ -41,6 +41,9 @@ setup(
         "pyarrow>=14",
         "datasets>=2.20",
         "wandb>=0.29",
+        # Agent rollouts (rollout.agent, megatron_gspo/agents/): the agent gets a real OpenAI
+        # client on the job's token-exact endpoint (constraints.txt: openai 2.8.0).
+        "openai>=2.8",
     ],
     extras_require={
         # The SGLang client and the embedded engine's server need only sglang's Python modules

@@ -257,7 +257,14 @@ def _resume(first_tmp: Path, tmp: Path, engine_python: str, counts_cache: Path) 
     ckpt = tmp / "resumed_ckpt"  # step 1 of the first run, as `latest` of a directory of its own
     shutil.copytree(first_tmp / "ckpt/step_000001", ckpt / "step_000001")
     (ckpt / "latest").write_text("step_000001\n")
-    sets = (*RESUME_SETS, f"checkpoint.dir={ckpt}", "checkpoint.resume=true")
+    # a requeued job reads the same prompt file: a resume may not change data.train_path (the
+    # saved prompt-loader position indexes that file; preflight.check_resume refuses it)
+    sets = (
+        *RESUME_SETS,
+        f"checkpoint.dir={ckpt}",
+        "checkpoint.resume=true",
+        f"data.train_path={first_tmp}/toy/toy.jsonl",
+    )
     again = rehearse(RESUMED, tmp, engine_python, sets, counts_cache=counts_cache)
     return {**again, "ckpt": ckpt, "tmp": tmp}
 
