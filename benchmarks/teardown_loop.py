@@ -38,9 +38,10 @@ def rank_main(old: bool) -> None:
     """One rank: the groups, collectives and end of a trainer rank (see the docstring)."""
     import torch
 
-    from megatron_gspo import dist, teardown
+    from megatron_gspo import dist
     from megatron_gspo.layout import Layout
     from megatron_gspo.megatron.model import init_megatron
+    from megatron_gspo.run import teardown
 
     dist.init_distributed("cpu")
     init_megatron(Layout(ep=2), seed=0)

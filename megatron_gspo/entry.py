@@ -8,7 +8,7 @@ each installs the one-line Ctrl-C handler (`interrupt.py`) before importing torc
 
 from __future__ import annotations
 
-from megatron_gspo.interrupt import quiet_ctrl_c
+from megatron_gspo.run.interrupt import quiet_ctrl_c
 
 __all__ = ["convert_from_hf", "convert_to_hf", "train"]
 

@@ -45,7 +45,7 @@ def _world_size(args: Any) -> int | None:
 def check_trainer_input(train_argv: list[str], world_size: int | None) -> str | None:
     """The trainer's input checks, in this process; the one-line message of a refusal."""
     from megatron_gspo.config import ConfigError, parse_cli
-    from megatron_gspo.preflight import preflight
+    from megatron_gspo.run.preflight import preflight
 
     try:
         cfg, args = parse_cli(train_argv)

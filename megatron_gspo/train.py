@@ -7,7 +7,7 @@ weights to the engines -> log -> checkpoint. Algorithm choice lives in the confi
 
 from __future__ import annotations
 
-from megatron_gspo.interrupt import quiet_ctrl_c
+from megatron_gspo.run.interrupt import quiet_ctrl_c
 
 if __name__ == "__main__":  # Ctrl-C inside the imports below: one line (the console script's
     quiet_ctrl_c("megatron_gspo.train")  # entry does the same: megatron_gspo/entry.py)
@@ -21,20 +21,21 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from megatron_gspo import dist, faults
+from megatron_gspo import dist
 from megatron_gspo.config import Config, ConfigError, dump_config, parse_cli
-from megatron_gspo.console import (
+from megatron_gspo.engines.protocols import NoEnginesLeft
+from megatron_gspo.rollout.evaluation import build_evaluator
+from megatron_gspo.run import faults
+from megatron_gspo.run.console import (
     route_third_party_output,
     survive_a_lost_console,
     third_party_stdio,
 )
-from megatron_gspo.engines.protocols import NoEnginesLeft
-from megatron_gspo.metrics_log import MetricsLogger
-from megatron_gspo.preflight import check_resume, preflight
-from megatron_gspo.rollout.evaluation import build_evaluator
-from megatron_gspo.run_dir import RunLock, clear_previous_run
-from megatron_gspo.stop import StopSignals
-from megatron_gspo.user_errors import build_policy, exit_code, first_push
+from megatron_gspo.run.metrics_log import MetricsLogger
+from megatron_gspo.run.preflight import check_resume, preflight
+from megatron_gspo.run.run_dir import RunLock, clear_previous_run
+from megatron_gspo.run.stop import StopSignals
+from megatron_gspo.run.user_errors import build_policy, exit_code, first_push
 from megatron_gspo.weights.colocated import resume_engines
 from megatron_gspo.weights.sync import WeightSync
 
@@ -73,17 +74,17 @@ def main(argv: list[str] | None = None) -> None:
     # <logging.dir>/third_party.log; the console keeps our progress bar and messages.
     changed = check_resume(cfg) if cfg.checkpoint.resume else []  # refused keys: preflight
     route_third_party_output(cfg.logging.dir)
-    from megatron_gspo.checkpoint import load_checkpoint
+    from megatron_gspo.checkpoint.store import load_checkpoint
     from megatron_gspo.rollout.experience import make_rollout
 
     # SIGTERM / Ctrl-C from here on: a checkpoint at the next step boundary, every rank gone
-    # within train.stop_grace_s (megatron_gspo/stop.py).
+    # within train.stop_grace_s (megatron_gspo/run/stop.py).
     stop = StopSignals(cfg.train.stop_grace_s).install()
     survive_a_lost_console()  # a closed terminal: the step goes on to its checkpoint
     dist.init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
     lock = lock_run_dirs(cfg)  # one run at a time in logging.dir / checkpoint.dir
     if cfg.checkpoint.resume and cfg.checkpoint.dir:  # a damaged checkpoint: before any start
-        from megatron_gspo.checkpoint import latest_checkpoint, verify
+        from megatron_gspo.checkpoint.store import latest_checkpoint, verify
 
         if (path := latest_checkpoint(cfg.checkpoint.dir)) is not None:
             verify(path)
@@ -220,7 +221,7 @@ def _loop(
         last = stopping or bad >= cfg.train.max_bad_steps or step + 1 == cfg.train.steps
         last = last or rewards_gone
         if cfg.checkpoint.dir and (last or (every and (step + 1) % every == 0)):
-            from megatron_gspo.checkpoint import save_checkpoint
+            from megatron_gspo.checkpoint.store import save_checkpoint
 
             save_checkpoint(policy, rollout, step + 1)
         if bad >= cfg.train.max_bad_steps:
@@ -270,7 +271,7 @@ def _check_weights_finite(
 ) -> None:
     """Collective: raise `WeightsNotFinite` (every rank alike) naming the first non-finite
     parameter, what made it so and the last checkpoint, which is from before it."""
-    from megatron_gspo.checkpoint import latest_checkpoint
+    from megatron_gspo.checkpoint.store import latest_checkpoint
     from megatron_gspo.megatron.step import nonfinite_params
 
     where = nonfinite_params(policy.model)
@@ -314,7 +315,7 @@ def _stop_without_engines(
 ) -> NoReturn:
     """Checkpoint the state after `step` trained steps (every rank), then stop."""
     if cfg.checkpoint.dir:
-        from megatron_gspo.checkpoint import save_checkpoint
+        from megatron_gspo.checkpoint.store import save_checkpoint
 
         save_checkpoint(policy, rollout, step)
     raise NoEnginesLeft(f"{why}; {_saved(cfg, step)}")
@@ -365,7 +366,7 @@ def _hold_stop_signals() -> None:
 def cli() -> None:
     """The entry point: `main`, each documented failure as one line and its exit code, and the
     rank's end in order (`teardown.end_process`: process groups and their threads first)."""
-    from megatron_gspo.teardown import end_process
+    from megatron_gspo.run.teardown import end_process
 
     try:
         main(sys.argv[1:])
@@ -387,7 +388,7 @@ def cli() -> None:
 
 def _one_line_exit(e: BaseException, code: int) -> NoReturn:
     """Rank 0 prints `e` as one line (every rank raises it alike); exit with `code`."""
-    from megatron_gspo.teardown import end_process
+    from megatron_gspo.run.teardown import end_process
 
     _hold_stop_signals()
     if dist.rank() == 0:

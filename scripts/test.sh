@@ -23,8 +23,8 @@ start=$(date +%s)
 # The central seams are type-checked: the numerics, the config, the policy and the loop.
 MYPY_PATHS=(megatron_gspo/algo megatron_gspo/config.py megatron_gspo/config_io.py
   megatron_gspo/layout.py megatron_gspo/dist.py megatron_gspo/megatron/policy.py
-  megatron_gspo/rollout/experience.py megatron_gspo/checkpoint.py megatron_gspo/train.py
-  megatron_gspo/preflight.py megatron_gspo/rollout/config.py megatron_gspo/rollout/scheduler.py
+  megatron_gspo/rollout/experience.py megatron_gspo/checkpoint/store.py megatron_gspo/train.py
+  megatron_gspo/run/preflight.py megatron_gspo/rollout/config.py megatron_gspo/rollout/scheduler.py
   megatron_gspo/engines/protocols.py megatron_gspo/engines/connect.py
   megatron_gspo/agents megatron_gspo/engines/tool_calls.py)
 out=$(mktemp -d "${TMPDIR:-/tmp}/mgspo-test.XXXXXX")

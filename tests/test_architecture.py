@@ -70,7 +70,7 @@ def _rule_no_megatron(mod: str) -> str | None:
 def _rule_rollout(mod: str) -> str | None:
     if (msg := _rule_no_megatron(mod)) is not None:
         return msg
-    if _under(mod, ("megatron_gspo.weights", "megatron_gspo.checkpoint")):
+    if _under(mod, ("megatron_gspo.weights", "megatron_gspo.checkpoint.store")):
         return "rollout/ does not know weight sync or checkpoints"
     engines_ok = (
         "megatron_gspo.engines.protocols",
@@ -244,7 +244,7 @@ def test_config_and_planner_load_without_torch():
 
     code = (
         "import sys\n"
-        "import megatron_gspo.config, megatron_gspo.plan, megatron_gspo.topology\n"
+        "import megatron_gspo.config, megatron_gspo.plan.planner, megatron_gspo.plan.topology\n"
         "from megatron_gspo.algo import PolicyLossConfig\n"
         "heavy = ('torch', 'megatron', 'transformers', 'sglang')\n"
         "print(sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in heavy}))\n"

@@ -20,8 +20,8 @@ import yaml
 
 from megatron_gspo.config import Config, ConfigError, load_config, parse_cli
 from megatron_gspo.data.prompts import PromptDataset, load_prompt_jsonl
-from megatron_gspo.metrics_log import MetricsLogger, read_metrics
-from megatron_gspo.preflight import preflight
+from megatron_gspo.run.metrics_log import MetricsLogger, read_metrics
+from megatron_gspo.run.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_CONFIG = {
@@ -329,7 +329,7 @@ def test_previous_run_is_refused_without_resume_or_overwrite(tmp_path: Path) -> 
     assert (ckpt / "latest").exists()
 
 
-# --overwrite: tests/test_run_dir.py (nothing is deleted before the run has started)
+# --overwrite: tests/run/test_run_dir.py (nothing is deleted before the run has started)
 
 
 def test_resumed_metrics_do_not_repeat_steps(tmp_path: Path) -> None:
@@ -407,7 +407,7 @@ def test_sglang_without_an_engine_python_names_the_set_up(tmp_path: Path, monkey
     """rollout.launch.backend=sglang with rollout.launch.python unset: the engine venv of
     scripts/engine_env.sh is used when built; without it, an interpreter that cannot import
     SGLang's server stops every rank before anything starts, naming the command that helps."""
-    from megatron_gspo import preflight as pf
+    from megatron_gspo.run import preflight as pf
     from megatron_gspo.testing import sglang_server
 
     monkeypatch.delenv(sglang_server.ENGINE_PYTHON_ENV, raising=False)

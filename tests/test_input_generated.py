@@ -27,12 +27,12 @@ from typing import Any
 
 import pytest
 
-from megatron_gspo import preflight as preflight_module
+from megatron_gspo.checkpoint.resume import FIXED_ON_RESUME, RUN_CONFIG
 from megatron_gspo.config import Config, config_from_dict
 from megatron_gspo.config_io import ConfigError
-from megatron_gspo.preflight import preflight
-from megatron_gspo.resume_check import FIXED_ON_RESUME, RUN_CONFIG
-from megatron_gspo.user_errors import exit_code
+from megatron_gspo.run import preflight as preflight_module
+from megatron_gspo.run.preflight import preflight
+from megatron_gspo.run.user_errors import exit_code
 from tools import make_tiny_toy
 
 Case = Callable[[Path], tuple[dict[str, Any], bool]]  # tmp -> (config overrides, resume)
@@ -377,7 +377,7 @@ def test_there_are_at_least_50_cases() -> None:
 def test_a_resume_with_changed_keys_keeps_the_previous_config_json(tmp_path: Path) -> None:
     """The record of the run: a resume at step 2 with another config moves the old
     config.json to config.step_000002.json (was: overwritten)."""
-    from megatron_gspo.metrics_log import MetricsLogger
+    from megatron_gspo.run.metrics_log import MetricsLogger
 
     kw: dict[str, Any] = {"tensorboard": False, "progress": False, "rank": 0}
     MetricsLogger(tmp_path, config={"optim": {"lr": 1}}, start_step=0, **kw).close()
@@ -396,7 +396,7 @@ def test_a_full_disk_at_the_run_dir_lock_is_one_line(
     since). Was: an `OSError: [Errno 28] No space left on device` traceback from the lock."""
     import errno
 
-    from megatron_gspo import run_dir
+    from megatron_gspo.run import run_dir
 
     _prepare(tmp_path, toy)
     cfg = _config(tmp_path, toy, {})

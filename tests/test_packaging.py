@@ -304,7 +304,7 @@ def _fake_nccl_python(tmp: Path, version: str) -> str:
 
 
 def test_nccl_versions_of_two_interpreters_compared(tmp_path: Path) -> None:
-    from megatron_gspo.gpu_stack import nccl_problem, probe
+    from megatron_gspo.plan.gpu_stack import nccl_problem, probe
 
     old, new = _fake_nccl_python(tmp_path, "2.29.7"), _fake_nccl_python(tmp_path, "2.30.7")
     line = nccl_problem(probe(old), probe(new))
@@ -315,7 +315,7 @@ def test_nccl_versions_of_two_interpreters_compared(tmp_path: Path) -> None:
 
 def test_trainer_and_engine_venvs_load_one_nccl(engine_python: str) -> None:
     """The real venvs (scripts/env.sh, scripts/engine_env.sh) as the planner compares them."""
-    from megatron_gspo.gpu_stack import nccl_problem, probe
+    from megatron_gspo.plan.gpu_stack import nccl_problem, probe
 
     trainer, engine = probe(sys.executable), probe(engine_python)
     assert trainer["nccl"] and engine["nccl"], (trainer, engine)

@@ -35,7 +35,7 @@ ENTROPY_FLOOR = 0.1
 def load_runs(data_dir: Path) -> dict[str, list[dict[str, Any]]]:
     """arm -> [{"seed", "meta", "rows": {step: {key: float}}}] from <arm>-seed<k>.jsonl / .meta.json
     (a failed run has a meta file and no rows)."""
-    from megatron_gspo.metrics_log import read_metrics
+    from megatron_gspo.run.metrics_log import read_metrics
 
     runs: dict[str, list[dict[str, Any]]] = {}
     for meta_path in sorted(Path(data_dir).glob("*.meta.json")):

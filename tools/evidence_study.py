@@ -35,7 +35,7 @@ if __name__ == "__main__":  # run as a script: this checkout's package, Ctrl-C a
     _root = str(Path(__file__).resolve().parents[1])
     if _root not in sys.path:
         sys.path.insert(0, _root)
-    from megatron_gspo.interrupt import quiet_ctrl_c
+    from megatron_gspo.run.interrupt import quiet_ctrl_c
 
     quiet_ctrl_c(Path(__file__).name)
 

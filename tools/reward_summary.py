@@ -19,7 +19,7 @@ if __name__ == "__main__":  # run as a script: this checkout's package, Ctrl-C a
     _root = str(Path(__file__).resolve().parents[1])
     if _root not in sys.path:
         sys.path.insert(0, _root)
-    from megatron_gspo.interrupt import quiet_ctrl_c
+    from megatron_gspo.run.interrupt import quiet_ctrl_c
 
     quiet_ctrl_c(Path(__file__).name)
 
@@ -27,7 +27,7 @@ import argparse
 import math
 import sys
 
-from megatron_gspo.metrics_log import read_metrics
+from megatron_gspo.run.metrics_log import read_metrics
 
 
 def summary(path: str, window: int, key: str = "reward/mean") -> tuple[float, float, int]:

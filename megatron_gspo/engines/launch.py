@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_gspo.config_io import require
-from megatron_gspo.stop import popen_from_lasting_thread
+from megatron_gspo.run.stop import popen_from_lasting_thread
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.checkpoint import FRESH_OPTIMIZER
+from megatron_gspo.checkpoint.store import FRESH_OPTIMIZER
 from megatron_gspo.patches.optimizer import chained, resume_hooks
 
 _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}

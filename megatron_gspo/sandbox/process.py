@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_gspo.stop import popen_from_lasting_thread
+from megatron_gspo.run.stop import popen_from_lasting_thread
 
 __all__ = [
     "SAFE_ENV",

@@ -339,7 +339,7 @@ def test_planner_accepts_a_bf16_checkpoint_for_the_embedded_fp8_engine(ckpt_a) -
     """The embedded engine quantises a BF16 checkpoint on load; a real server cannot (it needs
     the block-FP8 checkpoint's weight_scale_inv parameters), which the planner still refuses."""
     from megatron_gspo.config import load_config
-    from megatron_gspo.topology import fp8_problems
+    from megatron_gspo.plan.topology import fp8_problems
 
     base = [f"model.hf_path={ckpt_a}", "data.train_path=/d.jsonl", "weights.fp8=true"]
     embedded = load_config(None, [*base, "rollout.launch.quantization=fp8"])

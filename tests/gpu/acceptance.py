@@ -26,7 +26,7 @@ Then one table: per-phase times, weight versions, verification, first-mini-batch
 (bf16 engine vs bf16 trainer) against BF16_MISMATCH_BOUND, finite metrics, trainer memory
 before/while offloaded; exit 0 only if every check passes.
 
-What one machine cannot cover (needs a multi-node run; the rules: `megatron_gspo/topology.py`):
+What one machine cannot cover (needs a multi-node run; the rules: `megatron_gspo/plan/topology.py`):
 engines started by each node's local rank 0 on other nodes (engines/nodes.py) and rank 0
 reaching them; torchrun's c10d rendezvous placing global rank 0 on another node than the
 first host; a weight-update group whose NCCL ranks span nodes (and CUDA IPC being refused
@@ -214,7 +214,7 @@ def check_command(phase: Phase, cmd: list[str], engines: list[list[str]]) -> lis
     from megatron_gspo.config import parse_cli
     from megatron_gspo.dist import free_port
     from megatron_gspo.engines.launch import engine_command
-    from megatron_gspo.preflight import preflight
+    from megatron_gspo.run.preflight import preflight
 
     assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
     run = torchrun_args(cmd[3:])
@@ -286,7 +286,7 @@ def check_engine_interpreter(python: str, engines: list[list[str]]) -> str:
 
 # -- the run -------------------------------------------------------------------------------
 def run_phase(phase: Phase, port: int) -> None:
-    from megatron_gspo.metrics_log import read_metrics
+    from megatron_gspo.run.metrics_log import read_metrics
 
     log_dir = Path(phase.sets["logging.dir"])
     log_dir.mkdir(parents=True, exist_ok=True)

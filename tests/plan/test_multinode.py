@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.dist import free_port
-from megatron_gspo.metrics_log import read_metrics
+from megatron_gspo.run.metrics_log import read_metrics
 from tools import make_tiny_toy
 
 pytestmark = pytest.mark.multirank

@@ -50,7 +50,7 @@ def test_param_counts_equal_the_built_model_per_rank(tiny: Path) -> None:
     real = spawn_ranks(_real_counts, 2, str(tiny), LAYOUTS)
     # The planner counts in its own process (it builds on `meta` in a fake process group).
     code = (
-        "import json; from megatron_gspo.plan import count_params; "
+        "import json; from megatron_gspo.plan.planner import count_params; "
         "from megatron_gspo.layout import Layout; "
         f"print(json.dumps([[vars(s) for s in count_params({str(tiny)!r}, Layout(**l), 2)] "
         f"for l in {LAYOUTS!r}]))"
@@ -157,7 +157,7 @@ def test_invalid_layouts_are_refused_naming_the_key(tiny: Path, tmp_path: Path) 
     code = f"""
 import json
 from megatron_gspo.config import ConfigError, load_config
-from megatron_gspo.plan import make_plan
+from megatron_gspo.plan.planner import make_plan
 out = []
 for sets, nodes, gpus in {cases!r}:
     sets += ["model.hf_path={tiny}", "data.train_path=x.jsonl"]

@@ -59,7 +59,7 @@ def _estimate(hf_dir: Path) -> dict[str, float]:
         f"""
         import dataclasses, json
         from megatron_gspo.config import load_config
-        from megatron_gspo.plan import make_plan
+        from megatron_gspo.plan.planner import make_plan
         cfg = load_config(None, {[f"model.hf_path={hf_dir}", *OVERRIDES]!r})
         plan = make_plan(cfg, nodes=1, gpus_per_node=1, gpu_mem_gb=80)
         print(json.dumps(dict(dataclasses.asdict(plan.memory), micro_batches=plan.micro_batches)))
@@ -133,7 +133,7 @@ def test_lm_head_term_follows_the_fused_head(tp: int) -> None:
     (6 T V/tp) would not pass the same bound."""
     from types import SimpleNamespace as NS
 
-    from megatron_gspo.plan_memory import _lm_head
+    from megatron_gspo.plan.memory import _lm_head
 
     tokens, vocab, hidden = 2048, 40_000, 512
     measured = _fused_head_tensor_peak(tokens, vocab // tp, hidden)
@@ -163,8 +163,8 @@ def test_planners_sharing_a_counts_cache_keep_each_others_entries(
     third call reads them without counting (was: the later write dropped the earlier entry)."""
     import threading
 
-    from megatron_gspo import plan_memory
     from megatron_gspo.layout import Layout
+    from megatron_gspo.plan import memory as plan_memory
 
     both_counting = threading.Barrier(2)
     counted: list[str] = []
@@ -199,6 +199,6 @@ def test_planners_sharing_a_counts_cache_keep_each_others_entries(
 
 
 def _stage_fields(n: int) -> dict[str, int]:
-    from megatron_gspo.plan_memory import StageParams
+    from megatron_gspo.plan.memory import StageParams
 
     return {f.name: n for f in dataclasses.fields(StageParams)}

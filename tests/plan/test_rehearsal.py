@@ -45,7 +45,7 @@ from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.data.toy import save_toy_tokenizer, write_toy_dataset
 from megatron_gspo.dist import free_port
 from megatron_gspo.engines.launch import cpu_engine_env
-from megatron_gspo.metrics_log import read_metrics
+from megatron_gspo.run.metrics_log import read_metrics
 from megatron_gspo.testing.rehearsal import device_sets, shrink
 from megatron_gspo.weights.fp8_checkpoint import write_fp8_checkpoint
 

@@ -37,7 +37,7 @@ def counts_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     process (one megatron import), so each script run re-reads them."""
     cache = tmp_path_factory.mktemp("plan") / "counts.json"
     code = (
-        "from megatron_gspo.plan import cached_count_params; "
+        "from megatron_gspo.plan.planner import cached_count_params; "
         "from megatron_gspo.layout import Layout\n"
         f"for w in (8, 16, 32): cached_count_params({str(HF)!r}, Layout(ep=8), w, {str(cache)!r})"
     )

@@ -50,7 +50,7 @@ def documented() -> list[tuple[str, int, int, str]]:
 def counts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The planner's parameter-count cache for the recipes (one megatron import)."""
     cache = tmp_path_factory.mktemp("counts") / "param_counts.json"
-    code = "from megatron_gspo.plan import cached_count_params, load_config\n"
+    code = "from megatron_gspo.plan.planner import cached_count_params, load_config\n"
     for recipe in sorted((ROOT / "examples/recipes").glob("*.yaml")):
         code += (
             f"c = load_config({str(recipe)!r})\n"

@@ -1,4 +1,4 @@
-"""The planner's topology check (`megatron_gspo/topology.py`): every shipped recipe passes as
+"""The planner's topology check (`megatron_gspo/plan/topology.py`): every shipped recipe passes as
 shipped, and each GPU rule refuses the configuration that breaks it with one line naming the
 key. Also the FP8 checkpoint tool against a float64 reading of the e4m3 bound."""
 
@@ -13,7 +13,7 @@ import torch
 from megatron_gspo.config import load_config
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.engines.launch import LaunchConfig
-from megatron_gspo.plan import _hf_config, plan_topology
+from megatron_gspo.plan.planner import _hf_config, plan_topology
 from megatron_gspo.weights import fp8
 from megatron_gspo.weights.fp8_checkpoint import write_fp8_checkpoint
 

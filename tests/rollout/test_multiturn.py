@@ -193,7 +193,7 @@ def test_token_cap_turn_stop_and_reward_fallback():
     finally:
         ro.close()
     assert metrics["env/turns_mean"] == 2.0 and len(engine.calls) == 2 * len(seqs)
-    from megatron_gspo.preflight import _check_module
+    from megatron_gspo.run.preflight import _check_module
 
     with pytest.raises(ConfigError, match="rollout.env='no_such_mod_xyz:E': cannot import"):
         _check_module("no_such_mod_xyz:E", "rollout.env")

@@ -4,7 +4,7 @@
 reference run trains straight through (the session's, shared: tests/train/reference.py). A
 second run is interrupted by each fault of `CHAIN` in turn, every launch resuming (`--resume`)
 from whatever checkpoint the previous one left; the faults are planted by `MGSPO_FAULT`
-(megatron_gspo/faults.py), at exact points rather than by timing. Checks, per launch: it ends
+(megatron_gspo/run/faults.py), at exact points rather than by timing. Checks, per launch: it ends
 within `BOUND_S` (after a signal torchrun waits its --shutdown-timeout, set far above it, so a
 rank that does not end by itself fails the test; after a rank FAILS, torchrun 2.13 SIGKILLs
 the others 30 s later whatever that flag says), the `latest` checkpoint is the expected one, no

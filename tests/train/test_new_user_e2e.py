@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from megatron_gspo.checkpoint import verify
+from megatron_gspo.checkpoint.store import verify
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
 from megatron_gspo.dist import free_port
 from tools import make_tiny_toy

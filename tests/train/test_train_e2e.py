@@ -233,7 +233,7 @@ def test_non_finite_steps_are_skipped_logged_and_stop_the_job(runs) -> None:
     """Planted NaN loss (tests/train/nan_train.py): each optimizer step is skipped, the NaN is
     in metrics.jsonl (not dropped), the engines keep finite weights, and after
     train.max_bad_steps=2 bad steps the job checkpoints and exits non-zero saying why."""
-    from megatron_gspo.metrics_log import read_metrics
+    from megatron_gspo.run.metrics_log import read_metrics
 
     proc, tmp = runs["nan"], runs["tmp"]
     assert proc.returncode != 0
@@ -258,8 +258,8 @@ def test_held_out_evaluation_every_step_equals_greedy_decoding_at_step_0(runs) -
 
     from megatron_gspo.data.formats import load_prompt_records
     from megatron_gspo.data.prompts import PromptDataset
-    from megatron_gspo.metrics_log import read_metrics
     from megatron_gspo.rewards.toy import toy_reward
+    from megatron_gspo.run.metrics_log import read_metrics
     from tools import plot_metrics
 
     tmp = runs["tmp"]

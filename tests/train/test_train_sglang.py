@@ -23,7 +23,7 @@ import pytest
 
 from megatron_gspo.dist import free_port
 from megatron_gspo.engines.sgl_kernel_cpu import LOG_ENV, check_stub_log
-from megatron_gspo.metrics_log import read_metrics
+from megatron_gspo.run.metrics_log import read_metrics
 from megatron_gspo.testing import sglang_server
 from tests.ahead import Ahead, ahead, make_toy
 

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_gspo import faults
 from megatron_gspo.config_io import ConfigError, require
 from megatron_gspo.dist import rank
 from megatron_gspo.layout import Layout
+from megatron_gspo.run import faults
 
 if TYPE_CHECKING:
     from megatron_gspo.megatron.policy import Policy
@@ -325,9 +325,9 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
     root = Path(_checkpoint_dir(policy))
     final = root / step_dir_name(step)
     tmp = final.with_name(final.name + ".tmp")
-    from megatron_gspo.checkpoint_write import WriteState
+    from megatron_gspo.checkpoint.resume import RUN_CONFIG
+    from megatron_gspo.checkpoint.write import WriteState
     from megatron_gspo.megatron.checkpoint import save_model_and_optimizer
-    from megatron_gspo.resume_check import RUN_CONFIG
     from megatron_gspo.weights.convert import write_source_info
 
     # Each phase's write error is shared at its end (`agree`, in place of a barrier): a full

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo import console
 from megatron_gspo.config import load_config
-from megatron_gspo.metrics_log import MetricsLogger, read_metrics, to_scalars
+from megatron_gspo.run import console
+from megatron_gspo.run.metrics_log import MetricsLogger, read_metrics, to_scalars
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_tool(name: str = "plot_metrics"):
@@ -221,7 +221,7 @@ def test_megatron_import_noise_is_routed(tmp_path):
     """The real thing, in a fresh process: importing megatron-bridge's pieces that log tracebacks
     (failed optional FP8 import) and build warnings prints nothing once routed."""
     code = (
-        "import sys; from megatron_gspo.console import route_third_party_output as r; "
+        "import sys; from megatron_gspo.run.console import route_third_party_output as r; "
         f"r({str(tmp_path)!r}); "
         "from megatron_gspo.patches import apply_bridge_imports, apply_cpu_runtime; "
         "apply_cpu_runtime(); apply_bridge_imports(); "
@@ -273,7 +273,7 @@ def test_a_stream_kept_from_inside_third_party_stdio_still_writes_to_the_log(tmp
     import logging
     import sys
 
-    from megatron_gspo.console import third_party_stdio
+    from megatron_gspo.run.console import third_party_stdio
 
     logger = logging.getLogger("some_library_issue40")
     logger.propagate = False

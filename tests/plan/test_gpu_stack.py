@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from megatron_gspo.config import ConfigError, load_config
-from megatron_gspo.gpu_stack import Driver, driver_problem, nvidia_driver, torch_here
-from megatron_gspo.model_files import model_files_problem
-from megatron_gspo.preflight import preflight
+from megatron_gspo.plan.gpu_stack import Driver, driver_problem, nvidia_driver, torch_here
+from megatron_gspo.plan.model_files import model_files_problem
+from megatron_gspo.run.preflight import preflight
 from tests.plan.slurm_kit import fake_nvidia_smi, write_weights
 from tests.test_bad_input import _base, _write
 

@@ -25,8 +25,8 @@ from megatron_gspo.engines.interpreter import (
     router_problem,
     router_python,
 )
-from megatron_gspo.gpu_stack import driver_problem, nccl_problem, nvidia_driver, probe
-from megatron_gspo.model_files import model_files_problem
+from megatron_gspo.plan.gpu_stack import driver_problem, nccl_problem, nvidia_driver, probe
+from megatron_gspo.plan.model_files import model_files_problem
 
 __all__ = ["LaunchCheck", "launch_check"]
 

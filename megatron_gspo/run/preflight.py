@@ -19,18 +19,18 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from megatron_gspo.checkpoint import check_resume_layout, latest_checkpoint
-from megatron_gspo.config import Config
-from megatron_gspo.config_io import ConfigError, require
-from megatron_gspo.data.formats import load_prompt_records
-from megatron_gspo.engines.interpreter import sglang_python
-from megatron_gspo.model_files import check_model_files, estimate_checkpoint_bytes
-from megatron_gspo.resume_check import (
+from megatron_gspo.checkpoint.resume import (
     check_checkpoint_dir_writable,
     check_resume_model,
     resume_config_changes,
 )
-from megatron_gspo.run_dir import check_run_paths, previous_run_files
+from megatron_gspo.checkpoint.store import check_resume_layout, latest_checkpoint
+from megatron_gspo.config import Config
+from megatron_gspo.config_io import ConfigError, require
+from megatron_gspo.data.formats import load_prompt_records
+from megatron_gspo.engines.interpreter import sglang_python
+from megatron_gspo.plan.model_files import check_model_files, estimate_checkpoint_bytes
+from megatron_gspo.run.run_dir import check_run_paths, previous_run_files
 
 __all__ = ["check_resume", "check_run_dir", "preflight", "read_hf_config"]
 
@@ -155,7 +155,7 @@ def _check_driver(cfg: Config) -> None:
     """Where nvidia-smi exists but this torch cannot use the GPUs (a driver older than its
     CUDA build, or no GPU given to the job), say so before the job falls back to CPU and
     refuses `model.dtype` (issue 35, item 8). `train.device=cpu` asks for the CPU."""
-    from megatron_gspo.gpu_stack import driver_problem, nvidia_driver, torch_here
+    from megatron_gspo.plan.gpu_stack import driver_problem, nvidia_driver, torch_here
 
     if cfg.train.device == "cpu" or (driver := nvidia_driver()) is None:
         return
@@ -182,7 +182,7 @@ def _check_dtype(cfg: Config) -> None:
 def _check_topology(cfg: Config, world_size: int) -> None:
     """The launch-plan rules that can be seen from inside the job (`topology`): torchrun's
     LOCAL_WORLD_SIZE gives the trainer's node count (the planner checks the rest)."""
-    from megatron_gspo.topology import Placement, transport_problems
+    from megatron_gspo.plan.topology import Placement, transport_problems
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
     nodes = max(1, world_size // max(1, local))

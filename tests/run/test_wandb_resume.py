@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.config import load_config
-from megatron_gspo.metrics_log import MetricsLogger
+from megatron_gspo.run.metrics_log import MetricsLogger
 
 wandb = pytest.importorskip("wandb")
 pytestmark = pytest.mark.slow  # W&B's service process: ~10-15 s on 2 shared cores

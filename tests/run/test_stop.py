@@ -1,4 +1,4 @@
-"""The stop rules of megatron_gspo/stop.py, signal by signal (in-process; the forced exit is
+"""The stop rules of megatron_gspo/run/stop.py, signal by signal (in-process; the forced exit is
 recorded instead of taken). The end-to-end behaviour is tests/train/test_faults_e2e.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from megatron_gspo.stop import StopSignals
+from megatron_gspo.run.stop import StopSignals
 
 TERM, INT = signal.SIGTERM, signal.SIGINT
 

@@ -1,4 +1,4 @@
-"""How a rank ends (issue 40, `megatron_gspo/teardown.py`): one rank in a process of its own
+"""How a rank ends (issue 40, `megatron_gspo/run/teardown.py`): one rank in a process of its own
 joins a gloo group, imports megatron-core after it (as the trainer does), builds its parallel
 state and ends through `end_process(7)`: exit code 7, nothing printed by C++, and before the
 end no megatron-core global still names a process group (its `destroy_model_parallel` misses
@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 RANK = """
 import sys, torch
-from megatron_gspo import dist, teardown
+from megatron_gspo import dist
+from megatron_gspo.run import teardown
 from megatron_gspo.layout import Layout
 dist.init_distributed("cpu")
 before = len(dist.comm_threads())

@@ -23,16 +23,16 @@ import pytest
 import torch
 import yaml
 
-from megatron_gspo.checkpoint_write import CheckpointWriteError, WriteState, describe
+from megatron_gspo.checkpoint.resume import RUN_CONFIG
+from megatron_gspo.checkpoint.write import CheckpointWriteError, WriteState, describe
 from megatron_gspo.config import ConfigError, config_from_dict
-from megatron_gspo.preflight import preflight
-from megatron_gspo.resume_check import RUN_CONFIG
-from megatron_gspo.user_errors import EngineModelMismatch, build_policy, exit_code, first_push
+from megatron_gspo.run.preflight import preflight
+from megatron_gspo.run.user_errors import EngineModelMismatch, build_policy, exit_code, first_push
 from megatron_gspo.weights.checksum import WeightIntegrityError
 from megatron_gspo.weights.sglang_names import sglang_checksums
 from megatron_gspo.weights.sync import WeightSyncError, verify_engines
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HF = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",
@@ -196,7 +196,7 @@ def test_resume_config_changes_are_listed_and_fixed_keys_refused(tmp_path: Path)
     """Case 2's class: a resume compares the config with the checkpoint's. Learning rate and
     schedule changes are returned (the trainer prints them; they apply from the resumed step:
     e2e test), a changed optimizer type is refused naming the key."""
-    from megatron_gspo.preflight import check_resume
+    from megatron_gspo.run.preflight import check_resume
 
     model = _model(tmp_path, "m")
     saved = _cfg(tmp_path, model, optim={"lr": 3e-3}).to_dict()
@@ -273,7 +273,7 @@ def test_a_full_disk_is_named_when_the_writer_does_not_say_so(tmp_path: Path, mo
     tmpfs; the OSError is lost between ranks): the free space names the cause."""
     from collections import namedtuple
 
-    from megatron_gspo import checkpoint_write
+    from megatron_gspo.checkpoint import write as checkpoint_write
 
     usage = namedtuple("usage", "total used free")
     root = tmp_path / "ckpt"

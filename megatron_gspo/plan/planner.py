@@ -15,7 +15,7 @@
    prints.
 
 Exit codes: 0 fits, 1 does not fit (the verdict says what), 2 invalid config or layout, a
-topology refusal (`megatron_gspo.topology`: printed as `topology: REFUSED: ...`), or, with
+topology refusal (`megatron_gspo.plan.topology`: printed as `topology: REFUSED: ...`), or, with
 `--emit-launch`, a launch refusal (`plan_launch`: weights missing, an engine interpreter
 without SGLang, no interpreter with the router, driver vs CUDA build, NCCL versions);
 PLAN_FORCE overrides neither, and no launch files are written.
@@ -40,8 +40,8 @@ from megatron_gspo.config import Config, ConfigError, load_config
 from megatron_gspo.config_io import require
 from megatron_gspo.engines.launch import LaunchConfig, engine_command, router_command
 from megatron_gspo.layout import Layout, _num_experts
-from megatron_gspo.plan_launch import launch_check
-from megatron_gspo.plan_memory import (
+from megatron_gspo.plan.launch import launch_check
+from megatron_gspo.plan.memory import (
     PROCESS_OVERHEAD_GB,
     RELEASED_ENGINE_GB,
     SGLANG_DEFAULT_MEM_FRACTION,
@@ -55,7 +55,7 @@ from megatron_gspo.plan_memory import (
     hf_tensor_bytes,
     memory_formula,
 )
-from megatron_gspo.topology import Placement, topology_problems
+from megatron_gspo.plan.topology import Placement, topology_problems
 
 __all__ = [
     "GiB",
@@ -90,7 +90,7 @@ class Plan:
     sync: dict[str, float]
     problems: list[str] = field(default_factory=list)
     topology: list[str] = field(default_factory=list)
-    """Topology refusals (`megatron_gspo.topology`): the job cannot start as configured."""
+    """Topology refusals (`megatron_gspo.plan.topology`): the job cannot start as configured."""
 
     @property
     def fits(self) -> bool:
@@ -491,7 +491,9 @@ def _nul(items: list[str]) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_gspo.plan", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--config", required=True, help="YAML run config")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
     p.add_argument("--nodes", type=int, required=True, help="nodes of the job (all of them)")
@@ -595,6 +597,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return 0 if plan.fits else 1
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

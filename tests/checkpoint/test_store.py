@@ -1,4 +1,4 @@
-"""Checkpoint checksums and the resume layout check (megatron_gspo/checkpoint.py), on
+"""Checkpoint checksums and the resume layout check (megatron_gspo/checkpoint/store.py), on
 hand-made checkpoint directories (one process). The trainer's own checkpoints go through the
 same functions in tests/train/test_faults_e2e.py (each resume there verifies one, and a
 flipped byte in a real one is refused by the entry point)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.checkpoint import (
+from megatron_gspo.checkpoint.store import (
     MANIFEST,
     check_resume_layout,
     latest_checkpoint,

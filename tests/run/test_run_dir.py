@@ -1,4 +1,4 @@
-"""Issue 26 (1, 6, 8): who may write a run's directories (megatron_gspo/run_dir.py), through the
+"""Issue 26 (1, 6, 8): who may write a run's directories (megatron_gspo/run/run_dir.py), through the
 same `preflight` every rank runs before anything starts. One process; the lock's holder is a
 second process that is then SIGKILLed (the stale lock it leaves must not block a new run)."""
 
@@ -16,11 +16,11 @@ import pytest
 
 from megatron_gspo.config import load_config
 from megatron_gspo.config_io import ConfigError
-from megatron_gspo.preflight import preflight
-from megatron_gspo.run_dir import LOCK_NAME, RunLock, clear_previous_run
+from megatron_gspo.run.preflight import preflight
+from megatron_gspo.run.run_dir import LOCK_NAME, RunLock, clear_previous_run
 from tests.test_bad_input import _base, _write
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(tmp: Path, **sections: dict):
@@ -41,7 +41,7 @@ def _refusal(cfg, **kw) -> str:
 HOLDER = textwrap.dedent("""
     import sys, time
     from megatron_gspo.config import load_config
-    from megatron_gspo.run_dir import RunLock
+    from megatron_gspo.run.run_dir import RunLock
     RunLock.acquire(load_config(sys.argv[1]))
     print("locked", flush=True)
     time.sleep(120)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo import stop as stop_mod
-from megatron_gspo.stop import StopSignals
+from megatron_gspo.run import stop as stop_mod
+from megatron_gspo.run.stop import StopSignals
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INT, TERM, HUP = signal.SIGINT, signal.SIGTERM, signal.SIGHUP
 DIED = stop_mod.LAUNCHER_DIED
 
@@ -32,8 +32,8 @@ DIED = stop_mod.LAUNCHER_DIED
 # "checkpoint" (a file) and exit 0, as train._loop does at the step boundary.
 RANK = textwrap.dedent("""
     import sys, time
-    from megatron_gspo.console import survive_a_lost_console
-    from megatron_gspo.stop import StopSignals
+    from megatron_gspo.run.console import survive_a_lost_console
+    from megatron_gspo.run.stop import StopSignals
     stop = StopSignals(grace_s=60).install()   # what train.main does
     survive_a_lost_console()
     print("ready", flush=True)
@@ -124,7 +124,7 @@ def test_the_launchers_death_is_told_from_a_users_ctrl_c(events, forced_at, monk
 # and the checkpoint), then writes its "checkpoint"; a forced exit writes nothing.
 SLOW_RANK = textwrap.dedent("""
     import sys, time
-    from megatron_gspo.stop import StopSignals
+    from megatron_gspo.run.stop import StopSignals
     stop = StopSignals(grace_s=60).install()
     print("ready", flush=True)
     for step in range(600):

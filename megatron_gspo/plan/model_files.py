@@ -278,7 +278,7 @@ def _check_tokenizer(root: Path, config: Any) -> None:
     )
 
 
-# --- presence only: the launch planner (megatron_gspo/plan_launch.py) ---------------------
+# --- presence only: the launch planner (megatron_gspo/plan/launch.py) ---------------------
 
 INDEX = "model.safetensors.index.json"
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.checkpoint import required_files, write_manifest
+from megatron_gspo.checkpoint.store import required_files, write_manifest
 from megatron_gspo.layout import Layout
 from megatron_gspo.weights.convert import META_FILE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_gspo.checkpoint import has_checkpoint, remove_checkpoints
+from megatron_gspo.checkpoint.store import has_checkpoint, remove_checkpoints
 from megatron_gspo.config import Config
 from megatron_gspo.config_io import ConfigError, require
 

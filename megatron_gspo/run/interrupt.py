@@ -8,7 +8,7 @@ prints one line and end the process with the shell's code for SIGINT (130), leav
 nothing half-written behind (nothing has been written yet at that point; a tool that writes
 has taken over by then or writes to a temporary name). Only standard-library imports here.
 
-    from megatron_gspo.interrupt import quiet_ctrl_c
+    from megatron_gspo.run.interrupt import quiet_ctrl_c
     quiet_ctrl_c("megatron_gspo.train")
 """
 

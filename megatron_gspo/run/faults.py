@@ -116,7 +116,7 @@ def _fire(actions: list[str], phase: str, step: int) -> None:
         else:  # ctrl-c, ctrl-c-twice
             os.kill(os.getppid(), signal.SIGINT)
             if action == "ctrl-c-twice":
-                from megatron_gspo import stop
+                from megatron_gspo.run import stop
 
                 deadline = time.monotonic() + 60
                 while not stop.seen_sigint() and time.monotonic() < deadline:

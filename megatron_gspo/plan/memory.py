@@ -4,7 +4,7 @@
 process group (megatron-core's own sharding, no memory); `cached_count_params` memoises it.
 `hf_tensor_bytes` sizes the HF model and its weight sync (bf16 or FP8 blocks), `_activations` /
 `_micro_batches` the activation terms, and `memory_formula()` is the text printed under the
-planner's table. `megatron_gspo.plan` (the CLI, checks, verdict and launch files) uses these.
+planner's table. `plan/planner.py` (the CLI, checks, verdict and launch files) uses these.
 """
 
 from __future__ import annotations
