@@ -33,7 +33,7 @@ from typing import Any
 
 from megatron_gspo.config_io import positive as _positive
 from megatron_gspo.config_io import require as _require
-from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft
+from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, Sampler
 from megatron_gspo.engines.types import SamplingParams
 
 __all__ = ["EvalConfig", "Evaluator", "build_evaluator", "pass_at_k"]
@@ -93,7 +93,7 @@ class Evaluator:
         self,
         cfg: EvalConfig,
         *,
-        engine: Any,
+        engine: Sampler,
         dataset: Any,
         rewards: Any,
         sampling: SamplingParams,

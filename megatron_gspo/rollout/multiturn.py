@@ -39,6 +39,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_gspo.engines.protocols import Sampler
 from megatron_gspo.engines.types import SEED_PROMPT_STRIDE, Sample, SamplingParams
 from megatron_gspo.envs.pool import EnvError, EnvPool
 from megatron_gspo.rollout.scheduler import TURN_CONTEXT
@@ -110,8 +111,8 @@ def record_dict(record: Any) -> dict[str, Any]:
 class MultiTurn:
     """The multi-turn rollout of one run (rank 0)."""
 
-    engine: Any
-    """A `RolloutEngine` with `agenerate` (the SGLang client)."""
+    engine: Sampler
+    """The rollout's engines (the SGLang client): `agenerate` only."""
     tokenizer: Any
     envs: EnvPool
     codec: ObservationCodec
@@ -121,7 +122,7 @@ class MultiTurn:
     """Most response tokens (model + env) per episode (`rollout.max_total_tokens`)."""
     stop_ids: tuple[int, ...] = ()
     """Token ids that end a model turn besides EOS (`rollout.turn_stop`)."""
-    engines: tuple[Any, ...] = ()
+    engines: tuple[Sampler, ...] = ()
     """Generation-only clients, one per engine, each listing every engine with a different one
     first (`engines.connect.per_engine_clients`): episode k sends all its turns to client
     k mod len, so the
