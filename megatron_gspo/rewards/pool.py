@@ -31,15 +31,20 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from megatron_gspo.sandbox.pool import CallFailed, WorkerPool
 from megatron_gspo.sandbox.process import WorkerLimits
+
+if TYPE_CHECKING:
+    from megatron_gspo.rewards.config import RewardConfig
+    from megatron_gspo.sandbox.config import SandboxConfig
 
 __all__ = [
     "RewardBatch",
     "RewardFn",
     "RewardPool",
+    "RewardScorer",
     "build_reward_pool",
     "load_reward_fn",
     "worker_limits",
@@ -123,6 +128,21 @@ class RewardBatch:
             "reward/retries": float(self.retries),
             "reward/time_s": self.time_s,
         }
+
+
+class RewardScorer(Protocol):
+    """What the rollout and the evaluation ask of a reward: `RewardPool`, or the HTTP judge
+    client (`rewards/http.py`)."""
+
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]
+    ) -> RewardBatch:
+        """Rewards for aligned lists of prompts, responses and answers."""
+        ...
+
+    def close(self) -> None:
+        """Release workers or connections."""
+        ...
 
 
 class RewardPool:
@@ -233,7 +253,7 @@ class RewardPool:
         self.close()
 
 
-def worker_limits(sandbox_cfg: Any, timeout_s: float) -> WorkerLimits:
+def worker_limits(sandbox_cfg: SandboxConfig, timeout_s: float) -> WorkerLimits:
     """The limits of reward and environment workers from a `RewardConfig`; `timeout_s` is the
     calls' wall timeout (the CPU limit defaults to twice it)."""
     cpu = sandbox_cfg.max_cpu_s if sandbox_cfg.max_cpu_s is not None else 2.0 * timeout_s
@@ -244,7 +264,7 @@ def worker_limits(sandbox_cfg: Any, timeout_s: float) -> WorkerLimits:
     )
 
 
-def build_reward_pool(reward_cfg: Any, sandbox_cfg: Any) -> Any:
+def build_reward_pool(reward_cfg: RewardConfig, sandbox_cfg: SandboxConfig) -> RewardScorer:
     """A pool from a `megatron_gspo.config.RewardConfig`; for reward.kind=http the judge
     client (`rewards/http.py`: the same `score` / `close` interface; no user code, so no
     sandbox)."""

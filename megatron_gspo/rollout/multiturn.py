@@ -37,12 +37,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.engines.protocols import Sampler
 from megatron_gspo.engines.types import SEED_PROMPT_STRIDE, FinishReason, Sample, SamplingParams
 from megatron_gspo.envs.pool import EnvError, EnvPool, Episode
-from megatron_gspo.rollout.scheduler import TURN_CONTEXT
+from megatron_gspo.rollout.scheduler import TURN_CONTEXT, TurnContext
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.prompts import PromptRecord
 
 __all__ = ["MultiTurn", "ObservationCodec", "episode_metrics", "record_dict"]
 
@@ -96,7 +99,7 @@ class ObservationCodec:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def record_dict(record: Any) -> dict[str, Any]:
+def record_dict(record: PromptRecord) -> dict[str, Any]:
     """A `PromptRecord` as the JSON dict an environment's `reset` receives."""
     return {
         "index": record.index,
@@ -131,7 +134,7 @@ class MultiTurn:
 
     async def group_fn(
         self,
-        record: Any,
+        record: PromptRecord,
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         n: int,
@@ -147,7 +150,7 @@ class MultiTurn:
 
     async def episode(
         self,
-        record: Any,
+        record: PromptRecord,
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         prompt_index: int,
@@ -290,7 +293,7 @@ class _Episode:
         )
 
 
-def _version(label: str, sched: Any) -> int | None:
+def _version(label: str, sched: TurnContext | None) -> int | None:
     """A model turn's weight version: the engine's label when it is a number, else the version
     the scheduler says the engines serve (None outside a scheduler)."""
     try:
