@@ -28,6 +28,7 @@ from collections import Counter
 from typing import Any
 
 from megatron_gspo.agents.trajectory import TrajectoryStore, to_samples
+from megatron_gspo.engines.protocols import Sampler
 from megatron_gspo.engines.types import Sample, SamplingParams
 from megatron_gspo.sandbox.pool import WorkerCallError, WorkerPool
 from megatron_gspo.sandbox.process import WorkerLimits
@@ -184,7 +185,7 @@ class AgentRollout:
             self.endpoint.stop()
 
 
-def make_agent_rollout(cfg: Any, engine: Any, tokenizer: Any) -> tuple[Any, AgentRollout]:
+def make_agent_rollout(cfg: Any, engine: Sampler, tokenizer: Any) -> tuple[Any, AgentRollout]:
     """rollout.agent: the endpoint in front of `engine` (sampling forced to the rollout's
     temperature and top_p, calls capped at rollout.max_new_tokens), the agent workers, and the
     `group_fn` over them."""

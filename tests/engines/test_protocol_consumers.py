@@ -67,6 +67,7 @@ def test_consumer_uses_only_its_smallest_protocol(
 
 
 def test_the_annotations_name_the_protocols() -> None:
+    from megatron_gspo.agents.runner import make_agent_rollout
     from megatron_gspo.agents.server import AgentEndpoint
     from megatron_gspo.rollout.evaluation import Evaluator
     from megatron_gspo.rollout.multiturn import MultiTurn
@@ -81,6 +82,7 @@ def test_the_annotations_name_the_protocols() -> None:
     assert ann(MultiTurn, "engine") == "Sampler"
     assert ann(MultiTurn, "engines") == "tuple[Sampler, ...]"
     assert ann(AgentEndpoint.__init__, "generator") == "Sampler"
+    assert ann(make_agent_rollout, "engine") == "Sampler"  # handed to the AgentEndpoint
     assert ann(resume_engines, "engine") == "MemoryControl | None"
 
 
