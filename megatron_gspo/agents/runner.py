@@ -28,8 +28,10 @@ from collections import Counter
 from typing import Any
 
 from megatron_gspo.agents.trajectory import TrajectoryStore, to_samples
+from megatron_gspo.engines.protocols import Sampler
 from megatron_gspo.engines.types import Sample, SamplingParams
-from megatron_gspo.sandbox.process import WorkerDied, WorkerLimits, WorkerProcess, WorkerTimeout
+from megatron_gspo.sandbox.pool import WorkerCallError, WorkerPool
+from megatron_gspo.sandbox.process import WorkerLimits
 
 __all__ = ["AgentPool", "AgentRollout", "make_agent_rollout"]
 
@@ -50,38 +52,29 @@ class AgentPool:
         if num_workers < 1 or timeout_s <= 0:
             raise ValueError(f"need num_workers >= 1 and timeout_s > 0, got {num_workers}")
         self.spec, self.timeout_s = spec, timeout_s
-        self.limits = limits or WorkerLimits()
-        self._workers = [WorkerProcess("agent", spec, self.limits) for _ in range(num_workers)]
-        try:
-            for w in self._workers:
-                w.wait_ready()  # a bad spec raises ValueError with the worker's message
-        except BaseException:
-            self.close()
-            raise
+        self._pool = WorkerPool(  # `sandbox/pool.py`: a bad spec raises the worker's message
+            "agent",
+            spec,
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            timeout_key="rollout.agent_timeout_s",
+            limits=limits,
+        )
+        self.limits = self._pool.limits
         self._free: asyncio.Queue[int] | None = None
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
     @property
     def worker_pids(self) -> list[int]:
-        return [w.pid for w in self._workers]
+        return self._pool.worker_pids
 
     def _call(self, slot: int, msg: dict[str, Any]) -> tuple[float | None, str | None]:
         try:
-            reply = self._workers[slot].call(msg, self.timeout_s)
-        except WorkerTimeout as e:
-            self._replace(slot)
-            return None, f"{e} (rollout.agent_timeout_s; worker replaced)"
-        except (WorkerDied, OSError) as e:
-            self._replace(slot)
-            return None, f"{e} (worker replaced)"
-        if reply.get("restart"):
-            self._replace(slot)
+            reply = self._pool.call(slot, msg)  # a timeout or crash replaces the worker
+        except WorkerCallError as e:
+            return None, str(e)
         return reply.get("reward"), reply.get("error")
-
-    def _replace(self, slot: int) -> None:
-        self._workers[slot].kill()
-        self._workers[slot] = WorkerProcess("agent", self.spec, self.limits)
 
     async def run(
         self, record: dict[str, Any], base_url: str, trajectory_id: str
@@ -89,7 +82,7 @@ class AgentPool:
         """One episode in the next free worker: (reward or None, error or None)."""
         if self._free is None:  # bound to the loop that runs episodes
             self._free = asyncio.Queue()
-            for i in range(len(self._workers)):
+            for i in range(self._pool.num_workers):
                 self._free.put_nowait(i)
         slot = await self._free.get()
         msg = {
@@ -105,8 +98,7 @@ class AgentPool:
             self._free.put_nowait(slot)
 
     def close(self) -> None:
-        for w in self._workers:
-            w.kill()
+        self._pool.close()
 
 
 class AgentRollout:
@@ -193,7 +185,7 @@ class AgentRollout:
             self.endpoint.stop()
 
 
-def make_agent_rollout(cfg: Any, engine: Any, tokenizer: Any) -> tuple[Any, AgentRollout]:
+def make_agent_rollout(cfg: Any, engine: Sampler, tokenizer: Any) -> tuple[Any, AgentRollout]:
     """rollout.agent: the endpoint in front of `engine` (sampling forced to the rollout's
     temperature and top_p, calls capped at rollout.max_new_tokens), the agent workers, and the
     `group_fn` over them."""

@@ -8,7 +8,7 @@
     GET  /trajectories/{id}              what was recorded (ids, log-probs, versions, counts)
 
 A call is rendered with the model's chat template, sent to the engines as token ids
-(`Generator.agenerate`: the pool's retries and fail-over apply), answered in OpenAI's format
+(`Sampler.agenerate`: the pool's retries and fail-over apply), answered in OpenAI's format
 (tool calls parsed by SGLang's parser, `engines/tool_calls.py`), and recorded as a `Turn` of its
 trajectory: prompt and response ids as the engine saw them, engine log-probs, weight version.
 A later call that sends the conversation back reuses those ids (`agents/trajectory.py`), so the
@@ -39,7 +39,7 @@ from aiohttp import web
 from megatron_gspo.agents.chat import ChatDeltaError, ChatRenderer, message_key
 from megatron_gspo.agents.config import AgentEndpointConfig
 from megatron_gspo.agents.trajectory import Trajectory, TrajectoryStore, Turn
-from megatron_gspo.engines.protocols import EngineError, Generator, NoEnginesLeft
+from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, Sampler
 from megatron_gspo.engines.tool_calls import parse_tool_calls, tool_call_parser_names
 from megatron_gspo.engines.types import Sample, SamplingParams
 
@@ -68,7 +68,7 @@ class AgentEndpoint:
 
     def __init__(
         self,
-        generator: Generator,
+        generator: Sampler,
         tokenizer: Any,
         config: AgentEndpointConfig | None = None,
         *,

@@ -30,7 +30,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -64,6 +64,19 @@ class _Entry:
     prompt: list[int]
     sampling: dict[str, Any]
     rid: str
+
+
+@dataclasses.dataclass(slots=True)
+class _Sending:
+    """One `_send_once` call: the entries still to send, the samples so far, the last fault."""
+
+    chunk: list[_Entry]
+    n: int  # samples per entry
+    attempt: int = 0
+    done: list[Sample] = dataclasses.field(default_factory=list)
+    last_error: str = "no engine available"
+    inconsistent: bool = False
+    """The last fault was inconsistent samples (dropped at the end, not an error)."""
 
 
 class _Target:
@@ -299,87 +312,108 @@ class SGLangClient(WeightCalls):
         duplicated. Entries still inconsistent after `max_retries` re-sends are dropped and
         counted (`num_rejected`) rather than failing the step.
         """
-        cfg = self.config
-        done: list[Sample] = []
-        last_error, inconsistent = "no engine available", False
-        for attempt in range(cfg.max_retries + 1):
-            if attempt:
-                stats.num_retries += 1
-                stats.num_resent_samples += len(chunk) * n
-                # A fresh rid: the engine that timed out may still run the first one, and
-                # SGLang refuses a rid it already holds (same seed: the same sample).
-                chunk = [dataclasses.replace(e, rid=f"{e.rid}-a{attempt}") for e in chunk]
-                await asyncio.sleep(min(cfg.backoff_s * 2 ** (attempt - 1), cfg.backoff_max_s))
+        st = _Sending(chunk=chunk, n=n)
+        for st.attempt in range(self.config.max_retries + 1):
+            if st.attempt:
+                await self._before_resend(st, stats)
             target = await self._next_target(targets)
-            url = target.url
-            self._load[target.url] += 1
-            try:
-                async with target.sem:
-                    # checked and registered with no await in between: an abort on this loop
-                    # either finds the request here or stops it from being sent
-                    stopped = [e for e in chunk if self.lineage.is_aborted(e.rid)]
-                    done += [
-                        aborted_sample(x.prompt, x.prompt_index, k if n > 1 else x.sample_index)
-                        for x in stopped
-                        for k in range(n)
-                    ]
-                    chunk = [x for x in chunk if x not in stopped]
-                    if not chunk:
-                        return done
-                    body = self._body(chunk, n)
-                    self.lineage.running.update({x.rid: url for x in chunk})
-                    try:
-                        status, raw = await self._request(session, "POST", url + "/generate", body)
-                    finally:
-                        for x in chunk:
-                            self.lineage.running.pop(x.rid, None)
-            except _RETRYABLE as e:
-                last_error, inconsistent = f"{url}/generate: {type(e).__name__}: {e}", False
-                logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
-                self._fault(url, f"{type(e).__name__}: {e}")
-                if isinstance(e, asyncio.TimeoutError):  # it may still run there: stop it
-                    self._background(self._abort_on({url: [x.rid for x in chunk]}))
-                continue
-            finally:
-                self._load[target.url] -= 1
-            if status >= 500:
-                reason = f"HTTP {status}: {proto.error_message(raw)}"
-                last_error, inconsistent = f"{url}/generate: {reason}", False
-                logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
-                self._fault(url, reason)
-                continue
-            if status >= 400:
-                raise EngineError(
-                    f"{url}/generate refused the request: HTTP {status}: "
-                    f"{proto.error_message(raw)}",
-                    status=status,
-                    url=url,
-                )
-            try:
-                got, bad = self._to_samples(chunk, n, json.loads(raw), url)
-            except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
-                reason = f"unusable answer ({type(e).__name__}: {str(e)[:200]})"
-                last_error, inconsistent = f"{url}/generate: {reason}", False
-                logger.warning("retrying /generate (attempt %d): %s", attempt + 1, last_error)
-                self._fault(url, reason)
-                continue
-            stats.requests_per_engine[url] += 1
-            done += got
-            if not bad:
-                self.pool.succeeded(url)
-                return done
-            reason = f"{len(bad)} inconsistent samples ({bad[0][1]})"
-            last_error, inconsistent = f"{url}/generate: {reason}", True
-            logger.warning("re-sending /generate (attempt %d): %s", attempt + 1, last_error)
-            self._fault(url, reason)
-            chunk = [e for e, _ in bad]
-        if inconsistent:
-            logger.warning("dropping %d samples: %s", len(chunk) * n, last_error)
-            stats.num_rejected += len(chunk) * n
-            return done
+            answer = await self._post(session, target, st)
+            if not st.chunk:  # every entry was aborted by the caller before it was sent
+                return st.done
+            if answer is not None and self._take_answer(st, target.url, answer, stats):
+                return st.done
+        if st.inconsistent:
+            logger.warning("dropping %d samples: %s", len(st.chunk) * n, st.last_error)
+            stats.num_rejected += len(st.chunk) * n
+            return st.done
         raise EngineError(
-            f"/generate failed after {cfg.max_retries + 1} attempts: {last_error}", url=None
+            f"/generate failed after {self.config.max_retries + 1} attempts: {st.last_error}",
+            url=None,
         )
+
+    async def _before_resend(self, st: _Sending, stats: RolloutStats) -> None:
+        """Count the re-send, give its entries fresh rids, and back off."""
+        cfg, attempt = self.config, st.attempt
+        stats.num_retries += 1
+        stats.num_resent_samples += len(st.chunk) * st.n
+        # A fresh rid: the engine that timed out may still run the first one, and SGLang
+        # refuses a rid it already holds (same seed: the same sample).
+        st.chunk = [dataclasses.replace(e, rid=f"{e.rid}-a{attempt}") for e in st.chunk]
+        await asyncio.sleep(min(cfg.backoff_s * 2 ** (attempt - 1), cfg.backoff_max_s))
+
+    async def _post(
+        self, session: aiohttp.ClientSession, target: _Target, st: _Sending
+    ) -> tuple[int, bytes] | None:
+        """POST the entries the caller has not aborted to `target`: (status, body), or None
+        when none is left or the engine did not answer (a fault, recorded)."""
+        url, n = target.url, st.n
+        self._load[url] += 1
+        try:
+            async with target.sem:
+                # checked and registered with no await in between: an abort on this loop
+                # either finds the request here or stops it from being sent
+                stopped = [e for e in st.chunk if self.lineage.is_aborted(e.rid)]
+                st.done += [
+                    aborted_sample(x.prompt, x.prompt_index, k if n > 1 else x.sample_index)
+                    for x in stopped
+                    for k in range(n)
+                ]
+                st.chunk = [x for x in st.chunk if x not in stopped]
+                if not st.chunk:
+                    return None
+                body = self._body(st.chunk, n)
+                self.lineage.running.update({x.rid: url for x in st.chunk})
+                try:
+                    return await self._request(session, "POST", url + "/generate", body)
+                finally:
+                    for x in st.chunk:
+                        self.lineage.running.pop(x.rid, None)
+        except _RETRYABLE as e:
+            self._retry_fault(st, url, f"{type(e).__name__}: {e}")
+            if isinstance(e, asyncio.TimeoutError):  # it may still run there: stop it
+                self._background(self._abort_on({url: [x.rid for x in st.chunk]}))
+            return None
+        finally:
+            self._load[url] -= 1
+
+    def _take_answer(
+        self, st: _Sending, url: str, answer: tuple[int, bytes], stats: RolloutStats
+    ) -> bool:
+        """Account an engine's answer: True when every entry got its samples; a 5xx, an
+        unusable answer or inconsistent samples are faults (the inconsistent entries alone
+        stay in `st.chunk`); a 4xx raises EngineError."""
+        status, raw = answer
+        if status >= 500:
+            self._retry_fault(st, url, f"HTTP {status}: {proto.error_message(raw)}")
+            return False
+        if status >= 400:
+            raise EngineError(
+                f"{url}/generate refused the request: HTTP {status}: {proto.error_message(raw)}",
+                status=status,
+                url=url,
+            )
+        try:
+            got, bad = self._to_samples(st.chunk, st.n, json.loads(raw), url)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+            reason = f"unusable answer ({type(e).__name__}: {str(e)[:200]})"
+            self._retry_fault(st, url, reason)
+            return False
+        stats.requests_per_engine[url] += 1
+        st.done += got
+        if not bad:
+            self.pool.succeeded(url)
+            return True
+        reason = f"{len(bad)} inconsistent samples ({bad[0][1]})"
+        self._retry_fault(st, url, reason, True)
+        st.chunk = [e for e, _ in bad]
+        return False
+
+    def _retry_fault(self, st: _Sending, url: str, reason: str, inconsistent: bool = False) -> None:
+        """A fault of `url` the next attempt retries: logged, the engine rested or dropped."""
+        st.last_error, st.inconsistent = f"{url}/generate: {reason}", inconsistent
+        verb = "re-sending" if inconsistent else "retrying"
+        logger.warning("%s /generate (attempt %d): %s", verb, st.attempt + 1, st.last_error)
+        self._fault(url, reason)
 
     def _to_samples(
         self, chunk: list[_Entry], n: int, payload: Any, url: str
@@ -430,7 +464,7 @@ class SGLangClient(WeightCalls):
     async def _acall(
         self,
         route: str,
-        bodies: dict[str, dict[str, Any] | None],
+        bodies: Mapping[str, dict[str, Any] | None],
         *,
         method: str = "POST",
         retries: int = 0,

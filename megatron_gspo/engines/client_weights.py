@@ -9,12 +9,12 @@ import json
 import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from megatron_gspo.engines import wire as proto
-from megatron_gspo.engines.protocols import weight_update_session
+from megatron_gspo.engines.protocols import WeightReceiver, weight_update_session
 
 if TYPE_CHECKING:
     from megatron_gspo.engines.client_config import ClientConfig
@@ -63,7 +63,7 @@ class WeightCalls:
                 "flush_cache": flush_cache,
                 "weight_version": weight_version,
             }
-            for url, tp in zip(self.config.engine_urls, self.config.engine_tp_sizes, strict=True)
+            for url, tp in zip(self.config.engine_urls, self.engine_tp_sizes(), strict=True)
             if url in self.pool.require_targets()
         }
         # The payloads are handles onto `bucket`'s memory: keep it alive until every engine
@@ -79,8 +79,8 @@ class WeightCalls:
         group_name: str = "weight_update_group",
         backend: str = "nccl",
     ) -> Future[None]:
-        world = 1 + sum(self.config.engine_tp_sizes)
-        offsets = itertools.accumulate([1] + self.config.engine_tp_sizes[:-1])
+        world = 1 + sum(self.engine_tp_sizes())
+        offsets = itertools.accumulate([1] + self.engine_tp_sizes()[:-1])
         bodies = {
             url: {
                 "master_address": master_address,
@@ -105,12 +105,12 @@ class WeightCalls:
 
     def weight_update_session(self, weight_version: str | None = None) -> Any:
         """`protocols.weight_update_session` on this client (a context manager)."""
-        return weight_update_session(self, weight_version)
+        return weight_update_session(cast(WeightReceiver, self), weight_version)  # SGLangClient
 
     @property
     def weight_update_world_size(self) -> int:
         """World size of the weight-update group (trainer + every engine rank)."""
-        return 1 + sum(self.config.engine_tp_sizes)
+        return 1 + sum(self.engine_tp_sizes())
 
     def update_weights_from_distributed(
         self,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 from megatron_gspo.engines.client import SGLangClient
 from megatron_gspo.engines.client_config import ClientConfig
@@ -49,7 +48,7 @@ def connect(
     return engine, servers
 
 
-def per_engine_clients(client: Any) -> tuple[Any, ...]:
+def per_engine_clients(client: object) -> tuple[SGLangClient, ...]:
     """For an `SGLangClient` over several engines without a router: one generation-only client
     per engine, engine i listed first in client i and picked first (`in_order`), so an episode's
     turns stay on one engine (its prefix cache) and fail over to the next only when it is down;

@@ -363,7 +363,7 @@ class ServerGroup:
         while pending:
             for p in [*self.engines, *([self.router] if self.router else [])]:
                 if p.poll() is not None:
-                    raise RuntimeError(f"rollout process {p.args[:4]} exited with {p.returncode}")
+                    raise RuntimeError(f"rollout process {p.args[:4]} exited with {p.returncode}")  # type: ignore[index,str-bytes-safe]
             pending = [u for u in pending if _get(u + route, timeout=30) != 200]
             if not pending:
                 return

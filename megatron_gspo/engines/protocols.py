@@ -1,7 +1,8 @@
-"""What the rest of the package may ask of rollout engines: three small protocols.
+"""What the rest of the package may ask of rollout engines: small protocols.
 
-* `Generator` (the scheduler, multi-turn episodes): generate with request ids the caller can
-  abort; pause and continue generation around a weight push.
+* `Sampler` (evaluation, multi-turn episodes, the agent endpoint): `agenerate` only.
+* `Generator` (the scheduler): a `Sampler` whose requests the caller can abort; pause and
+  continue generation around a weight push.
 * `WeightReceiver` (`weights/`): weight-update sessions, the three transports' calls, versions
   and checksums for verification.
 * `MemoryControl` (the colocated loop in `train.py`): release and resume engine memory.
@@ -46,8 +47,9 @@ class NoEnginesLeft(RuntimeError):
 
 
 @runtime_checkable
-class Generator(Protocol):
-    """Token-in/token-out generation over one or more engines (what the scheduler uses)."""
+class Sampler(Protocol):
+    """Token-in/token-out generation over one or more engines, nothing else (what evaluation,
+    multi-turn episodes and the agent endpoint use)."""
 
     async def agenerate(
         self,
@@ -66,6 +68,12 @@ class Generator(Protocol):
         `abort` exactly its own requests.
         """
         ...
+
+
+@runtime_checkable
+class Generator(Sampler, Protocol):
+    """A `Sampler` whose requests the caller can abort, paused around a weight push (what the
+    scheduler uses)."""
 
     def abort(self, rid: str | None = None) -> None:
         """Abort one request id, or every request when `rid` is None."""

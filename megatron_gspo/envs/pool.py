@@ -6,7 +6,9 @@ open episodes; a worker serves one call at a time (a lock), and the blocking cal
 thread so the rollout's event loop keeps generating meanwhile. A call that raises in user code
 fails that episode only. A call past `timeout_s`, a crash, or an out-of-memory / CPU-limit kill
 replaces the worker: the episodes it hosted are lost too (their next call fails with a message
-saying so), which costs those samples, never the run.
+saying so), which costs those samples, never the run. The workers, their start-up, timeouts and
+replacements are `sandbox.pool.WorkerPool`'s (the reward pool's too); this class keeps the
+episodes: which worker hosts each, one call at a time per worker, and the failure counts.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_gspo.sandbox.process import WorkerDied, WorkerLimits, WorkerProcess, WorkerTimeout
+from megatron_gspo.sandbox.pool import WorkerCallError, WorkerPool
+from megatron_gspo.sandbox.process import WorkerLimits
 
 __all__ = ["EnvError", "EnvPool", "Episode"]
 
@@ -51,16 +54,16 @@ class EnvPool:
         if num_workers < 1 or timeout_s <= 0:
             raise ValueError(f"need num_workers >= 1 and timeout_s > 0, got {num_workers}")
         self.spec, self.timeout_s = spec, timeout_s
-        self.limits = limits or WorkerLimits()
-        self._workers = [WorkerProcess("env", spec, self.limits) for _ in range(num_workers)]
-        try:
-            for w in self._workers:
-                w.wait_ready()  # a bad spec raises ValueError with the worker's message
-        except BaseException:
-            self.close()
-            raise
-        self._locks = [threading.Lock() for _ in self._workers]
-        self._generation = [0] * num_workers
+        self._pool = WorkerPool(
+            "env",
+            spec,
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            timeout_key="rollout.env_timeout_s",
+            limits=limits,
+        )
+        self.limits = self._pool.limits
+        self._locks = [threading.Lock() for _ in range(num_workers)]
         self._open = [0] * num_workers
         self._ids = itertools.count()
         self._stats_lock = threading.Lock()
@@ -71,29 +74,27 @@ class EnvPool:
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (tests: env code runs there, not here)."""
-        return [w.pid for w in self._workers]
+        return self._pool.worker_pids
 
     # ---- blocking core (runs in a thread) ----------------------------------------------
     def _call(self, ep: Episode, msg: dict[str, Any]) -> dict[str, Any]:
         with self._locks[ep.slot]:
-            if self._generation[ep.slot] != ep.generation:
+            if self._pool.generation[ep.slot] != ep.generation:
                 raise self._fail(
                     "the env worker hosting this episode was replaced after another "
                     "episode's call failed; episode lost"
                 )
             msg = {"id": next(self._ids), **msg}
             try:
-                reply = self._workers[ep.slot].call(msg, self.timeout_s)
-            except WorkerTimeout as e:
-                self._replace(ep.slot)
-                with self._stats_lock:
-                    self.timeouts += 1
-                raise self._fail(f"{e} (rollout.env_timeout_s; worker replaced)") from None
-            except (WorkerDied, OSError) as e:
-                self._replace(ep.slot)
-                raise self._fail(f"{e} (worker replaced)") from None
-            if reply.get("restart"):
-                self._replace(ep.slot)
+                reply = self._pool.call(ep.slot, msg)
+            except WorkerCallError as e:
+                if e.timed_out:
+                    with self._stats_lock:
+                        self.timeouts += 1
+                raise self._fail(str(e)) from None
+            finally:
+                if self._pool.generation[ep.slot] != ep.generation:
+                    self._open[ep.slot] = 0  # a new worker hosts no episode yet
             if reply.get("error"):
                 raise self._fail(reply["error"])
             return reply
@@ -105,27 +106,21 @@ class EnvPool:
                 self.errors.append(message)
         return EnvError(message)
 
-    def _replace(self, slot: int) -> None:
-        self._workers[slot].kill()
-        self._workers[slot] = WorkerProcess("env", self.spec, self.limits)
-        self._generation[slot] += 1
-        self._open[slot] = 0
-
     # ---- async API -----------------------------------------------------------------------
     async def reset(self, record: dict[str, Any]) -> tuple[Episode, str | None]:
         """Open an episode for `record` (JSON-serialisable); returns it and the initial
         observation (None: none)."""
         with self._stats_lock:
-            slot = min(range(len(self._workers)), key=lambda i: self._open[i])
+            slot = min(range(len(self._open)), key=lambda i: self._open[i])
             self._open[slot] += 1
-            ep = Episode(next(self._ids), slot, self._generation[slot])
+            ep = Episode(next(self._ids), slot, self._pool.generation[slot])
         try:
             reply = await asyncio.to_thread(
                 self._call, ep, {"op": "reset", "ep": ep.id, "record": record}
             )
         except EnvError:
             with self._stats_lock:
-                if self._generation[slot] == ep.generation:
+                if self._pool.generation[slot] == ep.generation:
                     self._open[slot] = max(0, self._open[slot] - 1)
             raise
         return ep, reply.get("obs")
@@ -138,7 +133,7 @@ class EnvPool:
     async def close_episode(self, ep: Episode) -> None:
         """Drop the episode's state in its worker (a failure here costs nothing)."""
         with self._stats_lock:
-            if self._generation[ep.slot] != ep.generation:
+            if self._pool.generation[ep.slot] != ep.generation:
                 return  # its worker is gone, and the state with it
             self._open[ep.slot] = max(0, self._open[ep.slot] - 1)
         try:
@@ -159,8 +154,8 @@ class EnvPool:
         return metrics, "\n".join([head, *(f"  {e}" for e in errors)])
 
     def close(self) -> None:
-        for w in self._workers:
-            w.kill()
+        """Stop the workers (the episodes they host end with them)."""
+        self._pool.close()
 
     def __enter__(self) -> EnvPool:
         return self

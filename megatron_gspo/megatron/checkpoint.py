@@ -39,7 +39,7 @@ def model_sharded_state(
     chunks, as Megatron-LM nests them. The ShardedTensor keys inside are global (layer offsets,
     expert ids, TP slices), so the nesting does not constrain resharding. Shared with the
     conversion tools, so that a training checkpoint converts to HF at any layout."""
-    sds = [_unwrap(m).sharded_state_dict(metadata=metadata) for m in model]
+    sds = [_unwrap(m).sharded_state_dict(metadata=metadata) for m in model]  # type: ignore[operator]
     return {"model": sds[0]} if len(sds) == 1 else {f"model{i}": sd for i, sd in enumerate(sds)}
 
 

@@ -259,7 +259,7 @@ def build_optimizer(model: list[torch.nn.Module], optim: OptimConfig) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     for chunk in model:
-        chunk.config.finalize_model_grads_func = finalize_model_grads
+        chunk.config.finalize_model_grads_func = finalize_model_grads  # type: ignore[union-attr]
     dtype = next(model[0].parameters()).dtype
     return get_megatron_optimizer(
         OptimizerConfig(

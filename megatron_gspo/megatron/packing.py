@@ -134,7 +134,7 @@ def pack(
         mask[span] = _as(s.loss_mask, torch.float32) if s.loss_mask is not None else 1.0
         tpos[span] = torch.arange(r)
         if per_token_adv:
-            adv[span] = _as(s.advantage, torch.float32)
+            adv[span] = _as(s.advantage, torch.float32)  # type: ignore[arg-type]  # per token
         keep = zigzag_indices(n, cp_size, cp_rank)
         cols["ids"].append(ids[keep])
         cols["pos"].append(torch.arange(n)[keep])
@@ -156,7 +156,7 @@ def pack(
     advantages = (
         torch.cat(cols["adv"])
         if per_token_adv
-        else torch.tensor([float(s.advantage) for s in seqs], dtype=torch.float32)
+        else torch.tensor([float(s.advantage) for s in seqs], dtype=torch.float32)  # type: ignore[arg-type]
     )
     return PackedMicroBatch(
         input_ids=torch.cat(cols["ids"])[None],

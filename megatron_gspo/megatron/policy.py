@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from megatron_gspo import dist
-from megatron_gspo.algo import group_advantages, sequence_kl
+from megatron_gspo.algo.kl_reward import kl_reward_advantages
 from megatron_gspo.config import Config
 from megatron_gspo.layout import Layout
 from megatron_gspo.megatron import replay
@@ -229,13 +229,16 @@ class Policy:
             s.ref_logp = ref[s.seq_id].tolist()
         if not loss.kl_in_reward:
             return {}
-        return apply_kl_reward(
+        kl = kl_reward_advantages(
             seqs,
             kl_coef=loss.kl_coef,
             estimator=loss.kl_estimator,
             eps=self.cfg.rl.adv_eps,
             normalize_std=self.cfg.rl.normalize_std,
         )
+        for s, a in zip(seqs, kl.advantages.tolist(), strict=True):
+            s.advantage = a
+        return {"kl/reward_penalty": float(kl.penalties.mean())}
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs besides model and optimizer (the schedule's position)."""
@@ -243,39 +246,6 @@ class Policy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
-
-
-def apply_kl_reward(
-    seqs: list[TrainSequence], *, kl_coef: float, estimator: str, eps: float, normalize_std: bool
-) -> dict[str, float]:
-    """loss.kl_in_reward: r_i <- r_i - kl_coef * sum_t k_t(pi_old || pi_ref) over the loss
-    tokens, then the group advantages again from the penalised rewards (in place). Needs each
-    sequence's `reward`, `group` and `ref_logp`."""
-    if any(s.reward is None or s.group is None or s.ref_logp is None for s in seqs):
-        raise ValueError(
-            "loss.kl_in_reward needs every sequence's reward, group and reference log-probs"
-        )
-    pens = []
-    for s in seqs:
-        r = len(s.response_ids)
-        mask = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r)
-        kl = sequence_kl(
-            torch.tensor(list(s.old_logp), dtype=torch.float64),
-            torch.tensor(list(s.ref_logp or []), dtype=torch.float64),
-            mask,
-            torch.zeros(r, dtype=torch.long),
-            1,
-            estimator,
-        )
-        pens.append(kl_coef * float(kl[0]))
-    rewards = torch.tensor(
-        [float(s.reward or 0.0) - p for s, p in zip(seqs, pens, strict=True)], dtype=torch.float64
-    )
-    groups = torch.tensor([int(s.group or 0) for s in seqs])
-    adv = group_advantages(rewards, groups, eps=eps, normalize_std=normalize_std)
-    for s, a in zip(seqs, adv.tolist(), strict=True):
-        s.advantage = a
-    return {"kl/reward_penalty": sum(pens) / len(pens)}
 
 
 def first_routing(maps: Snapshot, micro_batches: int) -> Snapshot:

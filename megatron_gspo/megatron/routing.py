@@ -70,7 +70,7 @@ def routing_snapshot(
     from megatron_gspo.megatron.step import forward_only
 
     with RoutingRecorder(model) as rec:
-        forward_only(model, micro_batches, lambda mb, logits: {})
+        forward_only(list(model), micro_batches, lambda mb, logits: {})
     for name, maps in rec.maps.items():
         if len(maps) != len(micro_batches):  # e.g. activation recomputation calls routers twice
             raise RuntimeError(

@@ -113,6 +113,7 @@ def _logprobs(output: ModelOutput, mb: PackedMicroBatch, cfg: StepConfig) -> tup
         chunk_size=cfg.logprob_chunk,
         with_entropy=True,
     )
+    assert entropy is not None  # asked for with_entropy
     return logp, entropy
 
 
@@ -255,13 +256,13 @@ def _forward(
     if _has_float16_wrapper(model):
         kwargs["fp32_output"] = False  # no fp32 copy of the logits: the log-prob ops upcast
     if mb.routed_experts is not None or getattr(model, "_replay_armed", False):
-        model._replay_armed = replay.arm(model, mb.routed_experts) > 0  # rl.routing_replay
+        model._replay_armed = replay.arm(model, mb.routed_experts) > 0  # type: ignore[assignment]
     return model(mb.input_ids, mb.position_ids, None, **kwargs)
 
 
 def policy_forward_step(
     data_iterator: Iterator[PackedMicroBatch], model: torch.nn.Module, *, cfg: StepConfig
-) -> tuple[Tensor, Any]:
+) -> tuple[ModelOutput, Any]:
     """megatron-core `forward_step_func` for the policy loss (bind `cfg` with partial)."""
     mb = next(data_iterator)
     return _forward(model, mb, cfg), partial(_policy_loss, mb, cfg)
@@ -319,7 +320,7 @@ def train_step(
     """One optimizer step over this rank's micro-batches. Returns reduced metrics, the global
     loss (sum over ranks of the shares), the grad norm and whether the step was applied."""
     for chunk in model:
-        chunk.zero_grad_buffer()
+        chunk.zero_grad_buffer()  # type: ignore[operator]  # megatron-core DDP chunks
     optimizer.zero_grad()
     outputs = _schedule(model, micro_batches, partial(policy_forward_step, cfg=cfg), False)
     metrics = reduce_metrics(outputs)
@@ -343,7 +344,7 @@ def train_step(
         ok = False
         metrics["grad_norm"] = float("nan")  # measured: the gradient is not finite
         for chunk in model:
-            chunk.zero_grad_buffer()
+            chunk.zero_grad_buffer()  # type: ignore[operator]  # megatron-core DDP chunks
         optimizer.zero_grad()
     metrics["update_successful"] = float(bool(ok))
     return metrics

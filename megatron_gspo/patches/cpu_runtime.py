@@ -330,7 +330,7 @@ def _apply_move_to_cpu() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
 
 
-_COMMON = dict(package="megatron-core", versions=MCORE_VERSIONS)
+_COMMON: dict[str, Any] = dict(package="megatron-core", versions=MCORE_VERSIONS)
 CPU_PATCHES: tuple[Patch, ...] = (
     Patch(
         name="mcore-paged-stash-triton",

@@ -27,9 +27,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.rewards.pool import _MAX_ERRORS_KEPT, RewardBatch
+
+if TYPE_CHECKING:
+    from megatron_gspo.rewards.config import RewardConfig
 
 __all__ = ["HttpReward"]
 
@@ -158,9 +161,10 @@ class HttpReward:
         self.close()
 
 
-def http_reward_from_config(reward_cfg: Any) -> HttpReward:
+def http_reward_from_config(reward_cfg: RewardConfig) -> HttpReward:
     """A judge client from a `megatron_gspo.config.RewardConfig` with kind "http"."""
     key = os.environ.get(reward_cfg.api_key_env) if reward_cfg.api_key_env else None
+    assert reward_cfg.url is not None, "RewardConfig requires reward.url for kind http"
     return HttpReward(
         reward_cfg.url,
         timeout_s=reward_cfg.timeout_s,

@@ -28,19 +28,23 @@ from __future__ import annotations
 
 import importlib
 import math
-import selectors
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from megatron_gspo.sandbox.process import WorkerDied, WorkerLimits, WorkerProcess
+from megatron_gspo.sandbox.pool import CallFailed, WorkerPool
+from megatron_gspo.sandbox.process import WorkerLimits
+
+if TYPE_CHECKING:
+    from megatron_gspo.rewards.config import RewardConfig
+    from megatron_gspo.sandbox.config import SandboxConfig
 
 __all__ = [
     "RewardBatch",
     "RewardFn",
     "RewardPool",
+    "RewardScorer",
     "build_reward_pool",
     "load_reward_fn",
     "worker_limits",
@@ -66,14 +70,14 @@ def load_reward_fn(spec: str) -> RewardFn:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"reward.kind={spec!r}: cannot import {module_name!r} ({e})") from e
-    fn = module
+    fn: object = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
             raise ValueError(f"reward.kind={spec!r}: {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise ValueError(f"reward.kind={spec!r}: {attr!r} is not callable")
-    return fn  # type: ignore[return-value]
+    return cast(RewardFn, fn)  # its signature is the user's promise (reward.kind)
 
 
 def call_reward(fn: RewardFn, prompt: str, response: str, answer: Any) -> tuple[float, str | None]:
@@ -126,6 +130,21 @@ class RewardBatch:
         }
 
 
+class RewardScorer(Protocol):
+    """What the rollout and the evaluation ask of a reward: `RewardPool`, or the HTTP judge
+    client (`rewards/http.py`)."""
+
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]
+    ) -> RewardBatch:
+        """Rewards for aligned lists of prompts, responses and answers."""
+        ...
+
+    def close(self) -> None:
+        """Release workers or connections."""
+        ...
+
+
 class RewardPool:
     """Score batches with `reward.kind` in worker processes (see `sandbox/process.py`: scrubbed
     environment, memory / CPU limits, wall timeout), or in-process when num_workers=0, which
@@ -153,28 +172,26 @@ class RewardPool:
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.limits = limits or WorkerLimits()
-        self._workers: list[WorkerProcess] = []
+        self._pool: WorkerPool | None = None
         self.fn: RewardFn | None = None
         if num_workers == 0:
             self.fn = load_reward_fn(spec)
         else:
-            # Start the workers now so a typo fails at start-up (with the worker's message),
-            # not as a stream of zero rewards. The user module is imported there, never here.
-            self._workers = [self._spawn() for _ in range(num_workers)]
-            try:
-                for w in self._workers:
-                    w.wait_ready()
-            except BaseException:
-                self.close()
-                raise
-
-    def _spawn(self) -> WorkerProcess:
-        return WorkerProcess("reward", self.spec, self.limits)
+            # `sandbox/pool.py`: starts the workers now (a typo fails at start-up); the user
+            # module is imported there, never here
+            self._pool = WorkerPool(
+                "reward",
+                spec,
+                num_workers=num_workers,
+                timeout_s=timeout_s,
+                timeout_key="reward.timeout_s",
+                limits=self.limits,
+            )
 
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (tests: user code runs there, not here)."""
-        return [w.pid for w in self._workers]
+        return [] if self._pool is None else self._pool.worker_pids
 
     def score(
         self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]
@@ -191,8 +208,13 @@ class RewardPool:
             for i, item in enumerate(zip(prompts, responses, answers)):
                 reward, error = call_reward(self.fn, *item)
                 self._record(batch, i, reward, error)
-        elif len(prompts):
-            self._score_in_workers(batch, prompts, responses, answers)
+        elif self._pool is not None and len(prompts):
+            msgs = [
+                {"prompt": p, "response": r, "answer": a}
+                for p, r, a in zip(prompts, responses, answers, strict=True)
+            ]
+            for i, out in enumerate(self._pool.map(msgs)):
+                self._record_outcome(batch, i, out)
         batch.time_s = time.monotonic() - t0
         return batch
 
@@ -206,78 +228,23 @@ class RewardPool:
             if len(batch.errors) < _MAX_ERRORS_KEPT:
                 batch.errors.append(f"sample {i}: {error}")
 
-    def _score_in_workers(self, batch, prompts, responses, answers) -> None:
-        while len(self._workers) < self.num_workers:
-            self._workers.append(self._spawn())
-        for w in self._workers:
-            if not w.ready:
-                w.wait_ready()
-        pending = deque(range(len(prompts)))
-        idle = list(self._workers)
-        busy: dict[int, WorkerProcess] = {}  # stdout fd -> worker
-        sel = selectors.DefaultSelector()
-        try:
-            while pending or busy:
-                while idle and pending:
-                    w, i = idle.pop(), pending.popleft()
-                    if not w.ready:  # a replacement for a killed worker
-                        w.wait_ready()
-                    msg = {"id": i, "prompt": prompts[i], "response": responses[i]}
-                    try:
-                        w.send({**msg, "answer": answers[i]})
-                    except (BrokenPipeError, OSError):  # died while idle: replace, retry
-                        idle.append(self._replace(w))
-                        pending.appendleft(i)
-                        continue
-                    except TypeError as e:  # the answer is not JSON-serialisable
-                        idle.append(w)
-                        self._record(batch, i, 0.0, f"cannot send to worker: {e}")
-                        continue
-                    busy[w.proc.stdout.fileno()] = w
-                    sel.register(w.proc.stdout, selectors.EVENT_READ)
-                if not busy:
-                    continue
-                now = time.monotonic()
-                wait = min(w.started + self.timeout_s for w in busy.values()) - now
-                for key, _ in sel.select(timeout=max(0.0, wait)):
-                    w = busy.pop(key.fd)
-                    sel.unregister(key.fileobj)
-                    task = w.task
-                    try:
-                        reply = w.read_reply()
-                    except WorkerDied as e:  # os._exit, segfault, SIGXCPU, OOM kill
-                        self._record(batch, task, 0.0, str(e))
-                        idle.append(self._replace(w))
-                        continue
-                    self._record(batch, reply["id"], reply["reward"], reply["error"])
-                    idle.append(self._replace(w) if reply.get("restart") else w)
-                now = time.monotonic()
-                for fd, w in list(busy.items()):
-                    if now - w.started >= self.timeout_s:
-                        del busy[fd]
-                        sel.unregister(w.proc.stdout)
-                        batch.rewards[w.task] = 0.0
-                        batch.timeouts += 1
-                        if len(batch.errors) < _MAX_ERRORS_KEPT:
-                            batch.errors.append(
-                                f"sample {w.task}: timed out after reward.timeout_s="
-                                f"{self.timeout_s:g} s (worker killed and replaced)"
-                            )
-                        idle.append(self._replace(w))
-        finally:
-            sel.close()
-
-    def _replace(self, w: WorkerProcess) -> WorkerProcess:
-        w.kill()
-        new = self._spawn()
-        self._workers[self._workers.index(w)] = new
-        return new
+    @classmethod
+    def _record_outcome(cls, batch: RewardBatch, i: int, out: dict[str, Any] | CallFailed) -> None:
+        if not isinstance(out, CallFailed):
+            cls._record(batch, i, out["reward"], out["error"])
+        elif not out.timed_out:
+            cls._record(batch, i, 0.0, out.message)
+        else:  # a timeout is counted apart from the failures
+            batch.rewards[i] = 0.0
+            batch.timeouts += 1
+            if len(batch.errors) < _MAX_ERRORS_KEPT:
+                batch.errors.append(f"sample {i}: {out.message}")
 
     def close(self) -> None:
-        """Stop the workers (they also exit on their own when the trainer's pipes close)."""
-        for w in self._workers:
-            w.kill()
-        self._workers = []
+        """Stop the workers (they also exit on their own when the trainer's pipes close);
+        a later `score` starts fresh ones."""
+        if self._pool is not None:
+            self._pool.close()
 
     def __enter__(self) -> RewardPool:
         return self
@@ -285,14 +252,8 @@ class RewardPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
-
-def worker_limits(sandbox_cfg: Any, timeout_s: float) -> WorkerLimits:
+def worker_limits(sandbox_cfg: SandboxConfig, timeout_s: float) -> WorkerLimits:
     """The limits of reward and environment workers from a `RewardConfig`; `timeout_s` is the
     calls' wall timeout (the CPU limit defaults to twice it)."""
     cpu = sandbox_cfg.max_cpu_s if sandbox_cfg.max_cpu_s is not None else 2.0 * timeout_s
@@ -303,7 +264,7 @@ def worker_limits(sandbox_cfg: Any, timeout_s: float) -> WorkerLimits:
     )
 
 
-def build_reward_pool(reward_cfg: Any, sandbox_cfg: Any) -> Any:
+def build_reward_pool(reward_cfg: RewardConfig, sandbox_cfg: SandboxConfig) -> RewardScorer:
     """A pool from a `megatron_gspo.config.RewardConfig`; for reward.kind=http the judge
     client (`rewards/http.py`: the same `score` / `close` interface; no user code, so no
     sandbox)."""

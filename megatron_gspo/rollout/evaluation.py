@@ -29,12 +29,15 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.config_io import positive as _positive
 from megatron_gspo.config_io import require as _require
-from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft
+from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, Sampler
 from megatron_gspo.engines.types import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: loaded when an evaluation is built
+    from megatron_gspo.rewards.pool import RewardScorer
 
 __all__ = ["EvalConfig", "Evaluator", "build_evaluator", "pass_at_k"]
 
@@ -93,9 +96,9 @@ class Evaluator:
         self,
         cfg: EvalConfig,
         *,
-        engine: Any,
-        dataset: Any,
-        rewards: Any,
+        engine: Sampler,
+        dataset: Any,  # a PromptDataset (a chat record has prompt None: rewards see it)
+        rewards: RewardScorer,
         sampling: SamplingParams,
         total_steps: int,
         run: Callable[[Coroutine[Any, Any, Any]], Any] = asyncio.run,

@@ -272,7 +272,7 @@ def make_rollout(cfg: Config, launched: Any = None) -> Rollout:
     )
 
 
-def make_multiturn(cfg: Config, engine: Any, tokenizer: Any) -> tuple[Any, Any]:
+def make_multiturn(cfg: Config, engine: RolloutEngine, tokenizer: Any) -> tuple[Any, Any]:
     """rollout.env: the env worker pool and the multi-turn `group_fn` over `engine`."""
     from megatron_gspo.config_io import ConfigError
     from megatron_gspo.engines.connect import per_engine_clients

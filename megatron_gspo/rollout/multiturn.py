@@ -37,11 +37,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from megatron_gspo.engines.types import SEED_PROMPT_STRIDE, Sample, SamplingParams
-from megatron_gspo.envs.pool import EnvError, EnvPool
-from megatron_gspo.rollout.scheduler import TURN_CONTEXT
+from megatron_gspo.engines.protocols import Sampler
+from megatron_gspo.engines.types import SEED_PROMPT_STRIDE, FinishReason, Sample, SamplingParams
+from megatron_gspo.envs.pool import EnvError, EnvPool, Episode
+from megatron_gspo.rollout.scheduler import TURN_CONTEXT, TurnContext
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.prompts import PromptRecord
 
 __all__ = ["MultiTurn", "ObservationCodec", "episode_metrics", "record_dict"]
 
@@ -95,7 +99,7 @@ class ObservationCodec:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def record_dict(record: Any) -> dict[str, Any]:
+def record_dict(record: PromptRecord) -> dict[str, Any]:
     """A `PromptRecord` as the JSON dict an environment's `reset` receives."""
     return {
         "index": record.index,
@@ -110,8 +114,8 @@ def record_dict(record: Any) -> dict[str, Any]:
 class MultiTurn:
     """The multi-turn rollout of one run (rank 0)."""
 
-    engine: Any
-    """A `RolloutEngine` with `agenerate` (the SGLang client)."""
+    engine: Sampler
+    """The rollout's engines (the SGLang client): `agenerate` only."""
     tokenizer: Any
     envs: EnvPool
     codec: ObservationCodec
@@ -121,7 +125,7 @@ class MultiTurn:
     """Most response tokens (model + env) per episode (`rollout.max_total_tokens`)."""
     stop_ids: tuple[int, ...] = ()
     """Token ids that end a model turn besides EOS (`rollout.turn_stop`)."""
-    engines: tuple[Any, ...] = ()
+    engines: tuple[Sampler, ...] = ()
     """Generation-only clients, one per engine, each listing every engine with a different one
     first (`engines.connect.per_engine_clients`): episode k sends all its turns to client
     k mod len, so the
@@ -130,7 +134,7 @@ class MultiTurn:
 
     async def group_fn(
         self,
-        record: Any,
+        record: PromptRecord,
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         n: int,
@@ -146,115 +150,150 @@ class MultiTurn:
 
     async def episode(
         self,
-        record: Any,
+        record: PromptRecord,
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         prompt_index: int,
         sample_index: int,
     ) -> Sample:
-        prompt = [int(t) for t in prompt_ids]
-        resp: list[int] = []
-        logprobs: list[float] = []
-        mask: list[bool] = []
-        turns: list[dict[str, Any]] = []
-        meta: dict[str, Any] = {"turns": turns, "env_error": None}
-        env_reward: float | None = None
-        failed: str | None = None
-        finish: Any = "length"
-        last: Sample | None = None
-        sched = TURN_CONTEXT.get()
+        """One episode (module docstring): reset, then model and env turns until the env is
+        done, a budget is spent, the fill stops, or a call fails; the env state is dropped."""
+        st = _Episode(prompt=[int(t) for t in prompt_ids], max_total=self.max_total_tokens)
         base_seed = sampling.sample_seed(prompt_index, sample_index)
-
-        def add_env(ids: list[int]) -> bool:
-            """Append env tokens (cut at the budget); False when the budget is spent."""
-            room = self.max_total_tokens - len(resp)
-            ids = ids[: max(0, room)]
-            if ids:
-                turns.append({"kind": "env", "start": len(resp), "end": len(resp) + len(ids)})
-                resp.extend(ids)
-                logprobs.extend([0.0] * len(ids))
-                mask.extend([False] * len(ids))
-            return len(resp) < self.max_total_tokens
-
         k = prompt_index * SEED_PROMPT_STRIDE + sample_index
         client = self.engines[k % len(self.engines)] if self.engines else self.engine
         ep = None
         try:
             ep, obs = await self.envs.reset(record_dict(record))
-            room = add_env(self.codec.encode(obs, prompt)) if obs else True
+            room = st.add_env(self.codec.encode(obs, st.prompt)) if obs else True
             for turn in range(self.max_turns if room else 0):
-                budget = min(sampling.max_new_tokens, self.max_total_tokens - len(resp))
                 seed = None if base_seed is None else (base_seed + turn * 7_777_777) % (2**63 - 1)
-                sp = dataclasses.replace(
-                    sampling,
-                    max_new_tokens=budget,
-                    stop_token_ids=tuple(sampling.stop_token_ids) + self.stop_ids,
-                    seed=seed,
-                )
-                if sched is not None and not await sched.gate():  # held while weights move
-                    finish = "abort"  # the fill stopped: the group restarts from its prompt
-                    break
-                result = await client.agenerate([prompt + resp], sp, n=1)
-                if not result.samples:  # the engine's answer was rejected (ids vs log-probs)
-                    meta["env_error"], failed = "engine turn rejected", "rejected"
-                    break
-                last = result.samples[0]
-                turns.append(
-                    {
-                        "kind": "model",
-                        "start": len(resp),
-                        "end": len(resp) + len(last.response_ids),
-                        "weight_version": last.weight_version,
-                        "version": _version(last.weight_version, sched),
-                        "prompt_tokens": last.meta.get("prompt_tokens"),
-                        "engine": last.engine_id,
-                    }
-                )
-                resp.extend(last.response_ids)
-                logprobs.extend(last.logprobs)
-                mask.extend(last.logprob_mask)
-                if last.finish_reason == "abort":
-                    finish = "abort"
-                    break
-                text = self.tokenizer.decode(last.response_ids, skip_special_tokens=True)
-                obs, reward, done = await self.envs.step(ep, text)
-                if reward is not None:
-                    env_reward = float(reward)
-                if done:
-                    finish = "stop"
-                    break
-                if len(resp) >= self.max_total_tokens:
-                    break
-                if obs and not add_env(self.codec.encode(obs, last.response_ids)):
+                if not await self._turn(st, ep, client, self._turn_sampling(sampling, st, seed)):
                     break
         except EnvError as e:  # counted and reported by the pool; the episode ends here
-            meta["env_error"], failed = str(e), f"env: {e}"
+            st.meta["env_error"], st.failed = str(e), f"env: {e}"
         finally:
             if ep is not None:
                 await self.envs.close_episode(ep)
-        if last is None and finish != "abort":  # reset failed, or the first turn was rejected
-            failed = failed or "env: no model turn"
-        meta["num_model_turns"] = sum(t["kind"] == "model" for t in turns)
-        meta["num_env_turns"] = sum(t["kind"] == "env" and t["start"] > 0 for t in turns)
+        return st.sample(prompt_index, sample_index)
+
+    def _turn_sampling(
+        self, sampling: SamplingParams, st: _Episode, seed: int | None
+    ) -> SamplingParams:
+        """A model turn's sampling: the tokens left of the episode's budget, EOS and
+        rollout.turn_stop as stops, the turn's own seed."""
+        return dataclasses.replace(
+            sampling,
+            max_new_tokens=min(sampling.max_new_tokens, self.max_total_tokens - len(st.resp)),
+            stop_token_ids=tuple(sampling.stop_token_ids) + self.stop_ids,
+            seed=seed,
+        )
+
+    async def _turn(self, st: _Episode, ep: Episode, client: Sampler, sp: SamplingParams) -> bool:
+        """One model turn and the env's answer to it; False when the episode is over."""
+        sched = TURN_CONTEXT.get()
+        if sched is not None and not await sched.gate():  # held while weights move
+            st.finish = "abort"  # the fill stopped: the group restarts from its prompt
+            return False
+        result = await client.agenerate([st.prompt + st.resp], sp, n=1)
+        if not result.samples:  # the engine's answer was rejected (ids vs log-probs)
+            st.meta["env_error"], st.failed = "engine turn rejected", "rejected"
+            return False
+        last = result.samples[0]
+        st.add_model(last, _version(last.weight_version, sched))
+        if last.finish_reason == "abort":
+            st.finish = "abort"
+            return False
+        text = self.tokenizer.decode(last.response_ids, skip_special_tokens=True)
+        obs, reward, done = await self.envs.step(ep, text)
+        if reward is not None:
+            st.env_reward = float(reward)
+        if done:
+            st.finish = "stop"
+            return False
+        if len(st.resp) >= self.max_total_tokens:
+            return False
+        return not obs or st.add_env(self.codec.encode(obs, last.response_ids))
+
+
+@dataclasses.dataclass
+class _Episode:
+    """What one episode has built so far: the response ids (model and env tokens), their
+    engine log-probs and loss mask, the turns, and how it ended."""
+
+    prompt: list[int]
+    max_total: int
+    """rollout.max_total_tokens: most response tokens, model and env together."""
+    resp: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    mask: list[bool] = dataclasses.field(default_factory=list)
+    turns: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    env_reward: float | None = None
+    failed: str | None = None
+    finish: FinishReason = "length"
+    last: Sample | None = None
+    """The last model turn."""
+
+    def __post_init__(self) -> None:
+        self.meta.update(turns=self.turns, env_error=None)
+
+    def add_env(self, ids: list[int]) -> bool:
+        """Append env tokens (cut at the budget); False when the budget is spent."""
+        ids = ids[: max(0, self.max_total - len(self.resp))]
+        if ids:
+            self.turns.append(
+                {"kind": "env", "start": len(self.resp), "end": len(self.resp) + len(ids)}
+            )
+            self.resp.extend(ids)
+            self.logprobs.extend([0.0] * len(ids))
+            self.mask.extend([False] * len(ids))
+        return len(self.resp) < self.max_total
+
+    def add_model(self, last: Sample, version: int | None) -> None:
+        """Append a model turn: its ids, engine log-probs and mask, and its weight version."""
+        self.turns.append(
+            {
+                "kind": "model",
+                "start": len(self.resp),
+                "end": len(self.resp) + len(last.response_ids),
+                "weight_version": last.weight_version,
+                "version": version,
+                "prompt_tokens": last.meta.get("prompt_tokens"),
+                "engine": last.engine_id,
+            }
+        )
+        self.resp.extend(last.response_ids)
+        self.logprobs.extend(last.logprobs)
+        self.mask.extend(last.logprob_mask)
+        self.last = last
+
+    def sample(self, prompt_index: int, sample_index: int) -> Sample:
+        """The episode as one training sample (marked failed when no model turn ran)."""
+        last, turns = self.last, self.turns
+        if last is None and self.finish != "abort":  # reset failed, or the first turn rejected
+            self.failed = self.failed or "env: no model turn"
+        self.meta["num_model_turns"] = sum(t["kind"] == "model" for t in turns)
+        self.meta["num_env_turns"] = sum(t["kind"] == "env" and t["start"] > 0 for t in turns)
         return Sample(
-            prompt_ids=prompt,
-            response_ids=resp,
-            logprobs=logprobs,
-            logprob_mask=mask,
-            finish_reason=finish,
-            truncated=finish != "stop",
+            prompt_ids=self.prompt,
+            response_ids=self.resp,
+            logprobs=self.logprobs,
+            logprob_mask=self.mask,
+            finish_reason=self.finish,
+            truncated=self.finish != "stop",
             weight_version=last.weight_version if last else "",
             engine_id=last.engine_id if last else "",
             prompt_index=prompt_index,
             sample_index=sample_index,
-            meta=meta,
-            token_versions=token_versions(turns, len(resp)),
-            env_reward=env_reward,
-            failed=failed,
+            meta=self.meta,
+            token_versions=token_versions(turns, len(self.resp)),
+            env_reward=self.env_reward,
+            failed=self.failed,
         )
 
 
-def _version(label: str, sched: Any) -> int | None:
+def _version(label: str, sched: TurnContext | None) -> int | None:
     """A model turn's weight version: the engine's label when it is a number, else the version
     the scheduler says the engines serve (None outside a scheduler)."""
     try:

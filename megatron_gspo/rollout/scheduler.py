@@ -54,6 +54,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from megatron_gspo.config_io import ConfigError
+from megatron_gspo.engines.protocols import Generator
 from megatron_gspo.engines.types import SEED_PROMPT_STRIDE, RolloutStats, Sample, SamplingParams
 
 GroupFn = Callable[[Any, list[int], SamplingParams, int, int], Awaitable[list[Sample]]]
@@ -268,7 +269,7 @@ class GroupScheduler:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Generator,
         queue: PromptQueue,
         score_fn: ScoreFn,
         cfg: SchedulerConfig,

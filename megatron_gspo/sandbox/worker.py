@@ -26,7 +26,7 @@ import os
 import resource
 import signal
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 
 def _die_with_parent() -> None:
@@ -74,7 +74,7 @@ def _memory_message(error: str, max_memory_mb: int | None) -> tuple[str, bool]:
     return error, False
 
 
-def _reward_loop(spec: str, out: Any, args: argparse.Namespace) -> None:
+def _reward_loop(spec: str, out: TextIO, args: argparse.Namespace) -> None:
     from megatron_gspo.rewards.pool import call_reward, load_reward_fn
 
     try:
@@ -103,7 +103,7 @@ def _reward_loop(spec: str, out: Any, args: argparse.Namespace) -> None:
             return
 
 
-def _env_loop(spec: str, out: Any, args: argparse.Namespace) -> None:
+def _env_loop(spec: str, out: TextIO, args: argparse.Namespace) -> None:
     from megatron_gspo.envs import env_call, load_env_class
 
     try:

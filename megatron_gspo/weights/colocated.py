@@ -20,12 +20,11 @@ its copies from a bucket are done; blocks it still holds stay in torch's IPC lim
 
 from __future__ import annotations
 
-from typing import Any
-
 from megatron_gspo import dist
+from megatron_gspo.engines.protocols import MemoryControl
 
 
-def resume_engines(engine: Any | None, *, colocated: bool) -> None:
+def resume_engines(engine: MemoryControl | None, *, colocated: bool) -> None:
     """After the update, before the weight push (call on every rank; `engine` on rank 0 only,
     None elsewhere). A no-op unless `colocated`."""
     if not colocated:

@@ -29,7 +29,7 @@ def interface_of(address: str) -> str | None:
     except ImportError:
         return None
     try:
-        ips = {info[4][0] for info in socket.getaddrinfo(address, None)}
+        ips = {str(info[4][0]) for info in socket.getaddrinfo(address, None)}
     except OSError:
         return None
     if any(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip in ips):
@@ -83,7 +83,7 @@ def init_weight_update_group(
     # (TORCHELASTIC_USE_AGENT_STORE=True in every worker's environment) `rendezvous` makes
     # rank 0 a client of a store it expects torchrun's agent to host, so nobody hosts this one
     # and trainer and engines wait for each other until the timeout.
-    store = dist.TCPStore(
+    store: dist.Store = dist.TCPStore(
         host_name=master_address,
         port=master_port,
         world_size=world_size,
@@ -103,7 +103,7 @@ def init_weight_update_group(
             [],
             Backend(backend),
             store,
-            group_name=group_name,
+            group_name=group_name,  # type: ignore[arg-type]  # torch's private GroupName
             backend_options=None,
             timeout=timeout,
         )

@@ -104,7 +104,7 @@ class SGLangChecksums:
                 hf_digest = tensor_checksum(tensor, self.device)
             self.hf[name] = hf_digest
         if slot is None:
-            self._plain[name] = hf_digest
+            self._plain[name] = self.hf[name]
             return
         if not self.track_fused:
             return

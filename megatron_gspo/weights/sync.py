@@ -224,6 +224,12 @@ class WeightSync:
         self.local_stats = StreamStats()
         """What this rank's last export received (`push` returns the sender's stats)."""
 
+    @property
+    def _tx(self) -> Transport:
+        """The transport (the sender rank's only)."""
+        assert self.transport is not None, "only the sender rank has a transport"
+        return self.transport
+
     def _make_transport(self) -> Transport:
         cfg = self.config
         if cfg.transport == "tensor":
@@ -270,7 +276,7 @@ class WeightSync:
         start = time.perf_counter()
         try:
             if self.sender and not self._ready:
-                self.transport.setup()
+                self._tx.setup()
                 self._ready = True
             if self.sender and cfg.transport != "distributed":  # its groups have fixed members
                 joining = [j for engine in self.engines for j in engine.prepare_sync()]
@@ -278,7 +284,7 @@ class WeightSync:
                 # verified push reached it, whatever the schedule.
                 verify = verify or (cfg.verify_every > 0 and bool(joining))
             if self.sender:
-                self.transport.begin(version)
+                self._tx.begin(version)
         except BaseException as e:  # noqa: BLE001 - reported on every rank below
             error = e
         sent_sums = self._checksums() if verify and self.sender else None
@@ -313,7 +319,7 @@ class WeightSync:
         if self.sender and error is None:
             try:
                 t0 = time.perf_counter()
-                self.transport.finish(version)
+                self._tx.finish(version)
                 t1 = time.perf_counter()
                 stats.add_seconds("finish", t1 - t0)
                 if sent_sums is not None:

@@ -67,7 +67,7 @@ class HFPolicy:
         self.quantization = quantization
         self.fp8 = None if quantization is None else fp8_emulation.emulate(self.model, quantization)
         """Block-FP8 weights (quantised linears, held e4m3 + scale) when quantization is set."""
-        cfg = self.model.config
+        cfg: Any = self.model.config  # an HF config (Module attributes type as Tensor | Module)
         self.vocab_size = int(cfg.vocab_size)
         self.context_len = int(getattr(cfg, "max_position_embeddings", 1 << 20))
         eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -214,7 +214,7 @@ class HFPolicy:
         Unknown names or shape mismatches raise: a silently skipped tensor is the classic
         weight-sync bug.
         """
-        params = dict(self.model.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         n = 0
         with self.lock, torch.no_grad():

@@ -24,7 +24,7 @@ class RouteCapture:
     (the caller holds the model's lock, so one forward at a time writes)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        cfg = model.config
+        cfg: Any = model.config  # an HF config (Module attributes type as Tensor | Module)
         self.num_layers = int(cfg.num_hidden_layers)
         self.topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self._target: tuple[torch.Tensor, int] | None = None

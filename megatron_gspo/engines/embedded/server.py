@@ -214,7 +214,7 @@ class EmbeddedTokenizerManager:
             wait_if_paused=self._wait_if_paused,
             return_routed_experts=routes,
         )
-        out = {
+        out: dict[str, Any] = {
             "output_ids": res.output_ids,
             "meta_info": {
                 "id": rid,
@@ -531,7 +531,7 @@ class EmbeddedServer:
                 _CURRENT_TM.reset(token)
 
         self._asgi = asgi
-        self._server = None
+        self._server: Any = None  # a uvicorn.Server once started (uvicorn loads lazily)
         self._thread: threading.Thread | None = None
 
     def _config(self):
