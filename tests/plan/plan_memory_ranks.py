@@ -70,7 +70,7 @@ def measure_step_peak(
 
     CPUCoreAttention.forward = _flash_core_attention  # type: ignore[method-assign]
     cfg = load_config(None, [f"model.hf_path={hf_dir}", *overrides])
-    policy = Policy.build(cfg)
+    policy = Policy.build(cfg.policy_spec())
     vocab = policy.bridge.hf_pretrained.config.vocab_size
     g = torch.Generator().manual_seed(rank)
     prompt = 8
