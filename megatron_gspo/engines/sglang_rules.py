@@ -12,14 +12,17 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron_gspo.config_io import FLOAT_DTYPES, require
 from megatron_gspo.engines.launch import LaunchConfig
+from megatron_gspo.layout import _num_experts
 
 __all__ = [
     "BACKEND",
     "DEFAULT_MEM_FRACTION",
     "check_engine_interpreter",
+    "check_engine_layout",
     "check_memory_release",
     "check_routed_experts",
     "check_weight_updates",
@@ -34,8 +37,9 @@ BACKEND = "sglang"
 """`rollout.launch.backend` of a real SGLang server (the other one is "embedded")."""
 
 DEFAULT_MEM_FRACTION = 0.85
-"""SGLang's own share of GPU memory when rollout.launch.mem_fraction_static is null (0.5.x
-picks 0.85-0.88 by GPU size; the planner takes the lower end)."""
+"""SGLang's own share of GPU memory when rollout.launch.mem_fraction_static is null (0.5.x picks
+0.79-0.88 by GPU size and TP; the planner takes the middle so a missing setting is not
+optimistic)."""
 
 
 def serves_sglang(launch: LaunchConfig | None) -> bool:
@@ -96,6 +100,30 @@ def received_dtype(launch: LaunchConfig | None) -> str | None:
     if launch is not None and serves_sglang(launch) and launch.dtype in FLOAT_DTYPES:
         return FLOAT_DTYPES[launch.dtype]
     return None
+
+
+def check_engine_layout(launch: LaunchConfig, hf: Any, gpus_per_node: int) -> None:
+    """SGLang's own layout rules for one engine (the planner's: `hf` is the model's HF
+    config), named by config key."""
+    tp = launch.tp_size
+    require(tp >= 1, f"rollout.launch.tp_size={tp} must be >= 1")
+    require(
+        gpus_per_node % tp == 0,
+        f"rollout.launch.tp_size={tp} does not divide --gpus-per-node={gpus_per_node} (an engine "
+        "stays on one node); change rollout.launch.tp_size",
+    )
+    require(
+        hf.num_attention_heads % tp == 0,
+        f"rollout.launch.tp_size={tp} does not divide the model's num_attention_heads="
+        f"{hf.num_attention_heads}; change rollout.launch.tp_size",
+    )
+    experts = _num_experts(hf)
+    ep = launch.ep_size
+    require(
+        ep == 1 or (tp % ep == 0 and experts is not None and experts % ep == 0),
+        f"rollout.launch.ep_size={ep} must divide rollout.launch.tp_size={tp} and the model's "
+        f"num_experts={experts}; change rollout.launch.ep_size",
+    )
 
 
 def check_engine_interpreter(launch: LaunchConfig | None) -> None:
