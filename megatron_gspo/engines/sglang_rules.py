@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from megatron_gspo.config_io import FLOAT_DTYPES, require
 from megatron_gspo.engines.launch import LaunchConfig
@@ -33,7 +33,7 @@ __all__ = [
     "serves_sglang",
 ]
 
-BACKEND = "sglang"
+BACKEND: Final = "sglang"
 """`rollout.launch.backend` of a real SGLang server (the other one is "embedded")."""
 
 DEFAULT_MEM_FRACTION = 0.85
