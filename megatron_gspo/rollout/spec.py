@@ -34,7 +34,7 @@ class RolloutSpec:
     hf_path: str
     """model.hf_path: the tokenizer's default, the engines' context length."""
     tokenizer_path: str | None = None
-    """model.tokenizer_path (None: model.hf_path)."""
+    """model.tokenizer_path: the tokenizer (None: model.hf_path)."""
     group_size: int = 8
     """rl.group_size: responses per prompt."""
     prompts_per_rollout: int = 32
