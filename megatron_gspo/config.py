@@ -25,7 +25,6 @@ import yaml
 
 from megatron_gspo.algo.config import PolicyLossConfig
 from megatron_gspo.config_io import (
-    FLOAT_DTYPES,
     ConfigError,
     apply_override,
     build_dataclass,
@@ -36,14 +35,23 @@ from megatron_gspo.config_io import (
     read_yaml,
     require,
 )
+from megatron_gspo.data.config import DataConfig
+from megatron_gspo.engines import sglang_rules
 from megatron_gspo.engines.client_config import ClientConfig
 from megatron_gspo.engines.launch import LaunchConfig
 from megatron_gspo.layout import Layout
-from megatron_gspo.rewards.config import RewardConfig
+from megatron_gspo.megatron.config import (
+    ModelConfig,
+    OptimConfig,
+    PolicySpec,
+    check_routing_replay,
+)
+from megatron_gspo.rewards.config import RewardConfig, check_overlong_buffer
 from megatron_gspo.rollout.config import RolloutConfig
 from megatron_gspo.rollout.evaluation import EvalConfig
+from megatron_gspo.rollout.spec import RolloutSpec
 from megatron_gspo.sandbox.config import SandboxConfig
-from megatron_gspo.weights.config import WeightSyncConfig
+from megatron_gspo.weights.config import WeightSyncConfig, check_fp8_sync
 
 __all__ = [
     "CheckpointConfig",
@@ -59,8 +67,10 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "PolicyLossConfig",
+    "PolicySpec",
     "RewardConfig",
     "RolloutConfig",
+    "RolloutSpec",
     "TrainConfig",
     "WeightSyncConfig",
     "config_from_dict",
@@ -68,89 +78,12 @@ __all__ = [
     "field_docs",
     "load_config",
     "parse_cli",
+    "resolve",
 ]
 
 _require = require
 _positive = positive
 _CFG = dict(kw_only=True, slots=True)
-
-
-@dataclass(**_CFG)
-class ModelConfig:
-    """Which model to train (a Hugging Face directory, converted by megatron-bridge)."""
-
-    hf_path: str
-    """Local Hugging Face model directory (config.json, and weights unless load_weights=false)."""
-    tokenizer_path: str | None = None
-    """Tokenizer directory; None uses model.hf_path."""
-    load_weights: bool = True
-    """false: build the model from config.json with random weights (toy and test runs)."""
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    """Parameter / compute dtype of the trainer (bf16: fp32 main params in the optimizer; CPU
-    runs take fp32 or bf16)."""
-    activation_recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation granularity (megatron-core recompute_granularity)."""
-    moe_token_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
-    """megatron-core MoE token dispatcher type."""
-    moe_grouped_gemm: bool = False
-    """Use grouped GEMM for the experts (GPU only)."""
-    moe_aux_loss_coef: float = 0.0
-    """Load-balancing auxiliary loss coefficient (0 disables it; RL usually keeps it off)."""
-    fused_lm_head: bool = True
-    """Compute log-probs and entropy with the fused output layer (never materialises the
-    [tokens, vocab] logits; same numbers); false: output-layer logits, then chunked log-softmax."""
-
-    def __post_init__(self) -> None:
-        _require(bool(self.hf_path), "model.hf_path is empty; set model.hf_path")
-        _require(
-            self.moe_aux_loss_coef >= 0,
-            f"model.moe_aux_loss_coef={self.moe_aux_loss_coef} must be >= 0; "
-            "change model.moe_aux_loss_coef",
-        )
-
-
-@dataclass(**_CFG)
-class OptimConfig:
-    """Optimizer and learning-rate schedule (one optimizer step per mini-batch)."""
-
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """Optimizer type (megatron-core: Adam is AdamW-style decoupled weight decay)."""
-    lr: float = 1e-6
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Final learning rate of a decaying schedule."""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """After warmup: constant at optim.lr, or decay to optim.min_lr by the last optimizer step
-    (train.steps * rl.mini_batches_per_rollout). megatron-core's OptimizerParamScheduler."""
-    warmup_steps: int = 0
-    """Linear warmup from 0 to optim.lr over this many optimizer steps."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    adam_eps: float = 1e-8
-    """Adam epsilon."""
-    sgd_momentum: float = 0.9
-    """SGD momentum (optim.optimizer=sgd)."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip; 0 disables clipping."""
-    use_distributed_optimizer: bool = True
-    """Shard optimizer state over data-parallel ranks (megatron-core distributed optimizer)."""
-
-    def __post_init__(self) -> None:
-        _positive("optim", lr=self.lr, adam_eps=self.adam_eps)
-        for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
-            v = getattr(self, name)
-            _require(0 <= v < 1, f"optim.{name}={v} must be in [0, 1); change optim.{name}")
-        for name in ("min_lr", "warmup_steps", "weight_decay", "clip_grad"):
-            v = getattr(self, name)
-            _require(v >= 0, f"optim.{name}={v} must be >= 0; change optim.{name}")
-        _require(
-            self.min_lr <= self.lr,
-            f"optim.min_lr={self.min_lr} exceeds optim.lr={self.lr}; change optim.min_lr",
-        )
 
 
 @dataclass(**_CFG)
@@ -200,41 +133,6 @@ class RLConfig:
     def rollout_size(self) -> int:
         """Responses per rollout (P * G)."""
         return self.prompts_per_rollout * self.group_size
-
-
-@dataclass(**_CFG)
-class DataConfig:
-    """The prompt dataset (JSONL, Parquet or Hugging Face `datasets`: a prompt string or chat
-    messages, plus an answer)."""
-
-    train_path: str
-    """Training prompts: a JSONL file, or per data.format a Parquet file or a local dataset."""
-    format: Literal["jsonl", "parquet", "hf", "auto"] = "jsonl"
-    """How data.train_path (and eval.path) are read (`data/formats.py`): jsonl; parquet
-    (pyarrow); hf (Hugging Face datasets, local only: a save_to_disk directory or a .json /
-    .jsonl / .csv / .parquet / .arrow file); auto: by the path (directory: hf, .parquet:
-    parquet, .csv / .arrow: hf, else jsonl). A row is read like a JSONL object."""
-    prompt_key: str = "prompt"
-    """Field holding the prompt text."""
-    messages_key: str = "messages"
-    """Field holding a chat message list (used when the prompt field is absent)."""
-    answer_key: str = "answer"
-    """Field holding the ground-truth answer passed to the reward."""
-    chat_template: bool = True
-    """Render prompts with the tokenizer's chat template when it has one (else plain text)."""
-    system_prompt: str | None = None
-    """System message prepended to every chat (chat template only)."""
-    seed: int = 0
-    """Shuffling seed; the order of epoch e is a function of (seed, e) only."""
-    shuffle: bool = True
-    """Shuffle prompts every epoch (false: file order)."""
-    max_prompt_tokens: int | None = None
-    """Drop prompts longer than this many tokens at load time (rendered, as sent to the engine),
-    printing how many; none left is an error. None: no limit."""
-
-    def __post_init__(self) -> None:
-        _require(bool(self.train_path), "data.train_path is empty; set data.train_path")
-        _positive("data", max_prompt_tokens=self.max_prompt_tokens)
 
 
 @dataclass(**_CFG)
@@ -390,6 +288,16 @@ class Config:
     """Outer loop."""
 
     def __post_init__(self) -> None:
+        # Checks only; derived values are `resolve`'s (load_config applies it).
+        self._check_token_budgets()
+        self._check_pi_old()
+        self._check_engines()
+        self._check_routing_replay()
+        self._check_schedule()
+
+    def _check_token_budgets(self) -> None:
+        """A micro-batch holds one whole response (and episode); the overlong buffer lies
+        within the response cap."""
         _require(
             self.train.micro_batch_tokens > self.rollout.max_new_tokens,
             f"train.micro_batch_tokens={self.train.micro_batch_tokens} cannot hold one response "
@@ -403,57 +311,36 @@ class Config:
             "rollout.max_turns * rollout.max_new_tokens) plus its prompt; raise "
             "train.micro_batch_tokens or lower rollout.max_total_tokens",
         )
-        _require(
-            self.reward.overlong_buffer <= self.rollout.episode_tokens,
-            f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds the response cap of "
-            f"{self.rollout.episode_tokens} tokens (rollout.max_new_tokens); lower "
-            "reward.overlong_buffer",
-        )
+        check_overlong_buffer(self.reward, self.rollout.episode_tokens)
+
+    def _check_pi_old(self) -> None:
         _require(
             self.loss.tis_mode == "none" or self.rl.pi_old == "recompute",
             f"loss.tis_mode={self.loss.tis_mode} compares a recomputed pi_old with the engine; "
             "set rl.pi_old=recompute or loss.tis_mode=none",
         )
-        launch = self.rollout.launch
-        # The embedded engine holds exactly what it is sent (checked bitwise): block FP8 when
-        # it emulates FP8 inference, the trainer's dtype otherwise.
-        embedded_fp8 = self.rollout.embedded and launch is not None and launch.quantization
-        _require(
-            not (self.weights.fp8 and self.rollout.embedded and not embedded_fp8),
-            "weights.fp8=true needs SGLang engines or the embedded engine's FP8 emulation; set "
-            "weights.fp8=false, rollout.launch.quantization=fp8 or rollout.launch.backend=sglang",
-        )
-        _require(
-            not (embedded_fp8 and not self.weights.fp8),
-            "rollout.launch.quantization=fp8 on the embedded engine holds block-FP8 weights, "
-            "which only FP8 sync sends; set weights.fp8=true or rollout.launch.quantization=null",
-        )
-        _require(
-            launch is None or launch.dp_size == 1 or self.weights.transport == "disk",
-            f"rollout.launch.dp_size={launch.dp_size if launch else 1}: SGLang 0.5.23 applies "
-            "tensor and distributed weight updates only with dp_size 1; launch more engines "
-            "(rollout.launch.num_engines) or set weights.transport=disk",
-        )
-        _require(
-            not (
-                launch is not None
-                and launch.backend == "sglang"
-                and launch.device == "cpu"
-                and launch.colocated
-            ),
-            "rollout.launch.colocated=true cannot run a real SGLang server on CPU "
-            "(rollout.launch.device=cpu): SGLang 0.5.23's memory release/resume ends in "
-            "torch.cuda.synchronize() and kills the CPU server; set rollout.launch.colocated=false",
-        )
-        _require(
-            not (self.rollout.async_rollout and launch is not None and launch.colocated),
-            "rollout.async_rollout=true generates while the trainer trains, which colocated "
-            "engines (rollout.launch.colocated=true) cannot; set one of them to false",
-        )
-        if self.rl.routing_replay:
-            from megatron_gspo.megatron.replay import check_config
 
-            check_config(self)
+    def _check_engines(self) -> None:
+        """What the engines can hold and do: FP8 sync, weight updates, colocation."""
+        launch = self.rollout.launch
+        check_fp8_sync(self.weights, embedded=self.rollout.embedded, fp8_engine=_embedded_fp8(self))
+        sglang_rules.check_weight_updates(launch, self.weights.transport)
+        sglang_rules.check_memory_release(launch)
+        self.rollout.check_async_colocation()
+
+    def _check_routing_replay(self) -> None:
+        """rl.routing_replay (a study control): what replay cannot serve."""
+        if not self.rl.routing_replay:
+            return
+        sglang_rules.check_routed_experts(self.rollout.launch)
+        _require(
+            self.rollout.env is None,
+            "rl.routing_replay=true is not wired for multi-turn episodes (rollout.env); unset "
+            "rollout.env or set rl.routing_replay=false",
+        )
+        check_routing_replay(self.model)
+
+    def _check_schedule(self) -> None:
         optimizer_steps = self.train.steps * self.rl.mini_batches_per_rollout
         _require(
             self.optim.warmup_steps < optimizer_steps,
@@ -461,41 +348,101 @@ class Config:
             f"{optimizer_steps} optimizer steps (train.steps * rl.mini_batches_per_rollout); "
             "change optim.warmup_steps",
         )
-        if launch is not None:  # what each engine TP rank holds of the experts (verification)
-            self.weights.engine_ep_size = launch.ep_size
-        if launch is not None and self.weights.engine_device == "auto":
-            # SGLang hashes CUDA tensors with its Triton kernel, every other device with sha256
-            # (`engines.wire.tensor_checksum`); None: SGLang's default device, a GPU's there.
-            if launch.backend == "embedded" or launch.device not in (None, "cuda"):
-                self.weights.engine_device = "cpu"
-            elif launch.device == "cuda":
-                self.weights.engine_device = "cuda"
-        if launch is not None and not launch.model_path:
-            launch.model_path = self.model.hf_path  # the engines start from the same model
-        if embedded_fp8 and self.weights.dtype is None:
-            # FP8 sync sends the unquantised tensors (norms, router, embeddings) in this dtype;
-            # the embedded engine holds them in fp32, so its checksums match only in fp32.
-            self.weights.dtype = "float32"
-        if self.rollout.embedded and self.weights.dtype is None and self.model.dtype != "fp32":
-            # The embedded engine holds fp32 and checks what it holds: a bf16 trainer's
-            # weights (CPU rehearsals in the recipes' precision) go as fp32, an exact upcast.
-            self.weights.dtype = "float32"
-        if (
-            launch is not None
-            and launch.backend == "sglang"
-            and self.weights.dtype is None
-            and not self.weights.fp8
-            and launch.dtype in FLOAT_DTYPES
-        ):
-            # A real server casts what it receives to its own dtype, so the trainer's (e.g.
-            # fp32 on CPU) would never match its checksums: send the engine's dtype.
-            self.weights.dtype = FLOAT_DTYPES[launch.dtype]
-        if self.weights.transport == "disk" and self.weights.disk_dir is None:
-            self.weights.disk_dir = f"{self.logging.dir}/weights"
+
+    def policy_spec(self) -> PolicySpec:
+        """What the policy (`megatron/policy.py`) reads of this run."""
+        launch = self.rollout.launch
+        return PolicySpec(
+            model=self.model,
+            optim=self.optim,
+            parallel=self.parallel,
+            loss=self.loss,
+            seed=self.train.seed,
+            optimizer_steps=self.train.steps * self.rl.mini_batches_per_rollout,
+            mini_batches=self.rl.mini_batches_per_rollout,
+            pi_old=self.rl.pi_old,
+            adv_eps=self.rl.adv_eps,
+            normalize_std=self.rl.normalize_std,
+            routing_replay=self.rl.routing_replay,
+            micro_batch_tokens=self.train.micro_batch_tokens,
+            routing_flip_every=self.train.routing_flip_every,
+            routing_flip_per_minibatch=self.train.routing_flip_per_minibatch,
+            temperature=self.rollout.temperature,
+            offload_trainer=bool(launch and launch.colocated and launch.offload_trainer),
+        )
+
+    def rollout_spec(self) -> RolloutSpec:
+        """What rank 0's rollout (`rollout/experience.py`) reads of this run."""
+        return RolloutSpec(
+            rollout=self.rollout,
+            data=self.data,
+            reward=self.reward,
+            sandbox=self.sandbox,
+            eval=self.eval,
+            hf_path=self.model.hf_path,
+            tokenizer_path=self.model.tokenizer_path,
+            group_size=self.rl.group_size,
+            prompts_per_rollout=self.rl.prompts_per_rollout,
+            adv_eps=self.rl.adv_eps,
+            normalize_std=self.rl.normalize_std,
+            mask_truncated=self.loss.mask_truncated,
+            seed=self.train.seed,
+            steps=self.train.steps,
+            micro_batch_tokens=self.train.micro_batch_tokens,
+            log_dir=self.logging.dir,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML/JSON-serialisable); `config_from_dict` inverts it."""
         return plain(dataclasses.asdict(self))
+
+
+def _embedded_fp8(cfg: Config) -> bool:
+    """The embedded engine emulates FP8 inference (it holds block-FP8 weights)."""
+    launch = cfg.rollout.launch
+    return bool(cfg.rollout.embedded and launch is not None and launch.quantization)
+
+
+def resolve(cfg: Config) -> Config:
+    """The values other keys imply, decided once before anything starts (`load_config` applies
+    it): a new `Config`, `cfg` unchanged. Keys set in the config are kept.
+
+    - weights.engine_ep_size: rollout.launch.ep_size (what each engine TP rank holds of the
+      experts, for verification)
+    - weights.engine_device=auto: where the engines hash their weights, when the launch says
+    - rollout.launch.model_path empty: model.hf_path (the engines start from the same model)
+    - weights.dtype null: what the engines hold (`_send_dtype`)
+    - weights.disk_dir null with weights.transport=disk: <logging.dir>/weights
+    """
+    launch = cfg.rollout.launch
+    weights: dict[str, Any] = {"dtype": _send_dtype(cfg)}
+    if launch is not None:
+        weights["engine_ep_size"] = launch.ep_size
+        device = sglang_rules.checksum_device(launch)
+        if cfg.weights.engine_device == "auto" and device is not None:
+            weights["engine_device"] = device
+        if not launch.model_path:
+            launch = dataclasses.replace(launch, model_path=cfg.model.hf_path)
+    if cfg.weights.transport == "disk" and cfg.weights.disk_dir is None:
+        weights["disk_dir"] = f"{cfg.logging.dir}/weights"
+    return dataclasses.replace(
+        cfg,
+        weights=dataclasses.replace(cfg.weights, **weights),
+        rollout=dataclasses.replace(cfg.rollout, launch=launch),
+    )
+
+
+def _send_dtype(cfg: Config) -> str | None:
+    """weights.dtype, or the dtype the engines hold when it is null: the embedded engine holds
+    fp32 and checks what it holds (FP8 sync sends its unquantised tensors in it; a bf16
+    trainer's weights go as an exact upcast); a real server casts what it receives to its own
+    dtype (`sglang_rules.received_dtype`), so that one; else null (the trainer's)."""
+    w = cfg.weights
+    if w.dtype is not None:
+        return w.dtype
+    if _embedded_fp8(cfg) or (cfg.rollout.embedded and cfg.model.dtype != "fp32"):
+        return "float32"
+    return None if w.fp8 else sglang_rules.received_dtype(cfg.rollout.launch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,7 +465,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         "the config section `gspo:` is now `rl:` (it drives GRPO too); rename it (and any "
         "--set gspo.KEY=... to --set rl.KEY=...)",
     )
-    return build_dataclass(Config, data)
+    return resolve(build_dataclass(Config, data))
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

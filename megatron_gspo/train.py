@@ -12,10 +12,12 @@ from megatron_gspo.run.interrupt import quiet_ctrl_c
 if __name__ == "__main__":  # Ctrl-C inside the imports below: one line (the console script's
     quiet_ctrl_c("megatron_gspo.train")  # entry does the same: megatron_gspo/entry.py)
 
+import dataclasses
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -63,20 +65,37 @@ def main(argv: list[str] | None = None) -> None:
     if args.dump:
         print(dump_config(cfg), end="")
         return
-    # Every rank, before anything is started or written: a bad input ends all ranks alike.
+    changed = _check_input(cfg, overwrite=args.overwrite)
+    stop, lock = _start_process(cfg)
+    cfg = with_routes(cfg)
+    run = _Parts()
+    try:  # whatever fails, engines and reward workers are shut down
+        _train(cfg, run, stop, overwrite=args.overwrite, changed=changed)
+    finally:
+        run.close()
+        if lock is not None:
+            lock.release()
+    torch.distributed.destroy_process_group()
+
+
+def _check_input(cfg: Config, *, overwrite: bool) -> list[str]:
+    """Every rank, before anything is started or written: a bad input ends all ranks alike.
+    Returns the keys a resume changes (refused ones raised in preflight)."""
     preflight(
         cfg,
         resume=cfg.checkpoint.resume,
-        overwrite=args.overwrite,
+        overwrite=overwrite,
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
     )
+    return check_resume(cfg) if cfg.checkpoint.resume else []
+
+
+def _start_process(cfg: Config) -> tuple[StopSignals, RunLock | None]:
+    """This rank's process: third-party output to the log, stop signals, the process group,
+    the run directories' lock, and the checkpoint to resume verified before anything starts."""
     # Library chatter (import-time tracebacks, deprecations, loading bars) goes to
     # <logging.dir>/third_party.log; the console keeps our progress bar and messages.
-    changed = check_resume(cfg) if cfg.checkpoint.resume else []  # refused keys: preflight
     route_third_party_output(cfg.logging.dir)
-    from megatron_gspo.checkpoint.store import load_checkpoint
-    from megatron_gspo.rollout.experience import make_rollout
-
     # SIGTERM / Ctrl-C from here on: a checkpoint at the next step boundary, every rank gone
     # within train.stop_grace_s (megatron_gspo/run/stop.py).
     stop = StopSignals(cfg.train.stop_grace_s).install()
@@ -88,67 +107,121 @@ def main(argv: list[str] | None = None) -> None:
 
         if (path := latest_checkpoint(cfg.checkpoint.dir)) is not None:
             verify(path)
-    if cfg.rl.routing_replay:  # a study control: the engines return routes to replay
-        from megatron_gspo.engines.routed_experts import ask_for_routes, model_topk
+    return stop, lock
 
-        cfg.rollout.launch, cfg.rollout.client = ask_for_routes(
-            cfg.rollout.launch, cfg.rollout.client, model_topk(cfg.model.hf_path)
-        )
-    # Engines that do not share the trainer's devices start now and import / load while the
-    # model is built; colocated ones after it (they size their memory from what is left).
-    launch = cfg.rollout.launch
-    pending = None
-    if launch is not None and not launch.colocated:
-        pending = _begin_engines(cfg)
-    rollout = sync = log = evaluator = launched = None
-    try:  # whatever fails, engines and reward workers are shut down
-        with third_party_stdio(cfg.logging.dir):
-            policy = build_policy(cfg)  # weights that do not fit config.json: one line
-        if cfg.checkpoint.dir:  # before any engine serves: a checkpoint we could not resume
-            from megatron_gspo.patches import PatchError
-            from megatron_gspo.patches.optimizer import check_resumable
 
-            try:
-                check_resumable(policy.optimizer)
-            except PatchError as e:
-                raise ConfigError(str(e)) from None
-        with third_party_stdio(cfg.logging.dir):
-            if launch is not None:  # each node's local rank 0 starts its engines
-                pending = pending or _begin_engines(cfg)
-                launched, pending = pending.wait(), None
-            rollout = make_rollout(cfg, launched) if dist.rank() == 0 else None
-            evaluator = build_evaluator(cfg, rollout)  # eval.every (rank 0); None when off
-        sync = WeightSync(policy.bridge, rollout.engine if rollout else [], cfg.weights)
-        start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
-        if args.overwrite and dist.rank() == 0:  # only now that the new run has started
-            clear_previous_run(cfg)
-        if start and changed and dist.rank() == 0:
-            print(
-                f"[train] resumed at step {start} with a changed config, applied from step "
-                f"{start + 1} on: {'; '.join(changed)}",
-                file=sys.stderr,
-                flush=True,
-            )
-        log = MetricsLogger.from_config(
-            cfg.logging,
-            total_steps=cfg.train.steps,
-            config=cfg.to_dict(),
-            rank=dist.rank(),
-            start_step=start,
-        )
-        evaluate = evaluator.maybe_run if evaluator else (lambda step: {})
-        _loop(cfg, policy, rollout, sync, log, start, stop, evaluate)
-    finally:
-        for part in (log, evaluator, rollout, sync):
+def with_routes(cfg: Config) -> Config:
+    """rl.routing_replay (a study control): the run whose engines return the routes of the
+    model's top-k experts (launch flag and client request, from the model's config.json); a
+    new `Config`, resolved before any engine starts. Without it, `cfg` itself."""
+    if not cfg.rl.routing_replay:
+        return cfg
+    from megatron_gspo.engines.routed_experts import ask_for_routes, model_topk
+
+    launch, client = ask_for_routes(
+        cfg.rollout.launch, cfg.rollout.client, model_topk(cfg.model.hf_path)
+    )
+    rollout = dataclasses.replace(cfg.rollout, launch=launch, client=client)
+    return dataclasses.replace(cfg, rollout=rollout)
+
+
+@dataclass
+class _Parts:
+    """What a run has started, closed in order whatever fails."""
+
+    pending: Any = None
+    """Engines starting (`engines.nodes.begin_node_engines`), not yet waited for."""
+    launched: Any = None
+    """This node's started engines."""
+    rollout: Rollout | None = None
+    sync: WeightSync | None = None
+    log: MetricsLogger | None = None
+    evaluator: Any = None
+
+    def close(self) -> None:
+        for part in (self.log, self.evaluator, self.rollout, self.sync):
             if part is not None:
                 part.close()
-        if rollout is None and launched is not None and launched.servers is not None:
+        launched = self.launched
+        if self.rollout is None and launched is not None and launched.servers is not None:
             launched.servers.shutdown()  # another node's engines (rank 0's close with it)
-        if pending is not None:  # the start failed before the engines were waited for
-            pending.shutdown()
-        if lock is not None:
-            lock.release()
-    torch.distributed.destroy_process_group()
+        if self.pending is not None:  # the start failed before the engines were waited for
+            self.pending.shutdown()
+
+
+def _train(
+    cfg: Config, run: _Parts, stop: StopSignals, *, overwrite: bool, changed: list[str]
+) -> None:
+    """Engines, policy, rollout, weight sync, resume, metrics; then the loop."""
+    launch = cfg.rollout.launch
+    # Engines that do not share the trainer's devices start now and import / load while the
+    # model is built; colocated ones after it (they size their memory from what is left).
+    if launch is not None and not launch.colocated:
+        run.pending = _begin_engines(cfg)
+    policy = _build_policy(cfg)
+    _start_rollout(cfg, run)
+    run.sync = WeightSync(policy.bridge, run.rollout.engine if run.rollout else [], cfg.weights)
+    start = _resume(cfg, policy, run.rollout, overwrite=overwrite, changed=changed)
+    run.log = MetricsLogger.from_config(
+        cfg.logging,
+        total_steps=cfg.train.steps,
+        config=cfg.to_dict(),
+        rank=dist.rank(),
+        start_step=start,
+    )
+    evaluate = run.evaluator.maybe_run if run.evaluator else (lambda step: {})
+    _loop(cfg, policy, run.rollout, run.sync, run.log, start, stop, evaluate)
+
+
+def _build_policy(cfg: Config) -> Policy:
+    """The policy on every rank; a checkpoint it could not resume from is refused before any
+    engine serves."""
+    with third_party_stdio(cfg.logging.dir):
+        policy = build_policy(cfg.policy_spec())  # weights that do not fit config.json: one line
+    if cfg.checkpoint.dir:
+        from megatron_gspo.patches import PatchError
+        from megatron_gspo.patches.optimizer import check_resumable
+
+        try:
+            check_resumable(policy.optimizer)
+        except PatchError as e:
+            raise ConfigError(str(e)) from None
+    return policy
+
+
+def _start_rollout(cfg: Config, run: _Parts) -> None:
+    """Each node's local rank 0 starts its engines; rank 0 connects its rollout (and the
+    evaluator, eval.every) to them."""
+    from megatron_gspo.rollout.experience import make_rollout
+
+    spec = cfg.rollout_spec()
+    with third_party_stdio(cfg.logging.dir):
+        if cfg.rollout.launch is not None:
+            run.pending = run.pending or _begin_engines(cfg)
+            run.launched = run.pending.wait()
+            run.pending = None
+        run.rollout = make_rollout(spec, run.launched) if dist.rank() == 0 else None
+        run.evaluator = build_evaluator(spec, run.rollout)  # None when off and off rank 0
+
+
+def _resume(
+    cfg: Config, policy: Policy, rollout: Rollout | None, *, overwrite: bool, changed: list[str]
+) -> int:
+    """The step to start from: the checkpoint's (checkpoint.resume), else 0; --overwrite clears
+    the previous run only now that the new one has started."""
+    from megatron_gspo.checkpoint.store import load_checkpoint
+
+    start = load_checkpoint(cfg, policy, rollout) if cfg.checkpoint.resume else 0
+    if overwrite and dist.rank() == 0:
+        clear_previous_run(cfg)
+    if start and changed and dist.rank() == 0:
+        print(
+            f"[train] resumed at step {start} with a changed config, applied from step "
+            f"{start + 1} on: {'; '.join(changed)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return start
 
 
 def _begin_engines(cfg: Config) -> Any:
@@ -185,7 +258,7 @@ def _loop(
     no_reward = 0  # consecutive steps in which every reward call failed
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
-        offload_trainer(cfg, policy)  # colocated: trainer state off the devices while engines run
+        offload_trainer(policy)  # colocated: trainer state off the devices while engines run
         seqs, metrics, lost = _collect(rollout)
         faults.point("rollout", step + 1)  # tests only: MGSPO_FAULT
         if rollout and colocated and lost is None:  # before the broadcast, so no rank reloads
@@ -193,10 +266,10 @@ def _loop(
         # The sequences as tensors, the metrics and the stop reason pickled (small).
         seqs, (metrics, lost) = broadcast_sequences(seqs, (metrics, lost))
         if lost is not None or seqs is None:  # every engine is gone: keep what `step` trained
-            reload_trainer(cfg, policy)
+            reload_trainer(policy)
             _stop_without_engines(cfg, policy, rollout, step, lost or "no rollout")
         t1 = time.perf_counter()
-        metrics |= reload_trainer(cfg, policy)
+        metrics |= reload_trainer(policy)
         faults.point("backward", step + 1, policy.model)
         metrics |= policy.update(seqs, step)
         faults.point("update", step + 1, policy.model)  # tests only: MGSPO_FAULT
@@ -223,7 +296,7 @@ def _loop(
         if cfg.checkpoint.dir and (last or (every and (step + 1) % every == 0)):
             from megatron_gspo.checkpoint.store import save_checkpoint
 
-            save_checkpoint(policy, rollout, step + 1)
+            save_checkpoint(cfg, policy, rollout, step + 1)
         if bad >= cfg.train.max_bad_steps:
             raise TrainingDiverged(
                 f"{bad} consecutive steps (up to step {step + 1}) had a non-finite loss or "
@@ -317,7 +390,7 @@ def _stop_without_engines(
     if cfg.checkpoint.dir:
         from megatron_gspo.checkpoint.store import save_checkpoint
 
-        save_checkpoint(policy, rollout, step)
+        save_checkpoint(cfg, policy, rollout, step)
     raise NoEnginesLeft(f"{why}; {_saved(cfg, step)}")
 
 

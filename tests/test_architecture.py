@@ -127,6 +127,17 @@ RULES = {
     "agents": _rule_agents,
 }
 
+# The wings take their sections, or a spec `Config` builds for them (`Config.policy_spec`,
+# `Config.rollout_spec`), never the whole run config: a wing that reads any key of the run
+# could not be read, tested or reused on its own.
+WINGS = ("rollout", "megatron", "engines", "weights", "algo")
+
+
+def _rule_no_config(mod: str) -> str | None:
+    if _under(mod, ("megatron_gspo.config",)):
+        return "a wing takes its sections or a spec built by config.py, never the whole config"
+    return None
+
 
 def violations(root: Path = PACKAGE) -> list[str]:
     """Every import in the package under `root` that breaks a rule, as `file:line: module: why`."""
@@ -138,6 +149,8 @@ def violations(root: Path = PACKAGE) -> list[str]:
         rules = [_rule_package]
         if rel.parts[0] in RULES and len(rel.parts) > 1:
             rules.append(RULES[rel.parts[0]])
+        if rel.parts[0] in WINGS and len(rel.parts) > 1:
+            rules.append(_rule_no_config)
         for line, mod in _imports(path):
             for rule in rules:
                 if (why := rule(mod)) is not None:
@@ -164,6 +177,11 @@ def test_the_package_keeps_its_layers():
         ("agents/x.py", "from megatron_gspo.engines.client import SGLangClient\n"),
         ("train.py", "from megatron_gspo.testing import faults\n"),
         ("data/x.py", "from megatron_gspo import testing\n"),
+        ("rollout/x.py", "def f():\n    from megatron_gspo.config import Config\n"),
+        ("megatron/x.py", "import megatron_gspo.config as c\n"),
+        ("weights/x.py", "from megatron_gspo import config\n"),
+        ("engines/sub/x.py", "from ...config import Config\n"),
+        ("algo/x.py", "from megatron_gspo.config import RLConfig\n"),
     ],
 )
 def test_a_planted_violation_is_found(tmp_path, monkeypatch, where, source):
@@ -174,6 +192,151 @@ def test_a_planted_violation_is_found(tmp_path, monkeypatch, where, source):
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", root)
     found = violations(root)
     assert len(found) >= 1 and found[0].startswith(where), found
+
+
+# ---- SGLang is named in code only under engines/ ------------------------------------------------
+# The rule: outside engines/, patches/ (version-pinned fixes to SGLang among others) and testing/,
+# production code does not name SGLang. Code names it by
+#   * importing sglang, sgl_kernel or sglang_router (lazily included);
+#   * an identifier (variable, attribute, function, class, argument, imported name) containing
+#     "sglang", unless it was imported from megatron_gspo.engines: engines/ may say SGLang in
+#     its API, using that API is the point (`engines.sglang_rules.serves_sglang`);
+#   * a string without whitespace containing "sglang": a backend value, a module path, a flag
+#     or an API name (`launch.backend == "sglang"` is an SGLang rule made elsewhere).
+# Prose may name it (docstrings, comments, messages and help text with spaces): it documents,
+# it does not depend.
+SGLANG_EXEMPT = ("engines", "patches", "testing")
+SGLANG_MODULES = ("sglang", "sgl_kernel", "sglang_router")
+SGLANG_ALLOWED = {
+    # moved under engines/ this session by another change (issue 39); the entries go when merged.
+    # weights/group.py (SGLang's bucket byte layout, moving too) needs none: it knows the layout
+    # without naming SGLang, which no name-based rule can see.
+    "weights/sglang_names.py": "SGLang's fused parameter names",
+    "weights/shards.py": "SGLang's per-rank sharding",
+    "weights/sync.py": "compares checksums in SGLang's naming (weights/sglang_names.py)",
+}
+
+
+def _names_sglang(text: str) -> bool:
+    return "sglang" in text.casefold()
+
+
+def sglang_mentions(root: Path = PACKAGE) -> list[str]:
+    """Every place outside engines/, patches/ and testing/ whose code names SGLang (the rule
+    above), as `file:line: what`."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in SGLANG_EXEMPT or rel.as_posix() in SGLANG_ALLOWED:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        prose = {
+            id(n.value)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+        }
+        from_engines: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "megatron_gspo.engines"
+            ):
+                from_engines |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                from_engines |= {
+                    a.asname
+                    for a in node.names
+                    if a.asname and _under(a.name, ("megatron_gspo.engines",))
+                }
+        for node in ast.walk(tree):
+            what = _sglang_in(node, prose, from_engines)
+            if what is not None:
+                found.append(f"{rel}:{getattr(node, 'lineno', 0)}: {what}")
+    return found
+
+
+def _sglang_in(node: ast.AST, prose: set[int], from_engines: set[str]) -> str | None:
+    """What of SGLang `node` names in code, or None."""
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+        for mod in mods:
+            if mod and node.__dict__.get("level", 0) == 0 and _under(mod, SGLANG_MODULES):
+                return f"imports {mod}"
+        if isinstance(node, ast.ImportFrom) and not (node.module or "").startswith(
+            "megatron_gspo.engines"
+        ):
+            named = [a.name for a in node.names if _names_sglang(a.name)]
+            return f"imports {named[0]}" if named else None
+        return None
+    ident = None
+    if isinstance(node, ast.Name) and node.id not in from_engines:
+        ident = node.id
+    elif isinstance(node, ast.Attribute):
+        ident = node.attr
+    elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        ident = node.name
+    elif isinstance(node, ast.arg):
+        ident = node.arg
+    if ident is not None and _names_sglang(ident):
+        return f"identifier {ident}"
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in prose
+        and _names_sglang(node.value)
+        and not any(c.isspace() for c in node.value)
+    ):
+        return f"string {node.value!r}"
+    return None
+
+
+def test_sglang_is_named_in_code_only_under_engines():
+    assert sglang_mentions() == []
+
+
+def test_the_sglang_allow_list_holds_only_files_that_need_it(monkeypatch):
+    """An entry whose file is gone or names SGLang no more is removed, not kept as a hole."""
+    for rel in SGLANG_ALLOWED:
+        assert (PACKAGE / rel).exists(), f"{rel} is gone: remove its SGLANG_ALLOWED entry"
+        others = {k: v for k, v in SGLANG_ALLOWED.items() if k != rel}
+        monkeypatch.setattr(sys.modules[__name__], "SGLANG_ALLOWED", others)
+        found = sglang_mentions()
+        assert any(f.startswith(rel) for f in found), f"{rel} needs no SGLANG_ALLOWED entry"
+
+
+@pytest.mark.parametrize(
+    "where, source",
+    [
+        ("rollout/x.py", "import sglang\n"),
+        ("weights/x.py", "def f():\n    from sglang.srt.utils import x\n"),
+        ("plan_x.py", 'def f(launch):\n    return launch.backend == "sglang"\n'),
+        ("data/x.py", "SGLANG_MEM_FRACTION = 0.85\n"),
+        ("x.py", "from megatron_gspo.weights.sglang_names import reported_in_sglang_naming\n"),
+        ("x.py", 'ARGS = ["-m", "sglang.launch_server"]\n'),
+    ],
+)
+def test_a_planted_sglang_name_is_found(tmp_path, where, source):
+    root = tmp_path / "megatron_gspo"
+    path = root / where
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    found = sglang_mentions(root)
+    assert len(found) == 1 and found[0].startswith(where), found
+
+
+def test_sglang_in_prose_and_through_engines_is_allowed(tmp_path):
+    root = tmp_path / "megatron_gspo"
+    (root / "engines").mkdir(parents=True)
+    (root / "engines" / "x.py").write_text('import sglang\nBACKEND = "sglang"\n')
+    (root / "x.py").write_text(
+        '"""Talks to SGLang."""\n'
+        "from megatron_gspo.engines.sglang_rules import serves_sglang\n"
+        "# SGLang refuses this\n"
+        "def f(launch):\n"
+        '    """SGLang 0.5.23\'s rule."""\n'
+        "    if serves_sglang(launch):\n"
+        '        raise ValueError(f"SGLang 0.5.23 refuses {launch}")\n'
+    )
+    assert sglang_mentions(root) == []
 
 
 # ---- each engine side implements one small protocol in full -----------------------------------

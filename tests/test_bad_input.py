@@ -407,7 +407,7 @@ def test_sglang_without_an_engine_python_names_the_set_up(tmp_path: Path, monkey
     """rollout.launch.backend=sglang with rollout.launch.python unset: the engine venv of
     scripts/engine_env.sh is used when built; without it, an interpreter that cannot import
     SGLang's server stops every rank before anything starts, naming the command that helps."""
-    from megatron_gspo.run import preflight as pf
+    from megatron_gspo.engines.interpreter import sglang_python
     from megatron_gspo.testing import sglang_server
 
     monkeypatch.delenv(sglang_server.ENGINE_PYTHON_ENV, raising=False)
@@ -416,7 +416,7 @@ def test_sglang_without_an_engine_python_names_the_set_up(tmp_path: Path, monkey
     no_sglang.write_text("#!/bin/sh\nexit 1\n")  # an interpreter whose imports all fail
     no_sglang.chmod(0o755)
     with pytest.raises(ConfigError) as e:
-        pf.sglang_python(fallback=str(no_sglang))
+        sglang_python(fallback=str(no_sglang))
     assert "cannot be imported by" in (msg := _one_line(e))
     assert "run bash scripts/engine_env.sh and set rollout.launch.python" in msg
     data = _base(tmp_path)
@@ -432,4 +432,4 @@ def test_sglang_without_an_engine_python_names_the_set_up(tmp_path: Path, monkey
     (venv / "python").write_text("")
     monkeypatch.setenv(sglang_server.ENGINE_PYTHON_ENV, str(venv / "python"))
     _check(cfg)
-    assert pf.sglang_python() == str(venv / "python")  # what the job launches the server with
+    assert sglang_python() == str(venv / "python")  # what the job launches the server with

@@ -40,6 +40,7 @@ from megatron_gspo.layout import Layout
 from megatron_gspo.run import faults
 
 if TYPE_CHECKING:
+    from megatron_gspo.config import Config
     from megatron_gspo.megatron.policy import Policy
     from megatron_gspo.rollout.experience import Rollout
 
@@ -318,11 +319,11 @@ def check_resume_layout(checkpoint_dir: str | None, layout: Layout, world_size: 
 # ---------------------------------------------------------------------------------------------
 # checkpoints
 # ---------------------------------------------------------------------------------------------
-def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
-    """Model + optimizer (megatron-core dist checkpoint) and trainer state, written to a
-    temporary directory with a manifest of checksums (`write_manifest`) and renamed, so a
-    crash mid-save never leaves a half checkpoint under a final name."""
-    root = Path(_checkpoint_dir(policy))
+def save_checkpoint(cfg: Config, policy: Policy, rollout: Rollout | None, step: int) -> Path:
+    """Model + optimizer (megatron-core dist checkpoint) and trainer state of the run `cfg`,
+    written to a temporary directory with a manifest of checksums (`write_manifest`) and
+    renamed, so a crash mid-save never leaves a half checkpoint under a final name."""
+    root = Path(_checkpoint_dir(cfg))
     final = root / step_dir_name(step)
     tmp = final.with_name(final.name + ".tmp")
     from megatron_gspo.checkpoint.resume import RUN_CONFIG
@@ -338,12 +339,12 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             # The resolved config: a resume compares it (resume_check.resume_config_changes)
-            (tmp / RUN_CONFIG).write_text(json.dumps(policy.cfg.to_dict(), default=str) + "\n")
+            (tmp / RUN_CONFIG).write_text(json.dumps(cfg.to_dict(), default=str) + "\n")
     w.agree()
     with w.phase():
         save_model_and_optimizer(policy.model, policy.optimizer, tmp)
         # hf_config/ + metadata: tools/convert_megatron_to_hf.py turns this step into a HF model
-        write_source_info(tmp, policy.cfg.model.hf_path, policy.bridge, policy.model, policy.layout)
+        write_source_info(tmp, cfg.model.hf_path, policy.bridge, policy.model, policy.layout)
         from megatron_gspo.megatron.rng import rng_state
 
         # torch, Python, CUDA and megatron-core's TP tracker generators (megatron/rng.py)
@@ -361,17 +362,17 @@ def save_checkpoint(policy: Policy, rollout: Rollout | None, step: int) -> Path:
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             (root / LATEST).write_text(final.name)
-            keep = policy.cfg.checkpoint.keep_last
+            keep = cfg.checkpoint.keep_last
             for p in step_dirs(root)[:-keep] if keep else []:
                 shutil.rmtree(p, ignore_errors=True)
     w.agree()
     return final
 
 
-def load_checkpoint(policy: Policy, rollout: Rollout | None) -> int:
-    """Restore the latest checkpoint; returns the step to continue from (0 if none). Its
-    integrity is checked before (`verify`, in `train.main`)."""
-    path = latest_checkpoint(_checkpoint_dir(policy))
+def load_checkpoint(cfg: Config, policy: Policy, rollout: Rollout | None) -> int:
+    """Restore the latest checkpoint of the run `cfg`; returns the step to continue from (0 if
+    none). Its integrity is checked before (`verify`, in `train.main`)."""
+    path = latest_checkpoint(_checkpoint_dir(cfg))
     if path is None:
         return 0
     from megatron_gspo.megatron.checkpoint import load_model_and_optimizer
@@ -387,8 +388,8 @@ def load_checkpoint(policy: Policy, rollout: Rollout | None) -> int:
     return int(state["step"])
 
 
-def _checkpoint_dir(policy: Policy) -> str:
-    directory = policy.cfg.checkpoint.dir
+def _checkpoint_dir(cfg: Config) -> str:
+    directory = cfg.checkpoint.dir
     if directory is None:  # the config refuses resume/save_every without it; callers check
         raise ValueError("checkpoint.dir is not set")
     return directory

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gspo.config_io import ConfigError
+from megatron_gspo.engines.sglang_rules import engine_context_length  # the engines' rule
 
 __all__ = [
     "DatasetError",
@@ -426,37 +427,3 @@ class PromptLoader:
             raise ValueError(f"corrupt prompt loader state {state}")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self._order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
-
-
-# config.json keys SGLang reads the context length from, in its order: the first present one
-# (times the rope scaling factor where SGLang applies it) is the engine's context.
-_CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
-                 "max_position_embeddings")  # fmt: skip
-
-
-def engine_context_length(hf_path: str | Path, extra_args: Sequence[str] = ()) -> int | None:
-    """The context length of an SGLang (or embedded) engine serving `hf_path`:
-    `--context-length` among its launch flags, else the rule of SGLang's `get_context_length`
-    on the model's config.json; None when the config names none (no filter then)."""
-    args = list(extra_args)
-    for i, arg in enumerate(args):
-        if arg == "--context-length" and i + 1 < len(args):
-            return int(args[i + 1])
-        if arg.startswith("--context-length="):
-            return int(arg.partition("=")[2])
-    try:
-        config = json.loads((Path(hf_path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    rope = config.get("rope_scaling") or {}
-    factor = rope.get("factor", 1) if isinstance(rope, dict) else 1
-    if not isinstance(rope, dict) or "original_max_position_embeddings" in rope:
-        factor = 1
-    elif rope.get("rope_type") == "llama3":
-        factor = 1
-    for key in _CONTEXT_KEYS:
-        if isinstance(config.get(key), int | float):
-            return int(factor * config[key])
-    return None

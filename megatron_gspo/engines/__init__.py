@@ -1,7 +1,8 @@
 """Everything that knows SGLang or serves its API: the protocols the rest of the package
 depends on (`protocols.py`), request/response types (`types.py`), the wire format (`wire.py`),
 the HTTP client and its engine pool (`client.py`, `pool.py`), server launch and the engine's
-interpreter (`launch.py`), and the embedded CPU engine (`embedded/`).
+interpreter (`launch.py`), SGLang's version rules and defaults for the config, the planner and
+the preflight (`sglang_rules.py`), and the embedded CPU engine (`embedded/`).
 
 An SGLang upgrade touches this package only. Importing it is cheap: SGLang's modules are
 imported only by the functions that need them. It imports no Megatron.

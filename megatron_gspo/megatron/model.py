@@ -20,7 +20,7 @@ from megatron_gspo.layout import Layout
 from megatron_gspo.patches import P2P_ORDER_PATCH, apply_bridge_imports, apply_cpu_runtime
 
 if TYPE_CHECKING:
-    from megatron_gspo.config import ModelConfig, OptimConfig
+    from megatron_gspo.megatron.config import ModelConfig, OptimConfig
 
 __all__ = [
     "DTYPES",

@@ -268,25 +268,25 @@ class TrainerOffload:
 _ACTIVE: dict[int, tuple[Any, TrainerOffload]] = {}
 
 
-def _enabled(cfg: Any) -> bool:
-    launch = cfg.rollout.launch
-    return launch is not None and launch.colocated and launch.offload_trainer
+def _enabled(policy: Any) -> bool:
+    return bool(policy.spec.offload_trainer)
 
 
-def offload_trainer(cfg: Any, policy: Any) -> dict[str, float]:
+def offload_trainer(policy: Any) -> dict[str, float]:
     """Before the engines generate: colocated runs (rollout.launch.colocated and
-    rollout.launch.offload_trainer) move this rank's trainer state off its device; else no-op."""
-    if not _enabled(cfg):
+    rollout.launch.offload_trainer: `PolicySpec.offload_trainer`) move this rank's trainer
+    state off its device; else no-op."""
+    if not _enabled(policy):
         return {}
     if id(policy) not in _ACTIVE:
         _ACTIVE[id(policy)] = (policy, TrainerOffload.from_policy(policy))
     return _ACTIVE[id(policy)][1].offload()
 
 
-def reload_trainer(cfg: Any, policy: Any) -> dict[str, float]:
+def reload_trainer(policy: Any) -> dict[str, float]:
     """Before the update: undo `offload_trainer` (no-op when it did nothing); returns the
     offload's metrics (bytes moved, allocated memory before/while offloaded, times)."""
     entry = _ACTIVE.get(id(policy))
-    if not _enabled(cfg) or entry is None or not entry[1].offloaded:
+    if not _enabled(policy) or entry is None or not entry[1].offloaded:
         return {}
     return entry[1].reload()

@@ -36,10 +36,10 @@ import torch
 
 from megatron_gspo import dist
 from megatron_gspo.algo.kl_reward import kl_reward_advantages
-from megatron_gspo.config import Config
 from megatron_gspo.layout import Layout
 from megatron_gspo.megatron import replay
 from megatron_gspo.megatron import step as mstep
+from megatron_gspo.megatron.config import PolicySpec
 from megatron_gspo.megatron.model import (
     build_model,
     build_optimizer,
@@ -69,7 +69,8 @@ _FIRST_MB = ("policy/clip_frac", "policy/seq_log_ratio_abs", "kl/mean")
 class Policy:
     """The Megatron side of the job (every rank holds one)."""
 
-    cfg: Config
+    spec: PolicySpec
+    """What it reads of the run (`Config.policy_spec()`)."""
     bridge: Any
     model: list[torch.nn.Module]
     optimizer: Any
@@ -79,59 +80,58 @@ class Policy:
 
     @property
     def layout(self) -> Layout:
-        return self.cfg.parallel
+        return self.spec.parallel
 
     @classmethod
-    def build(cls, cfg: Config) -> Policy:
+    def build(cls, spec: PolicySpec) -> Policy:
         quiet_megatron()
-        bridge = load_bridge(cfg.model.hf_path)
+        bridge = load_bridge(spec.model.hf_path)
         # Our check first: its message names the config key; megatron-core's would not.
-        cfg.parallel.validate(dist.world_size(), bridge.hf_pretrained.config)
-        init_megatron(cfg.parallel, seed=cfg.train.seed)
-        provider = make_provider(bridge, cfg.parallel, cfg.model)
-        if cfg.rl.routing_replay:  # a study control (megatron/replay.py), off by default
+        spec.parallel.validate(dist.world_size(), bridge.hf_pretrained.config)
+        init_megatron(spec.parallel, seed=spec.seed)
+        provider = make_provider(bridge, spec.parallel, spec.model)
+        if spec.routing_replay:  # a study control (megatron/replay.py), off by default
             replay.enable(provider)
         model = build_model(
             provider,
-            ddp_config=ddp_config(cfg.optim.use_distributed_optimizer),
-            load_from=bridge if cfg.model.load_weights else None,
+            ddp_config=ddp_config(spec.optim.use_distributed_optimizer),
+            load_from=bridge if spec.model.load_weights else None,
         )
-        optimizer = build_optimizer(model, cfg.optim)
-        total = cfg.train.steps * cfg.rl.mini_batches_per_rollout
+        optimizer = build_optimizer(model, spec.optim)
         ref = None
-        if cfg.loss.kl_coef > 0:  # copied now: before any checkpoint load, the initial policy
-            ref = ReferenceModel.from_policy(bridge, cfg, model, offload=cfg.loss.ref_offload)
-        scheduler = build_scheduler(optimizer, cfg.optim, total)
-        return cls(cfg, bridge, model, optimizer, scheduler, ref=ref)
+        if spec.loss.kl_coef > 0:  # copied now: before any checkpoint load, the initial policy
+            ref = ReferenceModel.from_policy(bridge, spec, model, offload=spec.loss.ref_offload)
+        scheduler = build_scheduler(optimizer, spec.optim, spec.optimizer_steps)
+        return cls(spec, bridge, model, optimizer, scheduler, ref=ref)
 
     def plan(self, seqs: Sequence[TrainSequence]) -> list[PackedMicroBatch]:
-        return mstep.plan_for_this_rank(seqs, self.layout, self.cfg.train.micro_batch_tokens)
+        return mstep.plan_for_this_rank(seqs, self.layout, self.spec.micro_batch_tokens)
 
     def update(self, seqs: list[TrainSequence], step: int) -> dict[str, float]:
         """Recompute pi_old if asked, then one optimizer step per mini-batch (paper: 4);
         measure the routing drift this update causes (every `train.routing_flip_every` steps).
         Identical metrics on every rank."""
-        cfg = self.cfg
-        temperature = cfg.rollout.temperature
-        if cfg.rl.pi_old == "recompute":
+        spec = self.spec
+        temperature = spec.temperature
+        if spec.pi_old == "recompute":
             fresh = mstep.compute_logprobs(
                 self.model,
                 self.plan(seqs),
                 temperature=temperature,
-                fused_lm_head=cfg.model.fused_lm_head,
+                fused_lm_head=spec.model.fused_lm_head,
             )
             for s in seqs:
                 # tensors stay tensors: no Python float per token (megatron/transfer.py)
                 s.rollout_logp, s.old_logp = s.old_logp, fresh[s.seq_id]
         reward_kl = self._reference_logprobs(seqs) if seqs else {}
-        n = cfg.rl.mini_batches_per_rollout
-        masks = cfg.loss.seq_mismatch_mask or cfg.loss.token_mismatch_mask
-        if masks and cfg.rl.pi_old == "engine":
+        n = spec.mini_batches
+        masks = spec.loss.seq_mismatch_mask or spec.loss.token_mismatch_mask
+        if masks and spec.pi_old == "engine":
             reward_kl |= self._trainer_old_logprobs(seqs, n)
         step_cfg = mstep.StepConfig(
-            loss=cfg.loss, temperature=temperature, fused_lm_head=cfg.model.fused_lm_head
+            loss=spec.loss, temperature=temperature, fused_lm_head=spec.model.fused_lm_head
         )
-        every = cfg.train.routing_flip_every
+        every = spec.routing_flip_every
         before = probe = None
         probing = bool(seqs) and every > 0 and step % every == 0 and self._has_routers
         # The probe is the first micro-batch of the first mini-batch (seqs[::n]), which the
@@ -142,7 +142,7 @@ class Policy:
         if probing and not in_step:
             probe = self.plan(seqs[::n])[: self.layout.pp if self.layout.vpp else 1]
             before = routing_snapshot(self.model, probe)
-        per_index = before if cfg.train.routing_flip_per_minibatch else None
+        per_index = before if spec.routing_flip_per_minibatch else None
         flips: dict[str, float] = {}
         per_mb: list[dict[str, float]] = []
         lr = float("nan")
@@ -159,7 +159,7 @@ class Policy:
                 with RoutingRecorder(self.model) as rec:
                     m = mstep.train_step(self.model, self.optimizer, planned, step_cfg)
                 before = first_routing(rec.maps, len(planned))
-                per_index = before if cfg.train.routing_flip_per_minibatch else None
+                per_index = before if spec.routing_flip_per_minibatch else None
             else:
                 m = mstep.train_step(self.model, self.optimizer, planned, step_cfg)
             if m["update_successful"]:
@@ -181,12 +181,12 @@ class Policy:
         """Whether the first optimizer step's forward can record the routing probe's "before"
         snapshot: one model chunk, no pipeline stages, every router run once per micro-batch
         (no activation recomputation), no routing replay."""
-        cfg = self.cfg
+        spec = self.spec
         return (
             len(self.model) == 1
             and self.layout.pp == 1
-            and cfg.model.activation_recompute == "none"
-            and not cfg.rl.routing_replay
+            and spec.model.activation_recompute == "none"
+            and not spec.routing_replay
         )
 
     def _flip_at_minibatch(
@@ -210,8 +210,8 @@ class Policy:
         fresh = mstep.compute_logprobs(
             self.model,
             self.plan(later),
-            temperature=self.cfg.rollout.temperature,
-            fused_lm_head=self.cfg.model.fused_lm_head,
+            temperature=self.spec.temperature,
+            fused_lm_head=self.spec.model.fused_lm_head,
         )
         for s in later:
             s.trainer_old_logp = fresh[s.seq_id]
@@ -223,8 +223,8 @@ class Policy:
         penalty applied to the rewards and the group advantages recomputed from them."""
         if self.ref is None:
             return {}
-        loss = self.cfg.loss
-        ref = self.ref.logprobs(self.plan(seqs), temperature=self.cfg.rollout.temperature)
+        loss = self.spec.loss
+        ref = self.ref.logprobs(self.plan(seqs), temperature=self.spec.temperature)
         for s in seqs:
             s.ref_logp = ref[s.seq_id].tolist()
         if not loss.kl_in_reward:
@@ -233,8 +233,8 @@ class Policy:
             seqs,
             kl_coef=loss.kl_coef,
             estimator=loss.kl_estimator,
-            eps=self.cfg.rl.adv_eps,
-            normalize_std=self.cfg.rl.normalize_std,
+            eps=self.spec.adv_eps,
+            normalize_std=self.spec.normalize_std,
         )
         for s, a in zip(seqs, kl.advantages.tolist(), strict=True):
             s.advantage = a

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megatron_gspo.megatron import step as mstep
+from megatron_gspo.megatron.config import PolicySpec
 from megatron_gspo.megatron.model import build_model, make_provider
 from megatron_gspo.megatron.offload import TrainerOffload
 from megatron_gspo.megatron.packing import PackedMicroBatch
@@ -43,10 +44,15 @@ class ReferenceModel:
 
     @classmethod
     def from_policy(
-        cls, bridge: Any, cfg: Any, policy_model: Sequence[torch.nn.Module], *, offload: bool
+        cls,
+        bridge: Any,
+        spec: PolicySpec,
+        policy_model: Sequence[torch.nn.Module],
+        *,
+        offload: bool,
     ) -> ReferenceModel:
-        """Build the chunks for `cfg.parallel` / `cfg.model` and copy `policy_model` into them."""
-        model = build_model(make_provider(bridge, cfg.parallel, cfg.model), ddp_config=None)
+        """Build the chunks for `spec.parallel` / `spec.model` and copy `policy_model` into them."""
+        model = build_model(make_provider(bridge, spec.parallel, spec.model), ddp_config=None)
         for chunk, pol in zip(model, policy_model, strict=True):
             ref_inner = _inner(chunk)
             # strict: the same adapter and layout give the same parameter set on this rank.

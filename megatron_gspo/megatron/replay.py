@@ -18,8 +18,8 @@ padding; -1 in the packed routes) get experts 0..K-1: their outputs reach no los
 Layers are matched by the router's global `layer_number` (pipeline offsets included), and the
 tokens by this rank's share: its context-parallel shard (already packed so) and, with sequence
 parallelism, its tensor-parallel slice. Backward passes do not route again unless layers are
-recomputed, which is refused (`check_supported`): a recompute would replay whatever micro-batch
-was armed last.
+recomputed, which the config refuses (`megatron/config.py`, `check_routing_replay`): a
+recompute would replay whatever micro-batch was armed last.
 
 Shape legend: `T` packed tokens a router sees on this rank, `L` layers, `K` experts per token.
 """
@@ -32,24 +32,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["arm", "check_supported", "enable", "replay_routers"]
+__all__ = ["arm", "enable", "replay_routers"]
 
 
 def enable(provider: Any) -> None:
     """Give every router of models built from `provider` a megatron-core `RouterReplay`."""
     provider.moe_enable_routing_replay = True
-
-
-def check_supported(activation_recompute: str) -> None:
-    """Raise the one-line config error for a set-up replay cannot serve."""
-    if activation_recompute == "full":
-        from megatron_gspo.config_io import ConfigError
-
-        raise ConfigError(
-            "rl.routing_replay=true replays routes in forward passes only, but "
-            "model.activation_recompute=full routes again in backward; set "
-            "model.activation_recompute=none or selective, or rl.routing_replay=false"
-        )
 
 
 def replay_routers(chunk: torch.nn.Module) -> Iterator[Any]:
@@ -100,24 +88,3 @@ def arm(chunk: torch.nn.Module, routes: Tensor | None) -> int:
         rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         armed += 1
     return armed
-
-
-def check_config(cfg: Any) -> None:
-    """`Config.__post_init__` with rl.routing_replay on: one-line errors for what it cannot
-    serve (the engines must return routed experts; routes are replayed in forward passes)."""
-    from megatron_gspo.config_io import ConfigError
-
-    launch = cfg.rollout.launch
-    if launch is not None and launch.backend == "sglang" and launch.device == "cpu":
-        raise ConfigError(
-            "rl.routing_replay=true needs routed experts from the engines, and SGLang 0.5.23 "
-            "cannot capture them on CPU (its --enable-return-routed-experts buffer is pinned with "
-            "cudaHostRegister); set rollout.launch.backend=embedded, run SGLang on GPUs, or set "
-            "rl.routing_replay=false"
-        )
-    if cfg.rollout.env is not None:
-        raise ConfigError(
-            "rl.routing_replay=true is not wired for multi-turn episodes (rollout.env); unset "
-            "rollout.env or set rl.routing_replay=false"
-        )
-    check_supported(cfg.model.activation_recompute)

@@ -1,7 +1,8 @@
 """The planner's model arithmetic: per-rank parameter counts and the memory / weight-sync estimate.
 
-`count_params` builds each pipeline stage's model chunks on the `meta` device inside a fake
-process group (megatron-core's own sharding, no memory); `cached_count_params` memoises it.
+`count_params` has each pipeline stage's model chunks built on the `meta` device inside a fake
+process group (`megatron/param_count.py`: megatron-core's own sharding, no memory);
+`cached_count_params` memoises it.
 `hf_tensor_bytes` sizes the HF model and its weight sync (bf16 or FP8 blocks), `_activations` /
 `_micro_batches` the activation terms, and `memory_formula()` is the text printed under the
 planner's table. `plan/planner.py` (the CLI, checks, verdict and launch files) uses these.
@@ -9,13 +10,10 @@ planner's table. `plan/planner.py` (the CLI, checks, verdict and launch files) u
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import io
 import json
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,6 @@ from typing import Any
 
 from megatron_gspo.algo.config import LOGPROB_CHUNK, VOCAB_CHUNK
 from megatron_gspo.config import Config
-from megatron_gspo.config_io import require
 from megatron_gspo.layout import Layout, _num_experts
 
 __all__ = [
@@ -38,9 +35,6 @@ __all__ = [
 
 GiB = 1024**3
 FP8_BLOCK = 128
-# SGLang's own default share when rollout.launch.mem_fraction_static is null (0.5.x picks
-# 0.79-0.88 by GPU size and TP; the middle is used so a missing setting is not optimistic).
-SGLANG_DEFAULT_MEM_FRACTION = 0.85
 # CUDA context, NCCL communicators and workspace per process, held whatever the model.
 PROCESS_OVERHEAD_GB = 3.0
 # What a colocated engine keeps while released (memory saver: CUDA context + allocator).
@@ -90,61 +84,13 @@ class MemoryEstimate:
 
 
 def count_params(hf_dir: str | Path, layout: Layout, world_size: int) -> list[StageParams]:
-    """Per-rank parameter counts of every pipeline stage, from megatron-core's own modules.
+    """Per-rank parameter counts of every pipeline stage, from megatron-core's own modules
+    (`megatron.param_count.stage_param_counts`: each stage built on the `meta` device in a
+    fake process group). Must run before this process joins a real group."""
+    from megatron_gspo.megatron.param_count import stage_param_counts
 
-    Each stage's model chunks (all virtual stages) are built on the `meta` device for one rank
-    of that stage, in a fake process group of `world_size` ranks, so TP/EP/PP sharding is
-    megatron-core's, not a formula's. Must run before this process joins a real group.
-    """
-    import torch
-    import torch.distributed as tdist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from megatron_gspo.megatron.model import (
-        initialize_parallel_state,
-        make_provider,
-        quiet_megatron,
-    )
-    from megatron_gspo.patches import apply_bridge_imports, apply_cpu_runtime
-
-    require(not tdist.is_initialized(), "count_params needs a process without a process group")
-    quiet_megatron(logging.ERROR)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    # Import-time notices of optional back-ends (TE, FP8) are noise in a planner's output.
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        apply_cpu_runtime()  # no-op on a GPU machine; the build itself never touches a device
-        apply_bridge_imports()
-        from megatron.bridge import AutoBridge
-        from megatron.core import parallel_state
-        from megatron.core.process_groups_config import ProcessGroupCollection
-        from transformers import AutoConfig
-
-    bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(str(hf_dir)))
-    stages = []
-    for stage in range(layout.pp):
-        # megatron-core's default rank order puts PP outermost: stage s starts at s * W/pp.
-        rank = stage * (world_size // layout.pp)
-        tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        try:
-            initialize_parallel_state(layout, create_gloo_process_groups=False)
-            assert parallel_state.get_pipeline_model_parallel_rank() == stage
-            # fp32 and no grouped GEMM: the CPU build path; parameter counts do not depend on
-            # either (TE's grouped and fused modules hold the same tensors).
-            provider = make_provider(bridge, layout, None, dtype=torch.float32)
-            provider.perform_initialization = False
-            provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-            total = expert = 0
-            with torch.device("meta"):
-                for vp in range(layout.vpp or 1):
-                    chunk = provider.provide(vp_stage=vp if layout.vpp else None)
-                    for name, p in chunk.named_parameters():
-                        total += p.numel()
-                        expert += p.numel() if ".experts." in name else 0
-            stages.append(StageParams(stage=stage, total=total, expert=expert))
-        finally:
-            parallel_state.destroy_model_parallel()
-            tdist.destroy_process_group()
-    return stages
+    counts = stage_param_counts(hf_dir, layout, world_size)
+    return [StageParams(stage=s, total=t, expert=e) for s, (t, e) in enumerate(counts)]
 
 
 def cached_count_params(

@@ -39,12 +39,17 @@ from typing import Any
 from megatron_gspo.config import Config, ConfigError, load_config
 from megatron_gspo.config_io import require
 from megatron_gspo.engines.launch import LaunchConfig, engine_command, router_command
-from megatron_gspo.layout import Layout, _num_experts
+from megatron_gspo.engines.sglang_rules import (
+    DEFAULT_MEM_FRACTION,
+    check_engine_layout,
+    default_launch,
+    serves_sglang,
+)
+from megatron_gspo.layout import Layout
 from megatron_gspo.plan.launch import launch_check
 from megatron_gspo.plan.memory import (
     PROCESS_OVERHEAD_GB,
     RELEASED_ENGINE_GB,
-    SGLANG_DEFAULT_MEM_FRACTION,
     GiB,
     MemoryEstimate,
     StageParams,
@@ -159,9 +164,9 @@ def make_plan(
     world = (nodes - rollout_nodes) * gpus_per_node
     dp = layout.validate(world, hf)
     edp = world // (layout.expert_tp * layout.ep * layout.pp)
-    launch = cfg.rollout.launch or LaunchConfig(backend="sglang")
+    launch = cfg.rollout.launch or default_launch()
     if cfg.rollout.launch is not None:
-        _check_engines(launch, hf, gpus_per_node)
+        check_engine_layout(launch, hf, gpus_per_node)
     stages = cached_count_params(hf_dir, layout, world, counts_cache)
     mem_bytes = gpu_mem_gb * GiB
     colocated = rollout_nodes == 0 and launch.colocated
@@ -171,7 +176,7 @@ def make_plan(
     prompt = prompt_tokens or cfg.data.max_prompt_tokens or 1024
     mbs = _micro_batches(cfg, dp, prompt)
     layers_act, logits_act = _activations(hf, cfg, layout, per_layer_stage, moe_imbalance)
-    frac = launch.mem_fraction_static or SGLANG_DEFAULT_MEM_FRACTION
+    frac = launch.mem_fraction_static or DEFAULT_MEM_FRACTION
     engine_rollout = frac * mem_bytes if colocated else 0.0
     engine_train = 0.0
     if colocated:
@@ -322,32 +327,9 @@ def plan_topology(
         cfg,
         placement,
         hf=vars(hf) if not isinstance(hf, dict) else hf,
-        engine_model_path=model_path if launch.backend == "sglang" else None,
+        engine_model_path=model_path if serves_sglang(launch) else None,
         engine_tp=launch.tp_size,
         engine_ep=launch.ep_size,
-    )
-
-
-def _check_engines(launch: LaunchConfig, hf: Any, gpus_per_node: int) -> None:
-    """SGLang's own layout rules for one engine, named by config key."""
-    tp = launch.tp_size
-    require(tp >= 1, f"rollout.launch.tp_size={tp} must be >= 1")
-    require(
-        gpus_per_node % tp == 0,
-        f"rollout.launch.tp_size={tp} does not divide --gpus-per-node={gpus_per_node} (an engine "
-        "stays on one node); change rollout.launch.tp_size",
-    )
-    require(
-        hf.num_attention_heads % tp == 0,
-        f"rollout.launch.tp_size={tp} does not divide the model's num_attention_heads="
-        f"{hf.num_attention_heads}; change rollout.launch.tp_size",
-    )
-    experts = _num_experts(hf)
-    ep = launch.ep_size
-    require(
-        ep == 1 or (tp % ep == 0 and experts is not None and experts % ep == 0),
-        f"rollout.launch.ep_size={ep} must divide rollout.launch.tp_size={tp} and the model's "
-        f"num_experts={experts}; change rollout.launch.ep_size",
     )
 
 
@@ -443,7 +425,7 @@ def emit_launch(
     )
     trainer_hosts = hosts[: plan.nodes - plan.rollout_nodes]
     engine_hosts = hosts[plan.nodes - plan.rollout_nodes :] or trainer_hosts
-    launch = copy.deepcopy(cfg.rollout.launch or LaunchConfig(backend="sglang"))
+    launch = copy.deepcopy(cfg.rollout.launch or default_launch())
     launch.model_path = launch.model_path or cfg.model.hf_path
     if plan.rollout_nodes:  # engines on nodes of their own: nothing to release memory to
         launch.colocated = False
@@ -576,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
             final = load_config(args.config, args.overrides + sets)
             plan.topology = plan_topology(
                 final,
-                cfg.rollout.launch or LaunchConfig(backend="sglang"),
+                cfg.rollout.launch or default_launch(),
                 _hf_config(args.hf_config or cfg.model.hf_path),
                 args.nodes,
                 args.gpus_per_node,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from megatron_gspo.config_io import positive, require
 
-__all__ = ["RewardConfig"]
+__all__ = ["RewardConfig", "check_overlong_buffer"]
 
 _BUILTIN_KINDS = ("math", "toy", "pattern", "http")
 
@@ -73,3 +73,12 @@ class RewardConfig:
             f"{self.overlong_penalty} must be >= 0; change them",
         )
         positive("reward", timeout_s=self.timeout_s)
+
+
+def check_overlong_buffer(reward: RewardConfig, episode_tokens: int) -> None:
+    """The overlong buffer lies within the response cap (`RolloutConfig.episode_tokens`)."""
+    require(
+        reward.overlong_buffer <= episode_tokens,
+        f"reward.overlong_buffer={reward.overlong_buffer} exceeds the response cap of "
+        f"{episode_tokens} tokens (rollout.max_new_tokens); lower reward.overlong_buffer",
+    )

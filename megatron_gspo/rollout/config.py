@@ -179,3 +179,11 @@ class RolloutConfig:
     def embedded(self) -> bool:
         """True when rollouts run on engines of this package (the CPU engine)."""
         return self.launch is not None and self.launch.backend == "embedded"
+
+    def check_async_colocation(self) -> None:
+        """Asynchronous rollouts generate while the trainer trains, on devices of their own."""
+        _require(
+            not (self.async_rollout and self.launch is not None and self.launch.colocated),
+            "rollout.async_rollout=true generates while the trainer trains, which colocated "
+            "engines (rollout.launch.colocated=true) cannot; set one of them to false",
+        )

@@ -36,8 +36,9 @@ from megatron_gspo.config_io import require as _require
 from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, Sampler
 from megatron_gspo.engines.types import SamplingParams
 
-if TYPE_CHECKING:  # annotations only: loaded when an evaluation is built
+if TYPE_CHECKING:  # annotations only; rollout/spec.py imports EvalConfig from here
     from megatron_gspo.rewards.pool import RewardScorer
+    from megatron_gspo.rollout.spec import RolloutSpec
 
 __all__ = ["EvalConfig", "Evaluator", "build_evaluator", "pass_at_k"]
 
@@ -185,21 +186,21 @@ def summarize(
     return out
 
 
-def build_evaluator(cfg: Any, rollout: Any) -> Evaluator | None:
-    """The evaluator of a run (`megatron_gspo.config.Config`) on rank 0's rollout; None when
-    evaluation is off or on other ranks."""
-    if rollout is None or not cfg.eval.every:
+def build_evaluator(spec: RolloutSpec, rollout: Any) -> Evaluator | None:
+    """The evaluator of a run (its `RolloutSpec`, `rollout/spec.py`) on rank 0's rollout; None
+    when evaluation is off or on other ranks."""
+    if rollout is None or not spec.eval.every:
         return None
     from megatron_gspo.data.prompts import PromptDataset
     from megatron_gspo.rewards.pool import build_reward_pool
 
-    ev = cfg.eval
-    dataset = PromptDataset.from_config(cfg.data, rollout.tokenizer, path=ev.path, key="eval.path")
+    ev = spec.eval
+    dataset = PromptDataset.from_config(spec.data, rollout.tokenizer, path=ev.path, key="eval.path")
     sampling = dataclasses.replace(
         rollout.sampling(),
         temperature=ev.temperature,
-        max_new_tokens=ev.max_new_tokens or cfg.rollout.max_new_tokens,
-        seed=cfg.train.seed * 7919 + 104_729,  # one seed for every evaluation: the weights differ
+        max_new_tokens=ev.max_new_tokens or spec.rollout.max_new_tokens,
+        seed=spec.seed * 7919 + 104_729,  # one seed for every evaluation: the weights differ
     )
     loop = rollout.driver.loop
 
@@ -210,8 +211,8 @@ def build_evaluator(cfg: Any, rollout: Any) -> Evaluator | None:
         ev,
         engine=rollout.engine,
         dataset=dataset,
-        rewards=build_reward_pool(cfg.reward, cfg.sandbox),
+        rewards=build_reward_pool(spec.reward, spec.sandbox),
         sampling=sampling,
-        total_steps=cfg.train.steps,
+        total_steps=spec.steps,
         run=run,
     )

@@ -16,11 +16,11 @@ import torch
 
 from megatron_gspo.algo import group_advantages, overlong_penalty
 from megatron_gspo.algo.sequences import TrainSequence
-from megatron_gspo.config import Config
 from megatron_gspo.engines.protocols import RolloutEngine
 from megatron_gspo.engines.types import Sample, SamplingParams
 from megatron_gspo.rollout.driver import RolloutDriver
 from megatron_gspo.rollout.scheduler import GroupFn, GroupScheduler, PromptQueue, SchedulerConfig
+from megatron_gspo.rollout.spec import RolloutSpec
 
 
 @dataclass
@@ -32,7 +32,8 @@ class Rollout:
     loop sees the same three calls in every mode: `next_batch`, and `before_push` /
     `after_push(version)` around each weight push."""
 
-    cfg: Config
+    spec: RolloutSpec
+    """What it reads of the run (`Config.rollout_spec()`)."""
     engine: RolloutEngine
     tokenizer: Any
     loader: Any
@@ -53,10 +54,10 @@ class Rollout:
         self.driver = self._driver()
 
     def _driver(self) -> RolloutDriver:
-        r, g = self.cfg.rollout, self.cfg.rl
+        r, spec = self.spec.rollout, self.spec
         sched_cfg = SchedulerConfig(
-            prompts=g.prompts_per_rollout,
-            group_size=g.group_size,
+            prompts=spec.prompts_per_rollout,
+            group_size=spec.group_size,
             max_new_tokens=r.max_new_tokens,
             oversample=r.oversample,
             drop_equal_reward_groups=r.drop_equal_reward_groups,
@@ -73,14 +74,14 @@ class Rollout:
 
     def sampling(self) -> SamplingParams:
         """Base sampling; the scheduler offsets the seed by the sequences handed out so far."""
-        r = self.cfg.rollout
+        r = self.spec.rollout
         return SamplingParams(
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
             stop_token_ids=tuple(t for t in [self.tokenizer.eos_token_id] if t is not None),
-            seed=self.cfg.train.seed * 7919,
+            seed=self.spec.seed * 7919,
         )
 
     def _score(self, record: Any, samples: list[Sample]) -> tuple[list[float], dict[str, float]]:
@@ -95,16 +96,16 @@ class Rollout:
         for i, r in zip(todo, scored.rewards, strict=True):
             values[i] = r
         self._reward_batches.append(scored)
-        if self.cfg.reward.overlong_buffer:  # DAPO: part of the reward dynamic sampling sees
+        if self.spec.reward.overlong_buffer:  # DAPO: part of the reward dynamic sampling sees
             pen = self._overlong(samples)
             values = [v + p for v, p in zip(values, pen.tolist(), strict=True)]
         return values, scored.metrics()
 
     def _overlong(self, samples: list[Sample]) -> torch.Tensor:
         """[B] DAPO soft overlong penalty of each sample (reward.overlong_buffer)."""
-        r = self.cfg.reward
+        r = self.spec.reward
         lengths = torch.tensor([len(s.response_ids) for s in samples])
-        cap = self.cfg.rollout.episode_tokens  # max_new_tokens for single-turn rollouts
+        cap = self.spec.rollout.episode_tokens  # max_new_tokens for single-turn rollouts
         return overlong_penalty(lengths, cap, r.overlong_buffer, r.overlong_penalty)
 
     def before_push(self) -> None:
@@ -123,7 +124,7 @@ class Rollout:
         rewards = torch.tensor(flat, dtype=torch.float64)
         groups = torch.tensor([k for k, grp in enumerate(batch.groups) for _ in grp.samples])
         adv = group_advantages(
-            rewards, groups, eps=self.cfg.rl.adv_eps, normalize_std=self.cfg.rl.normalize_std
+            rewards, groups, eps=self.spec.adv_eps, normalize_std=self.spec.normalize_std
         )
         seqs = [
             self._sequence(s, a, r, g)
@@ -131,7 +132,7 @@ class Rollout:
         ]
         # loss.mask_truncated (DAPO overlong filtering): out of the loss (and its normaliser)
         # after their group's advantages were computed with them.
-        masked = [s.truncated for s in samples] if self.cfg.loss.mask_truncated else []
+        masked = [s.truncated for s in samples] if self.spec.mask_truncated else []
         if any(masked):
             seqs = [q for q, m in zip(seqs, masked, strict=True) if not m]
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
@@ -157,9 +158,9 @@ class Rollout:
             **wait,
             **extra,
         }
-        if self.cfg.loss.mask_truncated:
+        if self.spec.mask_truncated:
             metrics["loss/truncated_masked"] = float(sum(masked))
-        if self.cfg.reward.overlong_buffer:
+        if self.spec.reward.overlong_buffer:
             pen = self._overlong(samples)
             metrics["reward/overlong_penalty"] = pen.mean().item()
             metrics["reward/overlong_frac"] = (pen < 0).double().mean().item()
@@ -227,7 +228,7 @@ class Rollout:
             self.servers.shutdown()
 
 
-def make_rollout(cfg: Config, launched: Any = None) -> Rollout:
+def make_rollout(spec: RolloutSpec, launched: Any = None) -> Rollout:
     """Rank 0: connect to the engines (`launched`: those `engines.nodes.start_node_engines`
     started on every node; None with `rollout.launch` set: start them here, a one-process
     job), load prompts, tokenizer and rewards."""
@@ -237,42 +238,42 @@ def make_rollout(cfg: Config, launched: Any = None) -> Rollout:
     from megatron_gspo.engines.connect import connect
     from megatron_gspo.rewards.pool import build_reward_pool
 
-    r = cfg.rollout
+    r = spec.rollout
     engine, servers = connect(
-        r.launch, r.client, log_dir=Path(cfg.logging.dir) / "engines", launched=launched
+        r.launch, r.client, log_dir=Path(spec.log_dir) / "engines", launched=launched
     )
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or spec.hf_path)
     # Prompts that cannot fit the engine's context with the response budget: dropped here,
     # counted, instead of an HTTP 400 that ends the step that samples one.
     context_len = engine_context_length(
-        cfg.model.hf_path, r.launch.extra_args if r.launch is not None else ()
+        spec.hf_path, r.launch.extra_args if r.launch is not None else ()
     )
     context = (
         None if context_len is None else (context_len, r.max_new_tokens, "rollout.max_new_tokens")
     )
     # A prompt whose sequence no micro-batch can hold with a whole response (was: accepted,
     # train.micro_batch_tokens silently exceeded; issue 40).
-    budget = cfg.train.micro_batch_tokens
+    budget = spec.micro_batch_tokens
     fit = (
         budget - r.episode_tokens,
         f"train.micro_batch_tokens={budget} with {r.episode_tokens} response tokens",
     )
-    dataset = PromptDataset.from_config(cfg.data, tokenizer, context, fit=fit)
+    dataset = PromptDataset.from_config(spec.data, tokenizer, context, fit=fit)
     loader = PromptLoader(
-        dataset, cfg.rl.prompts_per_rollout, seed=cfg.data.seed, shuffle=cfg.data.shuffle
+        dataset, spec.prompts_per_rollout, seed=spec.data.seed, shuffle=spec.data.shuffle
     )
-    group_fn, envs = make_multiturn(cfg, engine, tokenizer) if r.env is not None else (None, None)
+    group_fn, envs = make_multiturn(spec, engine, tokenizer) if r.env is not None else (None, None)
     if r.agent is not None:  # rollout.agent: the endpoint and the agent workers
         from megatron_gspo.agents.runner import make_agent_rollout
 
-        group_fn, envs = make_agent_rollout(cfg, engine, tokenizer)
-    rewards = build_reward_pool(cfg.reward, cfg.sandbox)
+        group_fn, envs = make_agent_rollout(spec, engine, tokenizer)
+    rewards = build_reward_pool(spec.reward, spec.sandbox)
     return Rollout(
-        cfg, engine, tokenizer, loader, rewards, servers=servers, group_fn=group_fn, envs=envs
+        spec, engine, tokenizer, loader, rewards, servers=servers, group_fn=group_fn, envs=envs
     )
 
 
-def make_multiturn(cfg: Config, engine: RolloutEngine, tokenizer: Any) -> tuple[Any, Any]:
+def make_multiturn(spec: RolloutSpec, engine: RolloutEngine, tokenizer: Any) -> tuple[Any, Any]:
     """rollout.env: the env worker pool and the multi-turn `group_fn` over `engine`."""
     from megatron_gspo.config_io import ConfigError
     from megatron_gspo.engines.connect import per_engine_clients
@@ -280,7 +281,7 @@ def make_multiturn(cfg: Config, engine: RolloutEngine, tokenizer: Any) -> tuple[
     from megatron_gspo.rewards.pool import worker_limits
     from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec
 
-    r = cfg.rollout
+    r = spec.rollout
     stop_ids = []
     for text in r.turn_stop:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -291,12 +292,12 @@ def make_multiturn(cfg: Config, engine: RolloutEngine, tokenizer: Any) -> tuple[
             )
         stop_ids.append(int(ids[0]))
     try:
-        codec = ObservationCodec(tokenizer, chat_template=cfg.data.chat_template)
+        codec = ObservationCodec(tokenizer, chat_template=spec.data.chat_template)
         envs = EnvPool(
             r.env or "",
             num_workers=r.env_workers,
             timeout_s=r.env_timeout_s,
-            limits=worker_limits(cfg.sandbox, r.env_timeout_s),
+            limits=worker_limits(spec.sandbox, r.env_timeout_s),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

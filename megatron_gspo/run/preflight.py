@@ -28,7 +28,7 @@ from megatron_gspo.checkpoint.store import check_resume_layout, latest_checkpoin
 from megatron_gspo.config import Config
 from megatron_gspo.config_io import ConfigError, require
 from megatron_gspo.data.formats import load_prompt_records
-from megatron_gspo.engines.interpreter import sglang_python
+from megatron_gspo.engines.sglang_rules import check_engine_interpreter
 from megatron_gspo.plan.model_files import check_model_files, estimate_checkpoint_bytes
 from megatron_gspo.run.run_dir import check_run_paths, previous_run_files
 
@@ -197,9 +197,7 @@ def _check_engine_python(cfg: Config) -> None:
     """A real server without rollout.launch.python has an interpreter to run in (checked here,
     on every rank: only rank 0 launches engines, the others would wait for it in a collective).
     An explicit rollout.launch.python is taken as given: it names a path on the engine host."""
-    launch = cfg.rollout.launch
-    if launch is not None and launch.backend == "sglang" and launch.python is None:
-        sglang_python()
+    check_engine_interpreter(cfg.rollout.launch)
 
 
 def _check_reward(kind: str) -> None:

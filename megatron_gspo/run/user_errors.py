@@ -62,9 +62,9 @@ class EngineModelMismatch(ConfigError):
 
 
 def build_policy(cfg: Any, build: Callable[[Any], Any] | None = None) -> Any:
-    """`Policy.build(cfg)` (or `build(cfg)`), with a model directory whose weights do not fit
-    its config.json (a missing tensor, a tensor of another shape) as one ConfigError naming
-    the directory."""
+    """`Policy.build(cfg)` (or `build(cfg)`; `cfg`: a `PolicySpec`), with a model directory
+    whose weights do not fit its config.json (a missing tensor, a tensor of another shape) as
+    one ConfigError naming the directory."""
     if build is None:
         from megatron_gspo.megatron.policy import Policy
 

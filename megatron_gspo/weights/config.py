@@ -14,7 +14,7 @@ from megatron_gspo.config_io import FLOAT_DTYPES, ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WeightSyncConfig"]
+__all__ = ["WeightSyncConfig", "check_fp8_sync"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,3 +128,19 @@ class WeightSyncConfig:
         import torch
 
         return None if self.dtype is None else getattr(torch, self.dtype)
+
+
+def check_fp8_sync(weights: WeightSyncConfig, *, embedded: bool, fp8_engine: bool) -> None:
+    """FP8 sync and the engines agree: the embedded engine holds exactly what it is sent
+    (checked bitwise), block FP8 when it emulates FP8 inference (`fp8_engine`), the trainer's
+    dtype otherwise; real servers quantise what they receive."""
+    if weights.fp8 and embedded and not fp8_engine:
+        raise ConfigError(
+            "weights.fp8=true needs SGLang engines or the embedded engine's FP8 emulation; set "
+            "weights.fp8=false, rollout.launch.quantization=fp8 or rollout.launch.backend=sglang"
+        )
+    if fp8_engine and not weights.fp8:
+        raise ConfigError(
+            "rollout.launch.quantization=fp8 on the embedded engine holds block-FP8 weights, "
+            "which only FP8 sync sends; set weights.fp8=true or rollout.launch.quantization=null"
+        )

@@ -148,7 +148,7 @@ def test_a_rollout_step_trains_on_the_agents_tokens(stack):
     loader = PromptLoader(dataset, 1, seed=0, shuffle=False)
     group_fn, agents = make_agent_rollout(cfg, endpoint.generator, tok)
     ro = Rollout(
-        cfg,
+        cfg.rollout_spec(),
         endpoint.generator,
         tok,
         loader,

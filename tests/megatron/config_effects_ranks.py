@@ -1,5 +1,6 @@
 """Rank body of tests/megatron/test_config_effects.py: each model/optim/train key changes what
-the policy does, built through the real path (`Policy.build(cfg)`), on 2 gloo ranks with EP=2."""
+the policy does, built through the real path (`Policy.build(cfg.policy_spec())`), on 2 gloo ranks
+with EP=2."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def lr_schedule(hf_dir: str, schedule: str) -> list[float]:
         "optim.min_lr=1e-3",
         "train.steps=6",
     )
-    policy = Policy.build(cfg)
+    policy = Policy.build(cfg.policy_spec())
     return [policy.update(sequences(policy), step)["optim/lr"] for step in range(6)]
 
 
@@ -73,7 +74,7 @@ def sgd_vs_adam(hf_dir: str) -> dict[str, Any]:
     out = {}
     for name in ("sgd", "adam"):
         cfg = config(hf_dir, f"optim.optimizer={name}", "optim.sgd_momentum=0", "optim.clip_grad=0")
-        policy = Policy.build(cfg)
+        policy = Policy.build(cfg.policy_spec())
         before = params(policy)
         policy.update(sequences(policy), 0)
         after = params(policy)
@@ -87,7 +88,7 @@ def recompute(hf_dir: str) -> dict[str, Any]:
     update's loss and grad norm, per activation_recompute setting."""
     out = {}
     for mode in ("none", "selective", "full"):
-        policy = Policy.build(config(hf_dir, f"model.activation_recompute={mode}"))
+        policy = Policy.build(config(hf_dir, f"model.activation_recompute={mode}").policy_spec())
         seqs = sequences(policy)
         # pi_old recompute runs forward-only passes first: count the training step's only.
         for s, lp in mstep.compute_logprobs(policy.model, policy.plan(seqs)).items():
@@ -96,7 +97,7 @@ def recompute(hf_dir: str) -> dict[str, Any]:
         calls = {"layer": 0, "attn": 0}
         layer.register_forward_hook(_counter(calls, "layer"))
         layer.self_attention.core_attention.register_forward_hook(_counter(calls, "attn"))
-        step_cfg = mstep.StepConfig(loss=policy.cfg.loss)
+        step_cfg = mstep.StepConfig(loss=policy.spec.loss)
         mbs = policy.plan(seqs)
         m = mstep.train_step(policy.model, policy.optimizer, mbs, step_cfg)
         out[mode] = dict(calls, micro_batches=len(mbs), loss=m["loss"], grad_norm=m["grad_norm"])
@@ -115,7 +116,7 @@ def dispatcher(hf_dir: str) -> dict[str, Any]:
     for kind in ("alltoall", "allgather"):
         # ep=1 (dp=2): allgather is refused with EP > 1 (see `refused`)
         cfg = config(hf_dir, f"model.moe_token_dispatcher={kind}", "parallel.ep=1")
-        policy = Policy.build(cfg)
+        policy = Policy.build(cfg.policy_spec())
         mlp = policy.model[0].module.decoder.layers[0].mlp
         m = policy.update(sequences(policy), 0)
         out[kind] = dict(cls=type(mlp.token_dispatcher).__name__, loss=m["loss"])
@@ -132,7 +133,7 @@ def refused(hf_dir: str) -> dict[str, str]:
     )
     for key in keys:
         try:
-            Policy.build(config(hf_dir, key))
+            Policy.build(config(hf_dir, key).policy_spec())
             out[key] = "built"
         except ValueError as e:
             out[key] = str(e)
@@ -148,7 +149,7 @@ def planted_nan(hf_dir: str) -> dict[str, Any]:
             "rl.mini_batches_per_rollout=2",
             "rl.prompts_per_rollout=2",
             "rl.group_size=5",
-        )
+        ).policy_spec()
     )
     before = params(policy)
     sched_steps = policy.scheduler.num_steps

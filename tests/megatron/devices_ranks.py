@@ -29,7 +29,7 @@ STEP = ("rl.mini_batches_per_rollout=2", "train.routing_flip_every=1")
 
 def whole_step(hf_dir: str, overrides: tuple[str, ...]) -> tuple[Policy, dict[str, Any]]:
     start = time.monotonic()
-    policy = Policy.build(config(hf_dir, *STEP, *overrides))
+    policy = Policy.build(config(hf_dir, *STEP, *overrides).policy_spec())
     built = time.monotonic()
     seqs = sequences(policy)
     with device_audit.audit() as audit:
@@ -57,7 +57,7 @@ def planted(policy: Policy) -> list[str]:
     with device_audit.audit() as audit:
         audit.watch(policy.model, policy.optimizer)
         host = [mb.to("cpu") for mb in policy.plan(seqs)]
-        step_cfg = mstep.StepConfig(loss=policy.cfg.loss)
+        step_cfg = mstep.StepConfig(loss=policy.spec.loss)
         mstep.train_step(policy.model, policy.optimizer, host, step_cfg)
         torch.distributed.all_reduce(torch.zeros(2, dtype=torch.float64))
     return audit.violations

@@ -39,7 +39,7 @@ def main(rank: int, world: int, hf: str, raw: list[list[int]]) -> dict[str, Any]
             "train.routing_flip_per_minibatch=true",
         ],
     )
-    policy = Policy.build(cfg)
+    policy = Policy.build(cfg.policy_spec())
     seqs = [
         TrainSequence(
             seq_id=i,

@@ -45,13 +45,13 @@ def run(hf_dir: str, dist_opt: bool, offload: bool) -> dict[str, Any]:
         f"train.steps={STEPS}",
         "rl.mini_batches_per_rollout=2",
     )
-    policy = Policy.build(cfg)
+    policy = Policy.build(cfg.policy_spec())
     metrics, while_off, moved = [], [], []
     for step in range(STEPS + 1):
         if offload:
-            offload_trainer(cfg, policy)  # the engines would generate now
+            offload_trainer(policy)  # the engines would generate now
             while_off.append(_resident_bytes(policy))
-            m = reload_trainer(cfg, policy)
+            m = reload_trainer(policy)
             moved.append({k: v for k, v in m.items() if k.startswith("memory/offload")})
         if step < STEPS:
             metrics.append(policy.update(sequences(policy), step))
@@ -65,9 +65,9 @@ def disabled(hf_dir: str) -> dict[str, Any]:
         cfg = config(hf_dir, key, "rollout.launch.colocated=true")
         if key.endswith("colocated=false"):
             cfg = config(hf_dir, key)
-        policy = Policy.build(cfg)
-        out[key] = (offload_trainer(cfg, policy), _resident_bytes(policy))
-        out[key] += (reload_trainer(cfg, policy),)
+        policy = Policy.build(cfg.policy_spec())
+        out[key] = (offload_trainer(policy), _resident_bytes(policy))
+        out[key] += (reload_trainer(policy),)
     return out
 
 

@@ -120,7 +120,7 @@ def policy_case(hf_a: str, data: list[dict]) -> dict[str, Any]:
             "train.routing_flip_every=1",
         ],
     )
-    policy = Policy.build(cfg)
+    policy = Policy.build(cfg.policy_spec())
     seqs = sequences(data)
     for s in seqs:
         s.advantage = 1.0 if s.seq_id % 2 else -1.0

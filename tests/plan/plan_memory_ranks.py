@@ -1,5 +1,5 @@
 """Rank function of tests/plan/test_plan_memory.py: train the tiny MoE for two optimizer steps
-through the real path (`Policy.build(cfg)`) and measure the peak CPU tensor memory of the step.
+through the real path (`Policy.build`) and measure the peak CPU tensor memory of the step.
 
 Method (why the profiler): CPU allocations are not counted by torch by default, but with
 `torch.profiler.profile(profile_memory=True)` every allocation and free of the CPU allocator is
@@ -70,7 +70,7 @@ def measure_step_peak(
 
     CPUCoreAttention.forward = _flash_core_attention  # type: ignore[method-assign]
     cfg = load_config(None, [f"model.hf_path={hf_dir}", *overrides])
-    policy = Policy.build(cfg)
+    policy = Policy.build(cfg.policy_spec())
     vocab = policy.bridge.hf_pretrained.config.vocab_size
     g = torch.Generator().manual_seed(rank)
     prompt = 8

@@ -1,7 +1,7 @@
 """The planner's memory estimate is within 25% of the measured CPU peak of a real training step.
 
 The tiny MoE is trained for two optimizer steps on one gloo rank through the real path
-(`Policy.build(cfg)`, `Policy.update`) with a token budget where activations are most of the
+(`Policy.build`, `Policy.update`) with a token budget where activations are most of the
 memory (512 tokens per micro-batch: about three quarters of the estimate). The peak is measured
 with `torch.profiler.profile(profile_memory=True)`: the CPU allocator reports every allocation
 and free (signed sizes, with timestamps) and their running sum's maximum is the peak tensor

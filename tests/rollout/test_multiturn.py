@@ -85,9 +85,9 @@ def _rollout(cfg, answers=("12", "7")) -> tuple[Rollout, FakeEngine]:
     dataset = PromptDataset(records, TOK, chat_template=False)
     loader = PromptLoader(dataset, cfg.rl.prompts_per_rollout, seed=0, shuffle=False)
     engine = FakeEngine()
-    group_fn, envs = make_multiturn(cfg, engine, TOK)
+    group_fn, envs = make_multiturn(cfg.rollout_spec(), engine, TOK)
     rewards = RewardPool("toy", num_workers=0)
-    ro = Rollout(cfg, engine, TOK, loader, rewards, group_fn=group_fn, envs=envs)
+    ro = Rollout(cfg.rollout_spec(), engine, TOK, loader, rewards, group_fn=group_fn, envs=envs)
     return ro, engine
 
 
@@ -198,7 +198,7 @@ def test_token_cap_turn_stop_and_reward_fallback():
     with pytest.raises(ConfigError, match="rollout.env='no_such_mod_xyz:E': cannot import"):
         _check_module("no_such_mod_xyz:E", "rollout.env")
     with pytest.raises(ConfigError, match="rollout.turn_stop entry 'ab' is 2 tokens"):
-        make_multiturn(_cfg("rollout.turn_stop=[ab]"), FakeEngine(), TOK)
+        make_multiturn(_cfg("rollout.turn_stop=[ab]").rollout_spec(), FakeEngine(), TOK)
     with pytest.raises(ConfigError, match="set rollout.env"):
         load_config(None, ["model.hf_path=/m", "data.train_path=/d", "rollout.turn_stop=[x]"])
     with pytest.raises(ConfigError, match="cannot hold one episode"):
@@ -220,7 +220,7 @@ def test_env_runs_in_a_worker_process():
     assert seen <= pids and os.getpid() not in pids and len(pids) == 2
     assert len(seen) == 2  # episodes spread over both workers
     with pytest.raises(ConfigError, match="has no attribute 'Nope'"):
-        make_multiturn(_cfg(f"rollout.env={FIX}:Nope"), FakeEngine(), TOK)
+        make_multiturn(_cfg(f"rollout.env={FIX}:Nope").rollout_spec(), FakeEngine(), TOK)
 
 
 def test_env_failures_are_left_out_counted_and_printed(capsys):

@@ -44,7 +44,7 @@ def _rollout(overrides: list[str], task_rewards: list[float]) -> Rollout:
         rewards=task_rewards, metrics=dict, timeouts=0, failures=0, errors=[], report=lambda: None
     )
     rewards = types.SimpleNamespace(close=lambda: None, score=lambda *a: scored)
-    return Rollout(cfg, FakeEngine(), tokenizer, loader, rewards)
+    return Rollout(cfg.rollout_spec(), FakeEngine(), tokenizer, loader, rewards)
 
 
 # lengths against rollout.max_new_tokens=8, buffer 4: <= 4 no penalty, 8 the full one

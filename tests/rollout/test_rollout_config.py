@@ -41,7 +41,7 @@ def _rollout(overrides: list[str]) -> Rollout:
     loader = types.SimpleNamespace(dataset=types.SimpleNamespace(encode=lambda r: [1, 2, 3]))
     tokenizer = types.SimpleNamespace(eos_token_id=0, decode=lambda ids, **kw: "")
     rewards = types.SimpleNamespace(close=lambda: None)
-    return Rollout(cfg, FakeEngine(), tokenizer, loader, rewards)
+    return Rollout(cfg.rollout_spec(), FakeEngine(), tokenizer, loader, rewards)
 
 
 def test_every_key_reaches_the_scheduler():

@@ -123,7 +123,7 @@ def test_training_loop_frees_caches_then_resumes_engines_then_pushes(monkeypatch
         calls.append("push")
         return SimpleNamespace(version=1, verified=False, gb_per_s=0.0)
 
-    policy = SimpleNamespace(update=update, model=[])
+    policy = SimpleNamespace(update=update, model=[], spec=SimpleNamespace(offload_trainer=False))
     sync = SimpleNamespace(push=push)
     log = SimpleNamespace(log=lambda step, m: None)
     stop = SimpleNamespace(agreed=lambda: False)
