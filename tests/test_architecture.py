@@ -113,6 +113,55 @@ def _rule_megatron(mod: str) -> str | None:
     return None
 
 
+def _rule_plan(mod: str) -> str | None:
+    # the planner runs before a job exists (a login node, an sbatch script): it reads the
+    # config and asks megatron-core for counts, nothing of a running job
+    job = ("run", "checkpoint", "train", "rollout", "weights", "torchrun", "entry")
+    if _under(mod, tuple(f"megatron_gspo.{p}" for p in job)):
+        return "plan/ comes before the job: no run/, checkpoint/, rollout/, weights/ or train"
+    return None
+
+
+def _rule_checkpoint(mod: str) -> str | None:
+    # run/ and train call checkpoint/, not the reverse; the fault points are the test hook
+    # (`from megatron_gspo.run import faults` also names the package, whose __init__ is empty)
+    run_ok = ("megatron_gspo.run.faults",)
+    if (
+        _under(mod, ("megatron_gspo.run",))
+        and mod != "megatron_gspo.run"
+        and not _under(mod, run_ok)
+    ):
+        return "checkpoint/ is called by run/ and train (it may use only run.faults)"
+    if _under(mod, ("megatron_gspo.train", "megatron_gspo.plan", "megatron_gspo.engines")):
+        return "checkpoint/ knows the files of a checkpoint, not the loop, planner or engines"
+    return None
+
+
+def _rule_run(mod: str) -> str | None:
+    if _under(mod, ("megatron_gspo.train", "megatron_gspo.torchrun", "megatron_gspo.entry")):
+        return "run/ serves the entry points, it never imports them"
+    return None
+
+
+def _leaf(allowed: tuple[str, ...]):  # noqa: ANN202
+    def rule(mod: str) -> str | None:
+        if _under(mod, ("megatron_gspo",)) and not _under(mod, allowed):
+            return f"a leaf imports nothing of the package but {', '.join(allowed) or 'nothing'}"
+        return None
+
+    return rule
+
+
+# The root leaves and the checkpoint file names: imported by many, they import (nearly) nothing,
+# so no import of theirs can close a cycle (docs/architecture.md says why each is at the root).
+FILE_RULES = {
+    "config_io.py": _leaf(()),
+    "layout.py": _leaf(("megatron_gspo.config_io",)),
+    "dist.py": _leaf(("megatron_gspo.config_io",)),
+    "checkpoint/files.py": _leaf(()),
+}
+
+
 def _rule_package(mod: str) -> str | None:
     if _under(mod, ("megatron_gspo.testing", "tests")):
         return "production code never imports the test kit or the tests"
@@ -125,6 +174,9 @@ RULES = {
     "engines": _rule_engines,
     "megatron": _rule_megatron,
     "agents": _rule_agents,
+    "plan": _rule_plan,
+    "checkpoint": _rule_checkpoint,
+    "run": _rule_run,
 }
 
 
@@ -138,6 +190,8 @@ def violations(root: Path = PACKAGE) -> list[str]:
         rules = [_rule_package]
         if rel.parts[0] in RULES and len(rel.parts) > 1:
             rules.append(RULES[rel.parts[0]])
+        if rel.as_posix() in FILE_RULES:
+            rules.append(FILE_RULES[rel.as_posix()])
         for line, mod in _imports(path):
             for rule in rules:
                 if (why := rule(mod)) is not None:
@@ -164,6 +218,15 @@ def test_the_package_keeps_its_layers():
         ("agents/x.py", "from megatron_gspo.engines.client import SGLangClient\n"),
         ("train.py", "from megatron_gspo.testing import faults\n"),
         ("data/x.py", "from megatron_gspo import testing\n"),
+        ("plan/x.py", "def f():\n    from megatron_gspo.run import preflight\n"),
+        ("plan/x.py", "from megatron_gspo.checkpoint.store import latest_checkpoint\n"),
+        ("checkpoint/x.py", "from megatron_gspo.run.stop import StopSignals\n"),
+        ("checkpoint/x.py", "from megatron_gspo.plan import topology\n"),
+        ("run/x.py", "from megatron_gspo import train\n"),
+        ("layout.py", "from megatron_gspo.dist import rank\n"),
+        ("dist.py", "from megatron_gspo.layout import Layout\n"),
+        ("config_io.py", "from megatron_gspo.config import Config\n"),
+        ("checkpoint/files.py", "from megatron_gspo.config_io import ConfigError\n"),
     ],
 )
 def test_a_planted_violation_is_found(tmp_path, monkeypatch, where, source):
