@@ -431,14 +431,17 @@ def test_the_protocol_check_can_fail():
 
 # ---- what the light modules load ---------------------------------------------------------------
 def test_config_and_planner_load_without_torch():
-    """`megatron_gspo.config` and the planner (run on a Slurm login node, and by every sbatch
-    script before anything starts) import no torch, Megatron or transformers: their dtype names,
-    the `loss:` section and the FP8 checkpoint config are plain Python."""
+    """`megatron_gspo.config` and every module of plan/ (run on a Slurm login node, and by every
+    sbatch script before anything starts) import no torch, Megatron or transformers: their dtype
+    names, the `loss:` section and the FP8 checkpoint config are plain Python. Nor do the resume
+    checks and the checkpoint file names (preflight's view of a checkpoint)."""
     import subprocess
 
     code = (
         "import sys\n"
-        "import megatron_gspo.config, megatron_gspo.plan.planner, megatron_gspo.plan.topology\n"
+        "import megatron_gspo.config\n"
+        "from megatron_gspo.plan import gpu_stack, launch, memory, model_files, planner, topology\n"
+        "from megatron_gspo.checkpoint import files, resume\n"
         "from megatron_gspo.algo import PolicyLossConfig\n"
         "heavy = ('torch', 'megatron', 'transformers', 'sglang')\n"
         "print(sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in heavy}))\n"
