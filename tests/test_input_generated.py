@@ -27,7 +27,8 @@ from typing import Any
 
 import pytest
 
-from megatron_gspo.checkpoint.resume import FIXED_ON_RESUME, RUN_CONFIG
+from megatron_gspo.checkpoint.files import RUN_CONFIG
+from megatron_gspo.checkpoint.resume import FIXED_ON_RESUME
 from megatron_gspo.config import Config, config_from_dict
 from megatron_gspo.config_io import ConfigError
 from megatron_gspo.run import preflight as preflight_module

@@ -1,4 +1,4 @@
-"""Preflight of a resume and of checkpoint writes, beyond the layout (`checkpoint.py`).
+"""Preflight of a resume and of checkpoint writes, beyond the layout (`checkpoint/store.py`).
 
 Run by `preflight` on every rank before anything starts (no megatron-core), each check ends
 the job with one `ConfigError` line (exit code 2) naming the key or the files to change:
@@ -22,19 +22,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from megatron_gspo.checkpoint.files import HF_CONFIG_DIR, META_FILE, RUN_CONFIG
 from megatron_gspo.config_io import ConfigError, require
 
 __all__ = [
     "FIXED_ON_RESUME",
-    "RUN_CONFIG",
     "check_checkpoint_dir_writable",
     "check_resume_model",
     "resume_config_changes",
 ]
-
-RUN_CONFIG = "run_config.json"
-"""The resolved config of the run that wrote a checkpoint (`Config.to_dict()`), in its step
-directory."""
 
 # The optimizer state in the checkpoint belongs to these: Adam moments do not load into SGD,
 # and the distributed optimizer's sharded state has another format than the plain one's.
@@ -104,8 +100,6 @@ def _arch(config: dict[str, Any]) -> dict[str, Any]:
 def check_resume_model(checkpoint: Path, hf_path: str) -> None:
     """A ConfigError naming both models when the checkpoint was trained from a model whose
     `config.json` differs from `model.hf_path`'s in any parameter-defining entry."""
-    from megatron_gspo.weights.convert import HF_CONFIG_DIR, META_FILE
-
     saved_file = checkpoint / HF_CONFIG_DIR / "config.json"
     try:
         saved = json.loads(saved_file.read_text(encoding="utf-8"))

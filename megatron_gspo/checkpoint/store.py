@@ -1,5 +1,5 @@
 """Checkpoints: the one module that owns their on-disk layout (save, load, `latest`, `step_*`,
-the manifest, verify).
+the manifest, verify); the names of the files in a step directory are in `checkpoint/files.py`.
 
 `<checkpoint.dir>/step_NNNNNN/` holds the megatron-core distributed checkpoint of the model and
 optimizer, `trainer_rank<r>.pt` (step, RNG, policy state), `rollout.pt` (rank 0's data position)
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_gspo.checkpoint.files import FRESH_OPTIMIZER, HF_CONFIG_DIR, META_FILE, RUN_CONFIG
 from megatron_gspo.config_io import ConfigError, require
 from megatron_gspo.dist import rank
 from megatron_gspo.layout import Layout
@@ -143,17 +144,10 @@ def _share(items: list[str]) -> list[str]:
     return items[rank::world]
 
 
-FRESH_OPTIMIZER = "optimizer_fresh"
-"""Marks a checkpoint written before any optimizer step: the model alone is its state (no
-optimizer state, no `adam_steps_rank*.pt`); `megatron/checkpoint.py` writes and reads it."""
-
-
 def required_files(world_size: int, directory: str | Path | None = None) -> list[str]:
     """The files every checkpoint of a `world_size`-rank job has (megatron-core's torch_dist
     writer gives each rank at least the shard file `__<rank>_0.distcp`); the Adam-step side
     files unless `directory` is marked as written before any optimizer step."""
-    from megatron_gspo.weights.convert import HF_CONFIG_DIR, META_FILE
-
     shared = [".metadata", "metadata.json", META_FILE, f"{HF_CONFIG_DIR}/config.json", "rollout.pt"]
     fresh = directory is not None and (Path(directory) / FRESH_OPTIMIZER).exists()
     names = ("__{r}_0.distcp", "trainer_rank{r}.pt") + (() if fresh else ("adam_steps_rank{r}.pt",))
@@ -241,8 +235,6 @@ def _unlisted(directory: Path, files: dict[str, Any]) -> list[tuple[str, str]]:
     """Required files the manifest does not list (checked on rank 0 only: one report each)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return []
-    from megatron_gspo.weights.convert import META_FILE
-
     try:
         world = int(json.loads((directory / META_FILE).read_text())["world_size"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -296,8 +288,6 @@ def check_resume_layout(checkpoint_dir: str | None, layout: Layout, world_size: 
     path = latest_checkpoint(checkpoint_dir)
     if path is None:
         return
-    from megatron_gspo.weights.convert import META_FILE
-
     meta_file = path / META_FILE
     try:
         meta = json.loads(meta_file.read_text())
@@ -326,19 +316,18 @@ def save_checkpoint(cfg: Config, policy: Policy, rollout: Rollout | None, step: 
     root = Path(_checkpoint_dir(cfg))
     final = root / step_dir_name(step)
     tmp = final.with_name(final.name + ".tmp")
-    from megatron_gspo.checkpoint.resume import RUN_CONFIG
     from megatron_gspo.checkpoint.write import WriteState
     from megatron_gspo.megatron.checkpoint import save_model_and_optimizer
     from megatron_gspo.weights.convert import write_source_info
 
     # Each phase's write error is shared at its end (`agree`, in place of a barrier): a full
-    # or read-only disk ends every rank with one CheckpointWriteError (checkpoint_write.py).
+    # or read-only disk ends every rank with one CheckpointWriteError (checkpoint/write.py).
     w = WriteState(root, step, tmp)
     with w.phase():
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            # The resolved config: a resume compares it (resume_check.resume_config_changes)
+            # The resolved config: a resume compares it (checkpoint.resume.resume_config_changes)
             (tmp / RUN_CONFIG).write_text(json.dumps(cfg.to_dict(), default=str) + "\n")
     w.agree()
     with w.phase():

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.checkpoint.store import FRESH_OPTIMIZER
+from megatron_gspo.checkpoint.files import FRESH_OPTIMIZER
 from megatron_gspo.patches.optimizer import chained, resume_hooks
 
 _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -74,7 +74,6 @@ def _sharded_state(model: list[torch.nn.Module], optimizer: Any, is_loading: boo
     return {**model_sd, "optimizer": optim}
 
 
-_FRESH_OPTIMIZER = FRESH_OPTIMIZER  # checkpoint.py owns the layout
 
 
 def _has_stepped(optimizer: Any) -> bool:
@@ -120,7 +119,7 @@ def save_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, direc
         # state_dict asserts on the missing `step`): the model alone is the whole state here.
         dist_checkpointing.save(model_sharded_state(model, _METADATA), str(directory))
         if rank == 0:
-            (Path(directory) / _FRESH_OPTIMIZER).write_text("no optimizer step taken yet\n")
+            (Path(directory) / FRESH_OPTIMIZER).write_text("no optimizer step taken yet\n")
         return
     dist_checkpointing.save(_sharded_state(model, optimizer, False), str(directory))
     torch.save(hooks.adam_steps(optimizer), Path(directory) / f"adam_steps_rank{rank}.pt")
@@ -176,7 +175,7 @@ def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, direc
     """Collective: restore what `save_model_and_optimizer` wrote, in place."""
     from megatron.core import dist_checkpointing
 
-    if (Path(directory) / _FRESH_OPTIMIZER).exists():
+    if (Path(directory) / FRESH_OPTIMIZER).exists():
         for m, sd in zip(model, load_model_states(model, directory), strict=True):
             _unwrap(m).load_state_dict(sd)
         optimizer.reload_model_params()  # fresh optimizer: its main params follow the model

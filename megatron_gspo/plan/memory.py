@@ -4,8 +4,9 @@
 process group (`megatron/param_count.py`: megatron-core's own sharding, no memory);
 `cached_count_params` memoises it.
 `hf_tensor_bytes` sizes the HF model and its weight sync (bf16 or FP8 blocks), `_activations` /
-`_micro_batches` the activation terms, and `memory_formula()` is the text printed under the
-planner's table. `plan/planner.py` (the CLI, checks, verdict and launch files) uses these.
+`_micro_batches` the activation terms; `trainer_memory`, `engine_estimate` and `sync_estimate`
+are a plan's three estimates, and `memory_formula()` is the text printed under the planner's
+table. `plan/planner.py` (the CLI, checks, verdict and launch files) uses these.
 """
 
 from __future__ import annotations
@@ -21,16 +22,21 @@ from typing import Any
 
 from megatron_gspo.algo.config import LOGPROB_CHUNK, VOCAB_CHUNK
 from megatron_gspo.config import Config
+from megatron_gspo.engines.sglang_rules import DEFAULT_MEM_FRACTION
 from megatron_gspo.layout import Layout, _num_experts
 
 __all__ = [
     "GiB",
     "MemoryEstimate",
     "StageParams",
+    "EngineEstimate",
     "cached_count_params",
     "count_params",
+    "engine_estimate",
     "hf_tensor_bytes",
     "memory_formula",
+    "sync_estimate",
+    "trainer_memory",
 ]
 
 GiB = 1024**3
@@ -246,3 +252,121 @@ def _micro_batches(cfg: Config, dp: int, prompt_tokens: int) -> int:
     seqs = cfg.rl.rollout_size / cfg.rl.mini_batches_per_rollout / dp
     tokens = seqs * (prompt_tokens + cfg.rollout.max_new_tokens)
     return max(1, math.ceil(tokens / cfg.train.micro_batch_tokens))
+
+
+# ---------------------------------------------------------------------------------------------
+# the estimates of a plan: trainer stages, engines, weight sync
+
+
+def trainer_memory(
+    cfg: Config,
+    hf: Any,
+    stages: list[StageParams],
+    *,
+    dp: int,
+    expert_dp: int,
+    micro_batches: int,
+    moe_imbalance: float,
+    engine_train: float,
+    engine_rollout: float,
+) -> tuple[MemoryEstimate, float]:
+    """The most loaded pipeline stage's bytes per GPU (the largest training peak) and the
+    micro-batches in flight on it; `engine_train` / `engine_rollout`: the bytes a colocated
+    engine holds on the same GPU while training / rolling out (0 on separate nodes)."""
+    layout = cfg.parallel
+    b_p = 4 if cfg.model.dtype == "fp32" else 2
+    layers_act, logits_act = _activations(
+        hf, cfg, layout, hf.num_hidden_layers // layout.pp, moe_imbalance
+    )
+    worst: MemoryEstimate | None = None
+    worst_inflight = 0.0
+    for s in stages:
+        master = 4 if b_p == 2 else 0  # fp32 main params behind bf16 weights
+        state = 8 if cfg.optim.optimizer == "adam" else 4
+        if cfg.optim.use_distributed_optimizer:  # sharded over DPxCP (dense), expert DP
+            opt_elems = s.dense / (dp * layout.cp) + s.expert / expert_dp
+        else:
+            opt_elems = float(s.total)
+        # 1F1B: stage s holds the activations of up to pp - s micro-batches; the interleaved
+        # schedule warms up more of them (megatron's (1 + (pp-1)/(pp*vpp)) factor).
+        inflight = float(min(layout.pp - s.stage, micro_batches))
+        if layout.vpp:
+            inflight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
+        last = s.stage == layout.pp - 1
+        est = MemoryEstimate(
+            weights=b_p * s.total,
+            grads=4 * s.total,
+            optimizer=(master + state) * opt_elems,
+            activations=inflight * layers_act + (logits_act if last else 0.0),
+            overhead=PROCESS_OVERHEAD_GB * GiB,
+            engine_train=engine_train,
+            engine_rollout=engine_rollout,
+        )
+        if worst is None or est.train_peak > worst.train_peak:
+            worst, worst_inflight = est, inflight
+    assert worst is not None  # count_params gives every layout at least one stage
+    return worst, worst_inflight
+
+
+@dataclass(frozen=True)
+class EngineEstimate:
+    """What the rollout engines hold: the planner's engine table and the numbers it checks."""
+
+    params: int
+    """Parameters of the HF model (every tensor the engines load)."""
+    weights_per_gpu: float
+    """Bytes of engine weights per GPU (the model split over `rollout.launch.tp_size`)."""
+    table: dict[str, Any]
+    """`Plan.engine`: engines, GPUs, weights, KV-cache tokens and sequences, samples each."""
+
+
+def engine_estimate(
+    cfg: Config,
+    hf: Any,
+    launch: Any,
+    *,
+    engine_gpus: int,
+    gpu_mem_bytes: float,
+    prompt_tokens: int,
+    colocated: bool,
+) -> EngineEstimate:
+    """The engines' weights and KV cache per GPU: `launch` (a `rollout.launch` section) on
+    `engine_gpus` GPUs of `gpu_mem_bytes`, sequences of `prompt_tokens` + max_new_tokens."""
+    frac = launch.mem_fraction_static or DEFAULT_MEM_FRACTION
+    num_engines = engine_gpus // launch.tp_size
+    dtype_bytes = 4 if launch.dtype in ("float32", "fp32") else 2
+    params, engine_bytes = hf_tensor_bytes(
+        hf, dtype_bytes=2, fp8=cfg.weights.fp8 or launch.quantization == "fp8"
+    )
+    engine_weights = engine_bytes / launch.tp_size
+    d = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    kv_heads = max(1, hf.num_key_value_heads // launch.tp_size)
+    kv_b = 1 if "fp8" in launch.kv_cache_dtype else dtype_bytes
+    kv_per_token = 2 * hf.num_hidden_layers * kv_heads * d * kv_b
+    kv_tokens = max(0.0, frac * gpu_mem_bytes - engine_weights) / kv_per_token
+    seq_tokens = prompt_tokens + cfg.rollout.max_new_tokens
+    table = dict(
+        num_engines=num_engines,
+        tp_size=launch.tp_size,
+        gpus=engine_gpus,
+        weights_gb=engine_weights / GiB,
+        mem_fraction_static=frac,
+        kv_cache_tokens=int(kv_tokens),
+        kv_sequences=int(kv_tokens // seq_tokens),
+        samples_per_engine=cfg.rl.rollout_size / max(1, num_engines),
+        colocated=colocated,
+    )
+    return EngineEstimate(params=params, weights_per_gpu=engine_weights, table=table)
+
+
+def sync_estimate(cfg: Config, hf: Any, gb_per_s: float) -> dict[str, float]:
+    """Bytes of one weight sync (`weights.dtype`, block FP8 with `weights.fp8`) and its time at
+    `gb_per_s`."""
+    send_dtype_bytes = 4 if (cfg.weights.dtype == "float32") else 2
+    _, sync_bytes = hf_tensor_bytes(hf, dtype_bytes=send_dtype_bytes, fp8=cfg.weights.fp8)
+    return dict(
+        bytes=float(sync_bytes),
+        gb_per_s=gb_per_s,
+        seconds=sync_bytes / 1e9 / gb_per_s,
+        fp8=float(cfg.weights.fp8),
+    )

@@ -11,12 +11,12 @@
    the same megatron-bridge provider as the trainer (`megatron/model.make_provider`).
 3. Per-GPU memory is estimated from those counts with the formula printed under the table
    (`memory_formula()`), and the weight-sync bytes per step at a stated bandwidth.
-   Steps 2-3's counting and arithmetic live in `plan_memory`; this module checks, decides and
+   Steps 2-3's counting and arithmetic live in `plan/memory.py`; this module checks, decides and
    prints.
 
 Exit codes: 0 fits, 1 does not fit (the verdict says what), 2 invalid config or layout, a
 topology refusal (`megatron_gspo.plan.topology`: printed as `topology: REFUSED: ...`), or, with
-`--emit-launch`, a launch refusal (`plan_launch`: weights missing, an engine interpreter
+`--emit-launch`, a launch refusal (`plan/launch.py`: weights missing, an engine interpreter
 without SGLang, no interpreter with the router, driver vs CUDA build, NCCL versions);
 PLAN_FORCE overrides neither, and no launch files are written.
 `--emit-launch DIR` also writes what the Slurm scripts start (NUL-separated argv files for each
@@ -48,17 +48,18 @@ from megatron_gspo.engines.sglang_rules import (
 from megatron_gspo.layout import Layout
 from megatron_gspo.plan.launch import launch_check
 from megatron_gspo.plan.memory import (
-    PROCESS_OVERHEAD_GB,
     RELEASED_ENGINE_GB,
+    EngineEstimate,
     GiB,
     MemoryEstimate,
     StageParams,
-    _activations,
     _micro_batches,
     cached_count_params,
     count_params,
-    hf_tensor_bytes,
+    engine_estimate,
     memory_formula,
+    sync_estimate,
+    trainer_memory,
 )
 from megatron_gspo.plan.topology import Placement, topology_problems
 
@@ -158,6 +159,7 @@ def make_plan(
         0 <= rollout_nodes < nodes,
         f"--rollout-nodes={rollout_nodes} must leave at least one of --nodes={nodes} to train",
     )
+    # the layout on the trainer's GPUs, checked as the trainer checks it
     hf_dir = hf_dir or cfg.model.hf_path
     hf = _hf_config(hf_dir)
     layout = cfg.parallel
@@ -167,82 +169,75 @@ def make_plan(
     launch = cfg.rollout.launch or default_launch()
     if cfg.rollout.launch is not None:
         check_engine_layout(launch, hf, gpus_per_node)
+    # the estimates: the most loaded trainer stage, the engines, one weight sync
     stages = cached_count_params(hf_dir, layout, world, counts_cache)
     mem_bytes = gpu_mem_gb * GiB
     colocated = rollout_nodes == 0 and launch.colocated
-    # ----- trainer memory of each stage; the worst one is reported
-    b_p = 4 if cfg.model.dtype == "fp32" else 2
-    per_layer_stage = hf.num_hidden_layers // layout.pp
     prompt = prompt_tokens or cfg.data.max_prompt_tokens or 1024
     mbs = _micro_batches(cfg, dp, prompt)
-    layers_act, logits_act = _activations(hf, cfg, layout, per_layer_stage, moe_imbalance)
-    frac = launch.mem_fraction_static or DEFAULT_MEM_FRACTION
-    engine_rollout = frac * mem_bytes if colocated else 0.0
-    engine_train = 0.0
-    if colocated:
-        engine_train = engine_rollout if engines_external else RELEASED_ENGINE_GB * GiB
-    worst: MemoryEstimate | None = None
-    worst_inflight = 0.0
-    for s in stages:
-        master = 4 if b_p == 2 else 0  # fp32 main params behind bf16 weights
-        state = 8 if cfg.optim.optimizer == "adam" else 4
-        if cfg.optim.use_distributed_optimizer:  # sharded over DPxCP (dense), expert DP
-            opt_elems = s.dense / (dp * layout.cp) + s.expert / edp
-        else:
-            opt_elems = float(s.total)
-        # 1F1B: stage s holds the activations of up to pp - s micro-batches; the interleaved
-        # schedule warms up more of them (megatron's (1 + (pp-1)/(pp*vpp)) factor).
-        inflight = float(min(layout.pp - s.stage, mbs))
-        if layout.vpp:
-            inflight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
-        last = s.stage == layout.pp - 1
-        act = inflight * layers_act + (logits_act if last else 0.0)
-        est = MemoryEstimate(
-            weights=b_p * s.total,
-            grads=4 * s.total,
-            optimizer=(master + state) * opt_elems,
-            activations=act,
-            overhead=PROCESS_OVERHEAD_GB * GiB,
-            engine_train=engine_train,
-            engine_rollout=engine_rollout,
-        )
-        if worst is None or est.train_peak > worst.train_peak:
-            worst, worst_inflight = est, inflight
-    assert worst is not None
-    # ----- engines
-    engine_gpus = (rollout_nodes or nodes) * gpus_per_node
-    num_engines = engine_gpus // launch.tp_size
-    dtype_bytes = 4 if launch.dtype in ("float32", "fp32") else 2
-    send_dtype_bytes = 4 if (cfg.weights.dtype == "float32") else 2
-    params, engine_bytes = hf_tensor_bytes(
-        hf, dtype_bytes=2, fp8=cfg.weights.fp8 or launch.quantization == "fp8"
+    engine_train, engine_rollout = _colocated_engine_bytes(
+        launch, mem_bytes, colocated=colocated, engines_external=engines_external
     )
-    _, sync_bytes = hf_tensor_bytes(hf, dtype_bytes=send_dtype_bytes, fp8=cfg.weights.fp8)
-    engine_weights = engine_bytes / launch.tp_size
-    d = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    kv_heads = max(1, hf.num_key_value_heads // launch.tp_size)
-    kv_b = 1 if "fp8" in launch.kv_cache_dtype else dtype_bytes
-    kv_per_token = 2 * hf.num_hidden_layers * kv_heads * d * kv_b
-    kv_tokens = max(0.0, frac * mem_bytes - engine_weights) / kv_per_token
-    seq_tokens = prompt + cfg.rollout.max_new_tokens
-    concurrent = cfg.rl.rollout_size / max(1, num_engines)
-    engine = dict(
-        num_engines=num_engines,
-        tp_size=launch.tp_size,
-        gpus=engine_gpus,
-        weights_gb=engine_weights / GiB,
-        mem_fraction_static=frac,
-        kv_cache_tokens=int(kv_tokens),
-        kv_sequences=int(kv_tokens // seq_tokens),
-        samples_per_engine=concurrent,
-        colocated=colocated,
+    worst, in_flight = trainer_memory(
+        cfg, hf, stages, dp=dp, expert_dp=edp, micro_batches=mbs, moe_imbalance=moe_imbalance,
+        engine_train=engine_train, engine_rollout=engine_rollout,
+    )  # fmt: skip
+    engine = engine_estimate(
+        cfg, hf, launch, engine_gpus=(rollout_nodes or nodes) * gpus_per_node,
+        gpu_mem_bytes=mem_bytes, prompt_tokens=prompt, colocated=colocated,
+    )  # fmt: skip
+    # the verdicts: memory, then what the cluster would refuse
+    problems = _memory_problems(worst, engine, gpu_mem_gb, launch.tp_size, colocated=colocated)
+    # the transport the job runs with: the launch files switch separate nodes to distributed
+    job_cfg = copy.deepcopy(cfg)
+    if rollout_nodes:
+        job_cfg.weights.transport = "distributed"
+    return Plan(
+        topology=plan_topology(
+            job_cfg, launch, hf, nodes, gpus_per_node, rollout_nodes, check_ports=check_ports
+        ),
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        gpu_mem_gb=gpu_mem_gb,
+        rollout_nodes=rollout_nodes,
+        trainer_world=world,
+        layout=layout.to_dict(),
+        dp=dp,
+        expert_dp=edp,
+        stages=stages,
+        total_params=engine.params,
+        memory=worst,
+        micro_batches=mbs,
+        in_flight=in_flight,
+        engine=engine.table,
+        sync=sync_estimate(cfg, hf, sync_gb_per_s),
+        problems=problems,
     )
-    sync = dict(
-        bytes=float(sync_bytes),
-        gb_per_s=sync_gb_per_s,
-        seconds=sync_bytes / 1e9 / sync_gb_per_s,
-        fp8=float(cfg.weights.fp8),
-    )
+
+
+def _colocated_engine_bytes(
+    launch: LaunchConfig, mem_bytes: float, *, colocated: bool, engines_external: bool
+) -> tuple[float, float]:
+    """Bytes a colocated engine holds on a trainer GPU (while training, while rolling out):
+    its `mem_fraction_static` share during rollouts; during training what a released engine
+    keeps, or all of it for engines the trainer cannot release (`--engines-external`)."""
+    if not colocated:
+        return 0.0, 0.0
+    rollout = (launch.mem_fraction_static or DEFAULT_MEM_FRACTION) * mem_bytes
+    return (rollout if engines_external else RELEASED_ENGINE_GB * GiB), rollout
+
+
+def _memory_problems(
+    worst: MemoryEstimate,
+    engine: EngineEstimate,
+    gpu_mem_gb: float,
+    tp_size: int,
+    *,
+    colocated: bool,
+) -> list[str]:
+    """One line per memory that does not fit a GPU, each naming the keys to change."""
+    mem_bytes = gpu_mem_gb * GiB
+    frac = engine.table["mem_fraction_static"]
     problems = []
     if worst.train_peak > mem_bytes:
         problems.append(
@@ -253,45 +248,20 @@ def make_plan(
     if colocated and worst.rollout_peak > mem_bytes:
         problems.append(
             f"colocated rollout needs {worst.rollout_peak / GiB:.1f} GiB per GPU (trainer state "
-            f"{worst.trainer_static / GiB:.1f} + engine {engine_rollout / GiB:.1f}) > "
+            f"{worst.trainer_static / GiB:.1f} + engine {worst.engine_rollout / GiB:.1f}) > "
             f"{gpu_mem_gb:g}; lower rollout.launch.mem_fraction_static or use rollout nodes"
         )
-    if engine_weights >= frac * mem_bytes:
+    if engine.weights_per_gpu >= frac * mem_bytes:
         problems.append(
-            f"engine weights {engine_weights / GiB:.1f} GiB per GPU do not fit "
+            f"engine weights {engine.weights_per_gpu / GiB:.1f} GiB per GPU do not fit "
             f"rollout.launch.mem_fraction_static={frac} of {gpu_mem_gb:g} GiB; raise "
             "rollout.launch.tp_size or use FP8 (rollout.launch.quantization=fp8)"
         )
-    if num_engines < 1:
+    if engine.table["num_engines"] < 1:
         problems.append(
-            f"rollout.launch.tp_size={launch.tp_size} exceeds the {engine_gpus} engine GPUs"
+            f"rollout.launch.tp_size={tp_size} exceeds the {engine.table['gpus']} engine GPUs"
         )
-    # the transport the job runs with: the launch files switch separate nodes to distributed
-    tcfg = copy.deepcopy(cfg)
-    if rollout_nodes:
-        tcfg.weights.transport = "distributed"
-    topology = plan_topology(
-        tcfg, launch, hf, nodes, gpus_per_node, rollout_nodes, check_ports=check_ports
-    )
-    return Plan(
-        topology=topology,
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        gpu_mem_gb=gpu_mem_gb,
-        rollout_nodes=rollout_nodes,
-        trainer_world=world,
-        layout=layout.to_dict(),
-        dp=dp,
-        expert_dp=edp,
-        stages=stages,
-        total_params=params,
-        memory=worst,
-        micro_batches=mbs,
-        in_flight=worst_inflight,
-        engine=engine,
-        sync=sync,
-        problems=problems,
-    )
+    return problems
 
 
 def plan_topology(
@@ -578,4 +548,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plan: refused: {line}", file=sys.stderr)
         return 2
     return 0 if plan.fits else 1
-

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from megatron_gspo import dist
+from megatron_gspo.checkpoint.files import HF_CONFIG_DIR, META_FILE
 from megatron_gspo.config_io import ConfigError
 from megatron_gspo.layout import Layout
 from megatron_gspo.megatron.checkpoint import load_model_states, save_model
@@ -44,8 +45,6 @@ from megatron_gspo.megatron.model import (
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.stream import hf_tensors
 
-HF_CONFIG_DIR = "hf_config"
-META_FILE = "mgspo_conversion.json"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_gspo.checkpoint.files import META_FILE
 from megatron_gspo.checkpoint.store import (
     MANIFEST,
     check_resume_layout,
@@ -21,7 +22,6 @@ from megatron_gspo.checkpoint.store import (
 )
 from megatron_gspo.config_io import ConfigError
 from megatron_gspo.layout import Layout
-from megatron_gspo.weights.convert import META_FILE
 
 
 def _checkpoint(root: Path, step: int, layout: Layout | None = None, world: int = 2) -> Path:
