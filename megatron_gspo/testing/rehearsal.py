@@ -90,7 +90,7 @@ def shrink(
         while kv >= etp_engine and kv > 1:
             kv //= 2
     # megatron-core needs the trainer's TP to divide the kv heads: where that conflicts with
-    # replication on the shrunk engine, replication is left to tests/weights/test_shards.py
+    # replication on the shrunk engine, replication is left to tests/engines/test_weight_shards.py
     kv = max(kv, lay.tp)
     heads = kv * 2
     while heads % math.lcm(etp_engine, lay.tp):

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.engines.weight_layout import fused_stream
 from megatron_gspo.weights import fp8
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -269,24 +270,32 @@ def model_buckets(
     cpu: bool = True,
     experts_to_first: bool = True,
     expert_batch_bytes: int = 0,
+    layout: str = "hf",
+    num_experts: int = 0,
     **kwargs: Any,
 ) -> Iterator[Bucket]:
     """`iter_buckets(hf_tensors(...))`: buckets on the sender rank, nothing elsewhere.
 
+    layout: "hf" (HF-named tensors) or "sglang": SGLang's whole fused tensors, one per fused
+    parameter (`engines.weight_layout.fused_stream`; `num_experts` per MoE layer lets a
+    layer's stacked experts leave as soon as the last arrives).
     Every rank must exhaust this iterator (the bridge's gathers are collectives).
     """
     if experts_to_first and sender_rank != 0:
         # Global rank 0 is rank 0 of every group it belongs to; another rank may not be.
         raise ValueError("experts_to_first needs sender_rank=0 (or experts_to_first=False)")
     keep = is_sender(sender_rank)
+    tensors = hf_tensors(
+        bridge,
+        model,
+        cpu=cpu,
+        experts_to_first=experts_to_first,
+        expert_batch_bytes=expert_batch_bytes,
+    )
+    if layout == "sglang" and keep:  # the other ranks only drain the collectives
+        tensors = fused_stream(tensors, num_experts=num_experts)
     yield from iter_buckets(
-        hf_tensors(
-            bridge,
-            model,
-            cpu=cpu,
-            experts_to_first=experts_to_first,
-            expert_batch_bytes=expert_batch_bytes,
-        ),
+        tensors,
         bucket_bytes=bucket_bytes,
         keep=keep,
         **kwargs,

@@ -170,7 +170,7 @@ TRAINER = textwrap.dedent(
     import sys, json
     import torch
     from safetensors.torch import load_file
-    from megatron_gspo.weights.group import (
+    from megatron_gspo.engines.weight_group import (
         init_weight_update_group, flatten_for_broadcast)
     port, ckpt = int(sys.argv[1]), sys.argv[2]
     pg = init_weight_update_group(master_address="127.0.0.1", master_port=port,

@@ -34,10 +34,10 @@ from megatron_gspo.engines.sgl_kernel_cpu import (
     check_stub_log,
 )
 from megatron_gspo.engines.types import SamplingParams
+from megatron_gspo.engines.weight_names import sglang_checksums
+from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.testing import sglang_server
 from megatron_gspo.weights.checksum import WeightIntegrityError
-from megatron_gspo.weights.sglang_names import sglang_checksums
-from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights.stream import Bucket
 from megatron_gspo.weights.sync import verify_engines
 from megatron_gspo.weights.transports import DiskTransport, DistributedTransport, TensorTransport

@@ -35,10 +35,10 @@ import torch
 
 from megatron_gspo.engines.embedded import server as embedded
 from megatron_gspo.engines.embedded.model import HFPolicy
+from megatron_gspo.engines.weight_names import SGLangChecksums
+from megatron_gspo.engines.weight_shards import EngineLayout, engine_shard
 from megatron_gspo.engines.wire import overall_checksum
 from megatron_gspo.weights import fp8
-from megatron_gspo.weights.sglang_names import SGLangChecksums
-from megatron_gspo.weights.shards import EngineLayout, engine_shard
 
 
 def _is_block_fp8(config: dict) -> bool:
