@@ -121,6 +121,11 @@ def shrink(
     sets = [f"parallel.ep={ep}"]
     if launch:
         sets += [f"rollout.launch.tp_size={etp_engine}", f"rollout.launch.ep_size={eep_engine}"]
+        if etp_engine > 1:
+            # The stand-in holds whole HF tensors and reads rank 0's payload only, so it takes
+            # HF names; SGLang's own per-rank layout is checked against SGLang's loaders in
+            # tests/engines/test_weight_layout.py and the real server.
+            sets.append("weights.layout=hf")
     return Rehearsal(
         nodes=trainer_nodes + rollout_nodes,
         rollout_nodes=rollout_nodes,

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_gspo.engines.protocols import NoEnginesLeft, WeightReceiver
+from megatron_gspo.engines.weight_layout import engine_layout
 from megatron_gspo.engines.weight_names import reported_in_sglang_naming
 from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights import fp8 as fp8_lib
@@ -362,7 +363,8 @@ class WeightSync:
         # SGLang's own hash on the engines' device (sha256 on CPU, Triton on CUDA).
         kw["device"] = self.config.resolved_engine_device()
         if tps == [1] and self.model_layout is not None and self.layout == "sglang":
-            return EngineChecksums([self.model_layout], **kw)  # its heads cut qkv_proj
+            one_rank = engine_layout(self.model_layout, 1)  # its heads cut qkv_proj
+            return EngineChecksums([one_rank], **kw)
         if tps == [1]:  # nothing is sharded: only the expert count (when the bridge has it)
             return EngineChecksums([EngineLayout(1, 1, 1, 1, 1, _num_experts(self.bridge))], **kw)
         hf = hf_io.hf_config_of(self.bridge) if tps else None

@@ -19,7 +19,7 @@ from megatron_gspo.engines.weight_layout import (
 )
 from megatron_gspo.engines.weight_shards import EngineChecksums
 from megatron_gspo.engines.wire import tensor_checksum
-from tests.engines.test_weight_shards import CASES, E, _layout, _reference, _T
+from tests.engines.test_weight_shards import _T, CASES, E, _layout, _reference
 
 
 def _fused(seed_order: bool = False) -> list[tuple[str, torch.Tensor]]:

@@ -73,6 +73,7 @@ class FakeEngine:
         self.version = "0"
         self.in_session = False
         self.calls: list[str] = []
+        self.direct_calls = 0  # update_weights_from_tensor calls in SGLang's own layout
         self.disk_config: dict | None = None
         self.corrupt_name: str | None = None
         self._pool = ThreadPoolExecutor(1)
@@ -117,7 +118,8 @@ class FakeEngine:
             decoded = deserialize_named_tensors(payloads[0], "direct")
             self._store(list(unfuse_all(decoded, layout)))
             self._set_version(weight_version)
-            self.calls.append("tensor-direct")
+            self.calls.append("tensor")
+            self.direct_calls += 1
             return
         payloads, _keep = serialize_flattened_bucket(list(named_tensors), tp_size=self.tp_size)
         decoded = [deserialize_named_tensors(p) for p in payloads]

@@ -92,6 +92,7 @@ def _push(sync: WeightSync, model: list, engine: FakeEngine | None) -> dict[str,
         "buckets": report.stats.buckets,
         "verified": report.verified,
         "tensors": report.stats.tensors,
+        "layout": sync.layout,
         "seen_here": sync.local_stats.tensors_seen,  # this rank's share of the gather traffic
     }
 
@@ -239,7 +240,8 @@ def main(rank: int, world: int, hf_dir: str, tmp: str, layouts: dict[str, dict])
         return WeightSync(bridge, engines, WeightSyncConfig(bucket_mb=BUCKET_MB, **cfg)), engine_
 
     syncs = {
-        "tensor": sync(engine("tensor"), transport="tensor"),
+        "tensor": sync(engine("tensor"), transport="tensor"),  # SGLang's own layout (auto)
+        "tensor_hf": sync(engine("tensor_hf"), transport="tensor", layout="hf"),
         "tensor_per_tensor_gathers": sync(
             engine("tensor_ptg"), transport="tensor", batch_expert_gathers=False
         ),
