@@ -99,6 +99,7 @@ def push_into_server(size: str, pushes: int, bucket_mb: float) -> None:
         group.start()
         client = SGLangClient(ClientConfig(engine_urls=cfg.engine_urls))
         rows: dict[str, list[tuple[float, float, int]]] = {"hf": [], "sglang": []}
+        phases: dict[str, list[dict[str, float]]] = {"hf": [], "sglang": []}
         try:
             syncs = {}
             for layout in rows:
@@ -119,6 +120,7 @@ def push_into_server(size: str, pushes: int, bucket_mb: float) -> None:
                     report = sync.push([])
                     wall = time.perf_counter() - t0
                     rows[layout].append((wall, _cpu_seconds(pids) - busy0, report.stats.tensors))
+                    phases[layout].append(dict(report.stats.seconds))
         finally:
             client.close()
             group.shutdown()
@@ -136,6 +138,10 @@ def push_into_server(size: str, pushes: int, bucket_mb: float) -> None:
         med[layout] = (statistics.median(walls), statistics.median(busy))
         each = " ".join(f"{w:.3f}" for w in walls)
         print(f"| {layout} | {r[0][2]} | {med[layout][0]:.3f} ({each}) | {med[layout][1]:.2f} |")
+    for layout, ph in phases.items():
+        keys = sorted({k for p in ph for k in p})
+        meds = ", ".join(f"{k} {statistics.median(p.get(k, 0.0) for p in ph):.3f}" for k in keys)
+        print(f"{layout} sender phases (median s): {meds}")
     print(
         f"hf / sglang: end to end {med['hf'][0] / med['sglang'][0]:.1f}x, server busy "
         f"{med['hf'][1] / max(med['sglang'][1], 1e-9):.1f}x"

@@ -197,6 +197,7 @@ def iter_buckets(
     use_fp8: bool = False,
     fp8_check: bool = False,
     stats: StreamStats | None = None,
+    count_seen: bool = True,
 ) -> Iterator[Bucket]:
     """Group a tensor stream into buckets of at most `bucket_bytes` (one bigger tensor gets a
     bucket of its own). With `keep=False` (non-sender ranks) the stream is only drained.
@@ -205,6 +206,7 @@ def iter_buckets(
     use_fp8: decoder linear weights become e4m3 + `_scale_inv`, the rest `dtype` or bf16;
     fp8_check: the e4m3 bound of every quantised weight is computed on its device and read
     once per bucket, before the bucket is yielded (a bucket out of bound is never sent).
+    count_seen: count the stream's tensors in `stats.tensors_seen` (False: counted upstream).
     """
     stats = stats if stats is not None else StreamStats()
     bucket = Bucket()
@@ -218,7 +220,7 @@ def iter_buckets(
             break
         t1 = time.perf_counter()
         stats.add_seconds("export", t1 - t0)
-        stats.tensors_seen += 1
+        stats.tensors_seen += count_seen
         if not keep:
             continue
         stats.bytes_exported += tensor.numel() * tensor.element_size()
@@ -261,6 +263,14 @@ def iter_buckets(
         yield bucket
 
 
+def _counted(
+    tensors: Iterator[tuple[str, torch.Tensor]], stats: StreamStats
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in tensors:
+        stats.tensors_seen += 1
+        yield item
+
+
 def model_buckets(
     bridge: Any,
     model: list[torch.nn.Module],
@@ -293,7 +303,12 @@ def model_buckets(
         expert_batch_bytes=expert_batch_bytes,
     )
     if layout == "sglang" and keep:  # the other ranks only drain the collectives
-        tensors = fused_stream(tensors, num_experts=num_experts)
+        if kwargs.get("stats") is None:
+            kwargs["stats"] = StreamStats()
+        # `tensors_seen` stays what the bridge exported to this rank (HF tensors), not the
+        # fewer fused tensors.
+        tensors = fused_stream(_counted(tensors, kwargs["stats"]), num_experts=num_experts)
+        kwargs["count_seen"] = False
     yield from iter_buckets(
         tensors,
         bucket_bytes=bucket_bytes,
