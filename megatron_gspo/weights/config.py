@@ -31,8 +31,9 @@ class WeightSyncConfig:
     no name mapping, no per-expert copy on the engine); tensor transport only, not with fp8.
     hf: one tensor per HF checkpoint tensor, mapped by the engine's `load_weights` (every
     transport; engines that need HF names). auto: sglang for the tensor transport without
-    fp8 when the bridge has the model's HF config (measured faster: docs/performance.md,
-    "SGLang's own layout"), else hf."""
+    fp8 when the bridge has the model's HF config, else hf. Measured on CPU into the real
+    SGLang server (docs/performance.md, "SGLang's own layout"): the server's busy time per
+    push 2-3x lower; end to end not faster there (bound by the sender's host copies)."""
     bucket_mb: float = 512.0
     """Upper bound of one bucket in MiB (a single larger tensor is sent alone)."""
     dtype: str | None = None
