@@ -274,8 +274,6 @@ SGLANG_ALLOWED = {
     # moved under engines/ this session by another change (issue 39); the entries go when merged.
     # weights/group.py (SGLang's bucket byte layout, moving too) needs none: it knows the layout
     # without naming SGLang, which no name-based rule can see.
-    "weights/sglang_names.py": "SGLang's fused parameter names",
-    "weights/shards.py": "SGLang's per-rank sharding",
     "weights/sync.py": "compares checksums in SGLang's naming (weights/sglang_names.py)",
 }
 

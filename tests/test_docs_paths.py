@@ -430,7 +430,7 @@ def test_a_planted_module_name_that_does_not_exist_is_reported() -> None:
         "`megatron_gspo.engines.client.GoneClient` are not there. Package-relative: "
         "`engines.connect.per_engine_clients`, `algo.PolicyLossConfig`, `rollout.scheduler."
         "TURN_CONTEXT` and, not ours, `megatron.core.parallel_state`, `rollout.max_staleness`; "
-        "but `engines.sglang_client.SGLangClient` and `weights.group.gone` are not there."
+        "but `engines.sglang_client.SGLangClient` and `engines.weight_group.gone` are not there."
     )
     sections = {k for k in config_keys() if "." not in k}
     found = check_modules(text, REPO / "docs" / "planted.md", sections)
@@ -438,7 +438,7 @@ def test_a_planted_module_name_that_does_not_exist_is_reported() -> None:
         "megatron_gspo.rollout.sglang_client.SGLangClient",
         "megatron_gspo.engines.client.GoneClient",
         "engines.sglang_client.SGLangClient",
-        "weights.group.gone",
+        "engines.weight_group.gone",
     ], found
 
 

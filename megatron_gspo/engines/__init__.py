@@ -2,7 +2,10 @@
 depends on (`protocols.py`), request/response types (`types.py`), the wire format (`wire.py`),
 the HTTP client and its engine pool (`client.py`, `pool.py`), server launch and the engine's
 interpreter (`launch.py`), SGLang's version rules and defaults for the config, the planner and
-the preflight (`sglang_rules.py`), and the embedded CPU engine (`embedded/`).
+the preflight (`sglang_rules.py`), the embedded CPU engine (`embedded/`), and what an engine
+wants of pushed weights: SGLang's parameter names, per-rank shards and own layout, and the
+update group's byte layout (`weight_names.py`, `weight_shards.py`, `weight_layout.py`,
+`weight_group.py`).
 
 An SGLang upgrade touches this package only. Importing it is cheap: SGLang's modules are
 imported only by the functions that need them. It imports no Megatron.

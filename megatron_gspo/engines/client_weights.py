@@ -15,6 +15,8 @@ import torch
 
 from megatron_gspo.engines import wire as proto
 from megatron_gspo.engines.protocols import WeightReceiver, weight_update_session
+from megatron_gspo.engines.weight_layout import engine_layout, rank_tensors
+from megatron_gspo.engines.weight_shards import EngineLayout
 
 if TYPE_CHECKING:
     from megatron_gspo.engines.client_config import ClientConfig
@@ -52,7 +54,13 @@ class WeightCalls:
         *,
         weight_version: str | None = None,
         flush_cache: bool = True,
+        layout: EngineLayout | None = None,
     ) -> None:
+        if layout is not None:
+            self._update_weights_direct(
+                named_tensors, layout, weight_version=weight_version, flush_cache=flush_cache
+            )
+            return
         # One flattened copy for all engines, one payload per TP rank of each engine (SGLang's
         # rank r reads entry r: an engine given fewer entries than ranks fails its update).
         bucket = proto.flatten_bucket(named_tensors)
@@ -70,6 +78,36 @@ class WeightCalls:
         # answered (result() below), as SGLang requires.
         self._in_thread("/update_weights_from_tensor", bodies).result()
         del bucket
+
+    def _update_weights_direct(
+        self,
+        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        layout: EngineLayout,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+    ) -> None:
+        """SGLang-named whole tensors, each engine rank sent its own part
+        (`load_format="direct"`: the engine copies each into the parameter of that name)."""
+        payloads: dict[int, tuple[list[str], Any]] = {}  # per TP size: engines share a copy
+        targets = self.pool.require_targets()
+        bodies = {}
+        for url, tp in zip(self.config.engine_urls, self.config.engine_tp_sizes, strict=True):
+            if url not in targets:
+                continue
+            if tp not in payloads:
+                lay = engine_layout(layout, tp)
+                per_rank = [rank_tensors(named_tensors, r, lay) for r in range(tp)]
+                payloads[tp] = proto.direct_payloads(per_rank)
+            bodies[url] = {
+                "serialized_named_tensors": payloads[tp][0],
+                "load_format": "direct",
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+            }
+        # The payloads are handles onto the flattened copies: kept until every engine answered.
+        self._in_thread("/update_weights_from_tensor", bodies).result()
+        del payloads
 
     def init_weights_update_group(
         self,

@@ -124,8 +124,13 @@ class WeightReceiver(Protocol):
         *,
         weight_version: str | None = None,
         flush_cache: bool = True,
+        layout: Any = None,
     ) -> None:
-        """Push HF-named tensors to every engine (one flattened bucket; same node only).
+        """Push tensors to every engine (same node only). Without `layout`: HF-named tensors
+        in one flattened bucket, mapped by the engine's `load_weights`. With `layout` (an
+        `engines.weight_shards.EngineLayout` of the model): SGLang's whole fused tensors
+        (`engines.weight_layout`), each engine rank sent its own part, loaded by name
+        (`load_format="direct"`).
 
         `weight_version=None` leaves the version alone (set it per session instead).
         """
@@ -160,8 +165,8 @@ class WeightReceiver(Protocol):
         """Announce a broadcast; the caller broadcasts on the group, then waits on the future.
 
         With `flattened_bucket`, the caller broadcasts ONE uint8 buffer, the bytes of SGLang's
-        `FlattenedTensorBucket(named_tensors)` (`weights.group.flatten_for_broadcast` builds it
-        without SGLang); otherwise one broadcast per tensor, in `names` order.
+        `FlattenedTensorBucket(named_tensors)` (`engines.weight_group.flatten_for_broadcast`
+        builds it without SGLang); otherwise one broadcast per tensor, in `names` order.
         """
         ...
 

@@ -230,6 +230,27 @@ def bucket_payloads(bucket: Any, tp_size: int) -> list[str]:
     return [serializer.serialize(obj, output_str=True) for _ in range(tp_size)]
 
 
+def direct_payloads(
+    per_rank: Sequence[Sequence[tuple[str, torch.Tensor]]],
+) -> tuple[list[str], Any]:
+    """`serialized_named_tensors` for `load_format="direct"`: entry r is rank r's own
+    `[(sglang_name, tensor), ...]` list (SGLang's rank r decodes entry r only and copies each
+    tensor into the parameter of that name). Each rank's tensors are flattened into one buffer
+    and sent as views of it, so a rank's payload is one shared-memory segment (CPU) or one
+    CUDA-IPC handle, not one per tensor. Returns (payloads, keep): keep `keep` alive until the
+    HTTP call returns (the payloads are handles onto it)."""
+    serializer, _ = _sglang_weight_sync()
+    payloads, keep = [], []
+    for named in per_rank:
+        bucket = flatten_bucket(named)
+        if not bucket.get_flattened_tensor().is_cuda:
+            torch.multiprocessing.set_sharing_strategy("file_system")
+        views = bucket.reconstruct_tensors()
+        payloads.append(serializer.serialize(views, output_str=True))
+        keep.append(bucket)
+    return payloads, keep
+
+
 def deserialize_named_tensors(
     payload: str | bytes, load_format: str | None = "flattened_bucket"
 ) -> list[tuple[str, torch.Tensor]]:

@@ -33,7 +33,8 @@ from megatron_gspo.config import Config
 from megatron_gspo.engines import fp8_blocks as fp8_lib
 
 VERIFIABLE_MODEL_TYPES = ("qwen3_moe", "qwen3", "qwen2", "qwen2_moe", "llama", "mistral")
-"""Families whose SGLang parameters `weights/shards.py` reproduces (q/k/v, gate/up, experts)."""
+"""Families whose SGLang parameters `engines/weight_shards.py` reproduces (q/k/v, gate/up,
+experts)."""
 
 
 @dataclass(frozen=True)

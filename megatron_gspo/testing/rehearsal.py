@@ -90,7 +90,7 @@ def shrink(
         while kv >= etp_engine and kv > 1:
             kv //= 2
     # megatron-core needs the trainer's TP to divide the kv heads: where that conflicts with
-    # replication on the shrunk engine, replication is left to tests/weights/test_shards.py
+    # replication on the shrunk engine, replication is left to tests/engines/test_weight_shards.py
     kv = max(kv, lay.tp)
     heads = kv * 2
     while heads % math.lcm(etp_engine, lay.tp):
@@ -121,6 +121,11 @@ def shrink(
     sets = [f"parallel.ep={ep}"]
     if launch:
         sets += [f"rollout.launch.tp_size={etp_engine}", f"rollout.launch.ep_size={eep_engine}"]
+        if etp_engine > 1:
+            # The stand-in holds whole HF tensors and reads rank 0's payload only, so it takes
+            # HF names; SGLang's own per-rank layout is checked against SGLang's loaders in
+            # tests/engines/test_weight_layout.py and the real server.
+            sets.append("weights.layout=hf")
     return Rehearsal(
         nodes=trainer_nodes + rollout_nodes,
         rollout_nodes=rollout_nodes,

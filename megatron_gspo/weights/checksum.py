@@ -12,7 +12,7 @@ per byte sent on each side, which is why `WeightSyncConfig.verify_every` thins i
 
 Engines report checksums of what they HOLD, in the dtype they hold it: the embedded engine
 under HF names, a real SGLang server under its own fused parameter names (q/k/v, gate/up,
-stacked experts), which `sglang_names.SGLangChecksums` reproduces from the tensors as sent.
+stacked experts), which `engines.weight_names.SGLangChecksums` reproduces from the tensors as sent.
 """
 
 from __future__ import annotations
@@ -21,31 +21,14 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_gspo.engines.weight_group import host_views
 from megatron_gspo.engines.wire import tensor_checksum
-from megatron_gspo.weights.group import flatten_for_broadcast
+
+__all__ = ["WeightIntegrityError", "checksums", "compare_checksums", "host_views"]
 
 
 class WeightIntegrityError(RuntimeError):
     """A tensor the engine holds differs from the one the trainer sent (the name is in the text)."""
-
-
-def host_views(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """A bucket's tensors readable on the host, bitwise as they are: host tensors unchanged;
-    device tensors through ONE device->host copy of the bucket flattened as on the wire
-    (`group.flatten_for_broadcast`), viewed back per tensor (not one copy per tensor)."""
-    if all(t.device.type == "cpu" for _, t in named):
-        return list(named)
-    return _flat_views(named)
-
-
-def _flat_views(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    flat = flatten_for_broadcast(list(named)).cpu()
-    out, offset = [], 0
-    for name, t in named:
-        n = t.numel() * t.element_size()
-        out.append((name, flat[offset : offset + n].view(t.dtype).view(t.shape)))
-        offset += n
-    return out
 
 
 def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

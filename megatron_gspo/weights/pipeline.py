@@ -1,11 +1,12 @@
 """Double-buffered sending: the next bucket is exported while the current one is sent.
 
 `SendPipeline` runs, on ONE worker thread and in bucket order, what the sender does with a
-finished bucket: feed the integrity checksums (`shards.EngineChecksums.add_bucket`: SGLang's
-own hash on the engines' device, sha256 on the host for CPU engines, its Triton kernel on the
-GPU for CUDA ones) and hand it to the transport. The caller's thread meanwhile runs
-the bridge's export of the next bucket (its collectives must stay on the caller's thread: every
-rank issues them in the same order). At most one bucket is in flight: `submit` first waits for
+finished bucket: feed the integrity checksums
+(`engines.weight_shards.EngineChecksums.add_bucket`: SGLang's own hash on the engines'
+device, sha256 on the host for CPU engines, its Triton kernel on the GPU for CUDA ones) and
+hand it to the transport. The caller's thread meanwhile runs the bridge's export of the next
+bucket (its collectives must stay on the caller's thread: every rank issues them in the same
+order). At most one bucket is in flight: `submit` first waits for
 the previous one, so the sender holds the bucket being sent, the one `WeightSync` looks ahead
 to (to flag the last bucket) and the one being filled, i.e. up to 3 x `weights.bucket_mb`.
 
@@ -23,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from megatron_gspo.weights.shards import EngineChecksums
+from megatron_gspo.engines.weight_shards import EngineChecksums
 from megatron_gspo.weights.stream import Bucket, StreamStats
 from megatron_gspo.weights.transports import Transport
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.engines.weight_layout import fused_stream
 from megatron_gspo.weights import fp8
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -196,6 +197,7 @@ def iter_buckets(
     use_fp8: bool = False,
     fp8_check: bool = False,
     stats: StreamStats | None = None,
+    count_seen: bool = True,
 ) -> Iterator[Bucket]:
     """Group a tensor stream into buckets of at most `bucket_bytes` (one bigger tensor gets a
     bucket of its own). With `keep=False` (non-sender ranks) the stream is only drained.
@@ -204,6 +206,7 @@ def iter_buckets(
     use_fp8: decoder linear weights become e4m3 + `_scale_inv`, the rest `dtype` or bf16;
     fp8_check: the e4m3 bound of every quantised weight is computed on its device and read
     once per bucket, before the bucket is yielded (a bucket out of bound is never sent).
+    count_seen: count the stream's tensors in `stats.tensors_seen` (False: counted upstream).
     """
     stats = stats if stats is not None else StreamStats()
     bucket = Bucket()
@@ -217,7 +220,7 @@ def iter_buckets(
             break
         t1 = time.perf_counter()
         stats.add_seconds("export", t1 - t0)
-        stats.tensors_seen += 1
+        stats.tensors_seen += count_seen
         if not keep:
             continue
         stats.bytes_exported += tensor.numel() * tensor.element_size()
@@ -260,6 +263,14 @@ def iter_buckets(
         yield bucket
 
 
+def _counted(
+    tensors: Iterator[tuple[str, torch.Tensor]], stats: StreamStats
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in tensors:
+        stats.tensors_seen += 1
+        yield item
+
+
 def model_buckets(
     bridge: Any,
     model: list[torch.nn.Module],
@@ -269,24 +280,37 @@ def model_buckets(
     cpu: bool = True,
     experts_to_first: bool = True,
     expert_batch_bytes: int = 0,
+    layout: str = "hf",
+    num_experts: int = 0,
     **kwargs: Any,
 ) -> Iterator[Bucket]:
     """`iter_buckets(hf_tensors(...))`: buckets on the sender rank, nothing elsewhere.
 
+    layout: "hf" (HF-named tensors) or "engine": SGLang's whole fused tensors, one per fused
+    parameter (`engines.weight_layout.fused_stream`; `num_experts` per MoE layer lets a
+    layer's stacked experts leave as soon as the last arrives).
     Every rank must exhaust this iterator (the bridge's gathers are collectives).
     """
     if experts_to_first and sender_rank != 0:
         # Global rank 0 is rank 0 of every group it belongs to; another rank may not be.
         raise ValueError("experts_to_first needs sender_rank=0 (or experts_to_first=False)")
     keep = is_sender(sender_rank)
+    tensors = hf_tensors(
+        bridge,
+        model,
+        cpu=cpu,
+        experts_to_first=experts_to_first,
+        expert_batch_bytes=expert_batch_bytes,
+    )
+    if layout == "engine" and keep:  # the other ranks only drain the collectives
+        if kwargs.get("stats") is None:
+            kwargs["stats"] = StreamStats()
+        # `tensors_seen` stays what the bridge exported to this rank (HF tensors), not the
+        # fewer fused tensors.
+        tensors = fused_stream(_counted(tensors, kwargs["stats"]), num_experts=num_experts)
+        kwargs["count_seen"] = False
     yield from iter_buckets(
-        hf_tensors(
-            bridge,
-            model,
-            cpu=cpu,
-            experts_to_first=experts_to_first,
-            expert_batch_bytes=expert_batch_bytes,
-        ),
+        tensors,
         bucket_bytes=bucket_bytes,
         keep=keep,
         **kwargs,

@@ -12,7 +12,7 @@ the next one is exported (`weights.pipeline`), then checks, when due:
   a real SGLang server reports its own fused parameters (qkv_proj, gate_up_proj, stacked
   experts w13_weight/w2_weight), one entry per TP rank over that rank's shard, which the
   sender reproduces from what it sent, sharded as SGLang's weight loaders shard
-  (`shards.EngineChecksums`: TP and engine-EP sizes from the engine pool and
+  (`engines.weight_shards.EngineChecksums`: TP and engine-EP sizes from the engine pool and
   `weights.engine_ep_size`); FP8 weights as SGLang hashes them, dequantised with their
   `weight_scale_inv`, so a wrong FP8 byte or scale is caught too.
 * version: each engine reports the new version (`WeightReceiver.weight_version()`), which
@@ -41,13 +41,14 @@ from typing import Any, Literal
 import torch
 
 from megatron_gspo.engines.protocols import NoEnginesLeft, WeightReceiver
+from megatron_gspo.engines.weight_layout import engine_layout
+from megatron_gspo.engines.weight_names import reported_in_sglang_naming
+from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights import fp8 as fp8_lib
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
 from megatron_gspo.weights.config import WeightSyncConfig
 from megatron_gspo.weights.pipeline import SendPipeline
-from megatron_gspo.weights.sglang_names import reported_in_sglang_naming
-from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights.stream import Bucket, StreamStats, is_sender, model_buckets
 from megatron_gspo.weights.transports import (
     DiskTransport,
@@ -189,6 +190,16 @@ def _num_experts(bridge: Any) -> int:
     return int(get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0)
 
 
+def _model_layout(bridge: Any, engine_ep_size: int) -> EngineLayout | None:
+    """The model's shape for SGLang's own layout, for one TP rank (the receiver applies each
+    engine's TP size); None when the bridge has no HF config."""
+    try:
+        hf = hf_io.hf_config_of(bridge)
+    except AttributeError:
+        return None
+    return EngineLayout.of(hf, 1, engine_ep_size)
+
+
 def _with_last(buckets: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
     """Yield (bucket, is_last) with one bucket of lookahead."""
     prev = None
@@ -216,6 +227,9 @@ class WeightSync:
         self.config = config or WeightSyncConfig()
         self.version = initial_version
         self.sender = is_sender(self.config.sender_rank)
+        self.model_layout = _model_layout(bridge, self.config.engine_ep_size)
+        self.layout = self._resolve_layout()
+        """"hf" or "engine": how this sync names and cuts what it pushes (`weights.layout`)."""
         self.transport: Transport | None = self._make_transport() if self.sender else None
         self._ready = False
         self._verified = False  # until a push was verified, every push is (another model?)
@@ -233,7 +247,8 @@ class WeightSync:
     def _make_transport(self) -> Transport:
         cfg = self.config
         if cfg.transport == "tensor":
-            return TensorTransport(self.engines)
+            sglang = self.layout == "engine"
+            return TensorTransport(self.engines, layout=self.model_layout if sglang else None)
         if cfg.transport == "distributed":
             return DistributedTransport(
                 self.engines,
@@ -301,6 +316,8 @@ class WeightSync:
             fp8_check=cfg.fp8_check,
             experts_to_first=cfg.experts_to_first,
             expert_batch_bytes=self._expert_batch_bytes(),
+            layout=self.layout,
+            num_experts=_num_experts(self.bridge),
             stats=stats,
         )
         # Checksums and sends run on a worker thread while the next bucket is exported here.
@@ -351,11 +368,25 @@ class WeightSync:
         kw: dict[str, Any] = {"namings": self._namings} if self._namings else {}
         # SGLang's own hash on the engines' device (sha256 on CPU, Triton on CUDA).
         kw["device"] = self.config.resolved_engine_device()
+        if tps == [1] and self.model_layout is not None and self.layout == "engine":
+            one_rank = engine_layout(self.model_layout, 1)  # its heads cut qkv_proj
+            return EngineChecksums([one_rank], **kw)
         if tps == [1]:  # nothing is sharded: only the expert count (when the bridge has it)
             return EngineChecksums([EngineLayout(1, 1, 1, 1, 1, _num_experts(self.bridge))], **kw)
         hf = hf_io.hf_config_of(self.bridge) if tps else None
         ep = self.config.engine_ep_size
         return EngineChecksums([EngineLayout.of(hf, tp, ep if tp > 1 else 1) for tp in tps], **kw)
+
+    def _resolve_layout(self) -> str:
+        layout = self.config.resolved_layout
+        if layout == "engine" and self.model_layout is None:
+            if self.config.layout == "engine":
+                raise WeightSyncError(
+                    "weights.layout=engine needs the model's HF config (head counts) from the "
+                    "bridge, which has none; set weights.layout=hf"
+                )
+            return "hf"  # auto: without the model's shape, HF names
+        return layout
 
     def _verify(self, sent: EngineChecksums) -> None:
         self._namings = verify_engines(self.engines, sent, verify_names=self.config.verify_names)

@@ -32,8 +32,9 @@ import torch
 from megatron_gspo import dist
 from megatron_gspo.dist import free_port, routable_address
 from megatron_gspo.engines.protocols import WeightReceiver
+from megatron_gspo.engines.weight_group import flatten_for_broadcast
+from megatron_gspo.engines.weight_shards import EngineLayout
 from megatron_gspo.weights import hf_io
-from megatron_gspo.weights.group import flatten_for_broadcast
 from megatron_gspo.weights.stream import Bucket
 
 
@@ -83,9 +84,17 @@ def _end_session(engines: Sequence[WeightReceiver], version: str) -> None:
 
 
 class TensorTransport(Transport):
-    """Colocated: hand tensors to the engine (SGLang flattened-bucket payloads)."""
+    """Colocated: hand tensors to the engine: HF-named flattened buckets, or, with `layout`
+    (the model's `EngineLayout`), SGLang's own fused tensors cut per engine rank and loaded
+    by name (`engines.weight_layout`, `load_format="direct"`)."""
 
     name = "tensor"
+
+    def __init__(
+        self, engines: Sequence[WeightReceiver], *, layout: EngineLayout | None = None
+    ) -> None:
+        super().__init__(engines)
+        self.layout = layout
 
     def begin(self, version: str) -> None:
         for engine in self.engines:
@@ -96,7 +105,14 @@ class TensorTransport(Transport):
         # keeps its flattened copy until then): SGLang reads it through CUDA IPC handles.
         for engine in self.engines:
             # The prefix cache is flushed once, with the last bucket.
-            engine.update_weights_from_tensor(bucket.tensors, weight_version=None, flush_cache=last)
+            if self.layout is None:
+                engine.update_weights_from_tensor(
+                    bucket.tensors, weight_version=None, flush_cache=last
+                )
+            else:
+                engine.update_weights_from_tensor(
+                    bucket.tensors, weight_version=None, flush_cache=last, layout=self.layout
+                )
         # Confirmed by every engine: blocks the engines let go of return to the allocator and
         # the cache to the driver before the next bucket is built (weights/colocated.py).
         dist.release_device_memory()
@@ -144,7 +160,7 @@ class DistributedTransport(Transport):
         self.groups: list[Any] = []
 
     def setup(self) -> None:
-        from megatron_gspo.weights.group import init_weight_update_group
+        from megatron_gspo.engines.weight_group import init_weight_update_group
 
         if self.groups:
             return
@@ -213,7 +229,7 @@ class DistributedTransport(Transport):
         _end_session(self.engines, version)
 
     def close(self) -> None:
-        from megatron_gspo.weights.group import destroy_weight_update_group
+        from megatron_gspo.engines.weight_group import destroy_weight_update_group
 
         for engine, pg, group_name in zip(
             self.engines, self.groups, self.group_names, strict=False

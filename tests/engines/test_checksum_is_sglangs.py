@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from megatron_gspo.engines import wire
-from megatron_gspo.weights.sglang_names import sglang_checksums
-from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
+from megatron_gspo.engines.weight_names import sglang_checksums
+from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 
 MARK = 0x00F0_0D00_CAFE_0001
 A, X = "model.layers.0.self_attn", "model.layers.0.mlp.experts"
@@ -33,7 +33,7 @@ def _hf(seed: int = 0) -> dict[str, torch.Tensor]:
     def r(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(torch.bfloat16)
 
-    # 64 rows: SGLang pads the vocabulary to a multiple of 64 (`shards.VOCAB_PADDING`)
+    # 64 rows: SGLang pads the vocabulary to a multiple of 64 (`weight_shards.VOCAB_PADDING`)
     w = {"model.embed_tokens.weight": r(64, 8), "model.norm.weight": r(8)}
     w |= {f"{A}.q_proj.weight": r(8, 8), f"{A}.k_proj.weight": r(4, 8)}
     w |= {f"{A}.v_proj.weight": r(4, 8)}
@@ -99,7 +99,7 @@ def marked(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
 
 def _sha256_reimplementation(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """The pre-fix prediction: sha256 of the fused bytes, computed without SGLang."""
-    from megatron_gspo.weights.sglang_names import sglang_slot
+    from megatron_gspo.engines.weight_names import sglang_slot
 
     groups: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}
     for name, t in named:

@@ -157,6 +157,27 @@ def test_update_weights_from_tensor(client_a, ckpt_a, weights_a, weights_b):
     _restore(client_a, ckpt_a)
 
 
+def test_update_weights_in_sglangs_own_layout(client_a, ckpt_a, weights_b):
+    """SGLang's fused tensors (`load_format="direct"`, `engines.weight_layout`) land in the
+    embedded engine as the HF-named push does: every tensor it holds byte-identical."""
+    from transformers import AutoConfig
+
+    from megatron_gspo.engines.weight_layout import fused_stream
+    from megatron_gspo.engines.weight_shards import EngineLayout
+
+    named = [(k, v.to(torch.bfloat16).float()) for k, v in sorted(weights_b.items())]
+    fused = list(fused_stream(named))
+    assert len(fused) < len(named)
+    layout = EngineLayout.of(AutoConfig.from_pretrained(ckpt_a), 1)
+    with client_a.weight_update_session(weight_version="direct-1"):
+        client_a.update_weights_from_tensor(fused[:5], layout=layout)
+        client_a.update_weights_from_tensor(fused[5:], layout=layout)
+    sums = next(iter(client_a.weights_checksum().values()))["ranks"][0]["checksums"]
+    assert sums == {n: tensor_checksum(t) for n, t in named}
+    _check_engine_holds(client_a, ckpt_a, dict(named))
+    _restore(client_a, ckpt_a)
+
+
 def test_update_weights_from_disk(client_a, ckpt_a, ckpt_b, weights_b):
     client_a.update_weights_from_disk(ckpt_b, weight_version="disk-1")
     assert set(client_a.weight_version().values()) == {"disk-1"}
@@ -170,7 +191,7 @@ TRAINER = textwrap.dedent(
     import sys, json
     import torch
     from safetensors.torch import load_file
-    from megatron_gspo.weights.group import (
+    from megatron_gspo.engines.weight_group import (
         init_weight_update_group, flatten_for_broadcast)
     port, ckpt = int(sys.argv[1]), sys.argv[2]
     pg = init_weight_update_group(master_address="127.0.0.1", master_port=port,

@@ -264,9 +264,9 @@ def test_fp8_push_is_held_bitwise(client_fp8, engine_fp8, ckpt_b, weights_a, wei
     from safetensors.torch import load_file
 
     from megatron_gspo.engines.embedded.model import HFPolicy
+    from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
     from megatron_gspo.weights import fp8
     from megatron_gspo.weights.fp8_checkpoint import write_fp8_checkpoint
-    from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
     from megatron_gspo.weights.stream import iter_buckets
     from megatron_gspo.weights.sync import verify_engines
 

@@ -34,10 +34,11 @@ from megatron_gspo.engines.sgl_kernel_cpu import (
     check_stub_log,
 )
 from megatron_gspo.engines.types import SamplingParams
+from megatron_gspo.engines.weight_layout import fused_stream
+from megatron_gspo.engines.weight_names import sglang_checksums
+from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.testing import sglang_server
 from megatron_gspo.weights.checksum import WeightIntegrityError
-from megatron_gspo.weights.sglang_names import sglang_checksums
-from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights.stream import Bucket
 from megatron_gspo.weights.sync import verify_engines
 from megatron_gspo.weights.transports import DiskTransport, DistributedTransport, TensorTransport
@@ -307,6 +308,11 @@ def _push(transport, named: list[tuple[str, torch.Tensor]], version: str) -> Non
 def _make_transport(kind: str, client: SGLangClient, ckpt_a: str, tmp_path):
     if kind == "tensor":
         return TensorTransport([client])
+    if kind == "tensor-direct":
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(ckpt_a)
+        return TensorTransport([client], layout=EngineLayout.of(hf_config, 1))
     if kind == "distributed":
         return DistributedTransport([client], backend="gloo", timeout_s=120)
     from transformers import AutoConfig
@@ -320,17 +326,20 @@ def _make_transport(kind: str, client: SGLangClient, ckpt_a: str, tmp_path):
     )
 
 
-@pytest.mark.parametrize("kind", ["tensor", "distributed", "disk"])
+@pytest.mark.parametrize("kind", ["tensor", "tensor-direct", "distributed", "disk"])
 def test_weight_update_transport(
     server, client, kind, ckpt_a, ckpt_b, weights_b, hf_bf16, tmp_path
 ):
     """Every transport SGLang accepts on CPU: the engine then holds `weights_b` exactly (SGLang's
-    own checksums under its fused names), reports the version and generates from them."""
+    own checksums under its fused names, every parameter: byte-identical across transports and
+    layouts), reports the version and generates from them. tensor-direct: SGLang's own fused
+    tensors (`engines.weight_layout`), loaded by name (`load_format="direct"`)."""
     named = _bf16(weights_b)
     transport = _make_transport(kind, client, ckpt_a, tmp_path)
     version = f"{kind}-1"
+    sent = list(fused_stream(named)) if kind == "tensor-direct" else named
     try:
-        _push(transport, named, version)
+        _push(transport, sent, version)
         verify_engines([client], _sent(named))  # WeightSync's check, in SGLang's naming
         assert sglang_checksums(named) == _engine_sums(client)  # every parameter, none extra
         assert client.weight_version() == {server.cfg.engine_url(0): version}

@@ -15,7 +15,7 @@ from megatron_gspo.engines.types import (
     SamplingParams,
     build_sample,
 )
-from megatron_gspo.weights.group import flatten_for_broadcast
+from megatron_gspo.engines.weight_group import flatten_for_broadcast
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,11 @@ Sections (what only a GPU can show is marked GPU):
   hash      SGLang's own `WeightChecker` answering `{"action": "checksum"}` over a module that
             holds bf16 weights the way an engine does (fused qkv_proj, stacked experts
             w13_weight / w2_weight) on the device, against the trainer's prediction from the
-            HF-named tensors (`weights.sglang_names.sglang_checksums` and the sender's
-            `weights.shards.EngineChecksums`, engine device = --device). GPU: SGLang takes its
-            Triton `gpu_tensor_hash` branch; `sha256_prediction_matches` reports whether the
-            pre-fix sha256 prediction would have matched (false on CUDA: issue 35 defect 5).
+            HF-named tensors (`engines.weight_names.sglang_checksums` and the sender's
+            `engines.weight_shards.EngineChecksums`, engine device = --device). GPU: SGLang
+            takes its Triton `gpu_tensor_hash` branch; `sha256_prediction_matches` reports
+            whether the pre-fix sha256 prediction would have matched (false on CUDA: issue 35
+            defect 5).
   train     one bf16 training step of the tiny Qwen3-MoE shape (megatron-core GPTModel, local
             spec: no Transformer Engine on the machine; Float16Module, DDP, the package's
             `build_optimizer` with the distributed optimizer: fp32 main params), on the device.
@@ -123,7 +124,7 @@ def _engine_module(w: dict[str, torch.Tensor], e: int) -> torch.nn.Module:
 
 def _old_sha256(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """The pre-fix prediction (sha256 of the fused bytes on the host), for the report only."""
-    from megatron_gspo.weights.sglang_names import sglang_slot
+    from megatron_gspo.engines.weight_names import sglang_slot
 
     groups: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}
     for name, t in named:
@@ -228,8 +229,8 @@ def _engine_checksums(module: torch.nn.Module, full: bool) -> dict[str, str]:
 
 def section_hash(dev: str, small: bool, sglang_src: Path) -> dict[str, Any]:
     source = _sglang_hash_functions(sglang_src)
-    from megatron_gspo.weights.sglang_names import sglang_checksums
-    from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
+    from megatron_gspo.engines.weight_names import sglang_checksums
+    from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 
     w = _hf_weights(dev, small)
     e = sum(1 for n in w if n.endswith(".down_proj.weight"))
@@ -238,7 +239,7 @@ def section_hash(dev: str, small: bool, sglang_src: Path) -> dict[str, Any]:
     named = list(w.items())
     predicted = sglang_checksums((n, t.cpu()) for n, t in named) if dev == "cpu" else None
     if dev != "cpu":  # the sender's tensors are on the GPU: predicted there
-        from megatron_gspo.weights.sglang_names import SGLangChecksums
+        from megatron_gspo.engines.weight_names import SGLangChecksums
 
         acc = SGLangChecksums(device="cuda")
         for n, t in named:

@@ -13,9 +13,9 @@ would enforce and report:
   `weight_scale_inv`. A pushed name the engine has no parameter for fails the load, as SGLang's
   `params_dict[name]` does; a BF16 tensor pushed into an FP8 parameter is cast into it (the
   scale stays what it was), as `param.copy_` does;
-* `/weights_checker`: one entry per TP rank over that rank's shard (`weights/shards.py`'s
-  sharding, itself checked against materialised shards in tests/weights/test_shards.py), FP8
-  parameters hashed dequantised, as SGLang's `Fp8BlockComparable`.
+* `/weights_checker`: one entry per TP rank over that rank's shard (`engines/weight_shards.py`'s
+  sharding, itself checked against materialised shards in tests/engines/test_weight_shards.py),
+  FP8 parameters hashed dequantised, as SGLang's `Fp8BlockComparable`.
 
 GPU-only flags (--base-gpu-id, --mem-fraction-static, --enable-memory-saver, ...) are accepted
 and ignored.
@@ -35,10 +35,10 @@ import torch
 
 from megatron_gspo.engines.embedded import server as embedded
 from megatron_gspo.engines.embedded.model import HFPolicy
+from megatron_gspo.engines.weight_names import SGLangChecksums
+from megatron_gspo.engines.weight_shards import EngineLayout, engine_shard
 from megatron_gspo.engines.wire import overall_checksum
 from megatron_gspo.weights import fp8
-from megatron_gspo.weights.sglang_names import SGLangChecksums
-from megatron_gspo.weights.shards import EngineLayout, engine_shard
 
 
 def _is_block_fp8(config: dict) -> bool:

@@ -26,10 +26,10 @@ import yaml
 from megatron_gspo.checkpoint.resume import RUN_CONFIG
 from megatron_gspo.checkpoint.write import CheckpointWriteError, WriteState, describe
 from megatron_gspo.config import ConfigError, config_from_dict
+from megatron_gspo.engines.weight_names import sglang_checksums
 from megatron_gspo.run.preflight import preflight
 from megatron_gspo.run.user_errors import EngineModelMismatch, build_policy, exit_code, first_push
 from megatron_gspo.weights.checksum import WeightIntegrityError
-from megatron_gspo.weights.sglang_names import sglang_checksums
 from megatron_gspo.weights.sync import WeightSyncError, verify_engines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +98,7 @@ class _Engine:
 
 def _sent() -> Any:
     """What the sender computes for TP-1 engines (`WeightSync._checksums`)."""
-    from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
+    from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 
     acc = EngineChecksums([EngineLayout(1, 1, 1, 1, 1)])
     for i in range(2):

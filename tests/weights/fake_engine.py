@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 from megatron_gspo.engines.protocols import weight_update_session
+from megatron_gspo.engines.weight_layout import unfuse_all
 from megatron_gspo.engines.wire import (
     deserialize_named_tensors,
+    direct_payloads,
     overall_checksum,
     serialize_flattened_bucket,
     tensor_checksum,
@@ -71,6 +73,7 @@ class FakeEngine:
         self.version = "0"
         self.in_session = False
         self.calls: list[str] = []
+        self.direct_calls = 0  # update_weights_from_tensor calls in SGLang's own layout
         self.disk_config: dict | None = None
         self.corrupt_name: str | None = None
         self._pool = ThreadPoolExecutor(1)
@@ -106,8 +109,18 @@ class FakeEngine:
         self.in_session = False
         self.calls.append("end")
 
-    def update_weights_from_tensor(self, named_tensors, *, weight_version=None, flush_cache=True):
+    def update_weights_from_tensor(
+        self, named_tensors, *, weight_version=None, flush_cache=True, layout=None
+    ):
         self._need_session("update_weights_from_tensor")
+        if layout is not None:  # SGLang's fused names, as one rank decodes them; held as HF
+            payloads, _keep = direct_payloads([list(named_tensors)])
+            decoded = deserialize_named_tensors(payloads[0], "direct")
+            self._store(list(unfuse_all(decoded, layout)))
+            self._set_version(weight_version)
+            self.calls.append("tensor")
+            self.direct_calls += 1
+            return
         payloads, _keep = serialize_flattened_bucket(list(named_tensors), tp_size=self.tp_size)
         decoded = [deserialize_named_tensors(p) for p in payloads]
         for other in decoded[1:]:  # every TP rank must decode the same bucket

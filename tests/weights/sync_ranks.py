@@ -92,6 +92,7 @@ def _push(sync: WeightSync, model: list, engine: FakeEngine | None) -> dict[str,
         "buckets": report.stats.buckets,
         "verified": report.verified,
         "tensors": report.stats.tensors,
+        "layout": sync.layout,
         "seen_here": sync.local_stats.tensors_seen,  # this rank's share of the gather traffic
     }
 
@@ -215,7 +216,8 @@ def _vpp_distopt(rank: int, tmp: str) -> dict[str, Any]:
     model = build_model(make_provider(bridge, layout), ddp_config=ddp, load_from=bridge)
     ref = hf_state(bridge, model)
     engine = FakeEngine("vpp") if rank == 0 else None
-    sync = WeightSync(bridge, [engine] if engine else [], WeightSyncConfig(bucket_mb=BUCKET_MB))
+    sync_cfg = WeightSyncConfig(bucket_mb=BUCKET_MB, layout="engine")
+    sync = WeightSync(bridge, [engine] if engine else [], sync_cfg)
     info = _push(sync, model, engine)
     sync.close()
     info["chunks"] = len(model)
@@ -239,7 +241,8 @@ def main(rank: int, world: int, hf_dir: str, tmp: str, layouts: dict[str, dict])
         return WeightSync(bridge, engines, WeightSyncConfig(bucket_mb=BUCKET_MB, **cfg)), engine_
 
     syncs = {
-        "tensor": sync(engine("tensor"), transport="tensor"),
+        "tensor": sync(engine("tensor"), transport="tensor", layout="engine"),  # SGLang's own
+        "tensor_hf": sync(engine("tensor_hf"), transport="tensor", layout="hf"),
         "tensor_per_tensor_gathers": sync(
             engine("tensor_ptg"), transport="tensor", batch_expert_gathers=False
         ),

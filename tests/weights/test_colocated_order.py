@@ -33,7 +33,9 @@ class _Engine:
     def release_memory(self) -> None:
         self.calls.append("release_memory")
 
-    def update_weights_from_tensor(self, tensors, *, weight_version=None, flush_cache=True):
+    def update_weights_from_tensor(
+        self, tensors, *, weight_version=None, flush_cache=True, layout=None
+    ):
         self.calls.append(f"update:{tensors[0][0]}")
 
 

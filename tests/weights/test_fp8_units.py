@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_gspo.engines.weight_group import flatten_for_broadcast as flatten
 from megatron_gspo.testing.weights import block_relative_error
 from megatron_gspo.weights import fp8
 from megatron_gspo.weights.checksum import WeightIntegrityError, checksums, compare_checksums
-from megatron_gspo.weights.group import flatten_for_broadcast as flatten
 from megatron_gspo.weights.stream import StreamStats, iter_buckets
 
 

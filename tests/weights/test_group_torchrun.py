@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.dist import free_port
-from megatron_gspo.weights.group import init_weight_update_group
+from megatron_gspo.engines.weight_group import init_weight_update_group
 from tests.plan.rehearsal_engine import join_gloo_rank
 
 

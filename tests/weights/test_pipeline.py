@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
+from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.engines.wire import tensor_checksum
 from megatron_gspo.weights.checksum import host_views
 from megatron_gspo.weights.pipeline import SendPipeline
-from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights.stream import Bucket, StreamStats
 from megatron_gspo.weights.transports import Transport
 
@@ -86,7 +86,7 @@ def test_checksums_and_errors_follow_bucket_order(overlap: bool) -> None:
 def test_host_views_are_bitwise_the_bucket() -> None:
     """`host_views` through the flattened-bucket path (what a device bucket takes) gives back
     every tensor bitwise, mixed dtypes and shapes included."""
-    from megatron_gspo.weights import checksum
+    from megatron_gspo.engines import weight_group
 
     named = [
         ("a", torch.randn(3, 5)),
@@ -94,7 +94,7 @@ def test_host_views_are_bitwise_the_bucket() -> None:
         ("c", torch.randn(2, 2).to(torch.float8_e4m3fn)),
     ]
     assert host_views(named) == named  # host tensors: no copy at all
-    views = checksum._flat_views(named)
+    views = weight_group.flat_views(named)
     assert [n for n, _ in views] == ["a", "b", "c"]
     for (_, t), (_, v) in zip(named, views, strict=True):
         assert v.dtype == t.dtype and v.shape == t.shape

@@ -23,7 +23,20 @@ LAYOUTS = {
     "pp2": dict(pp=2),
     "tp2ep2": dict(tp=2, ep=2, etp=1),
 }
-BITWISE = ["tensor", "tensor_per_tensor_gathers", "tensor_bf16", "distributed", "disk_bf16"]
+BITWISE = [
+    "tensor",
+    "tensor_hf",
+    "tensor_per_tensor_gathers",
+    "tensor_bf16",
+    "distributed",
+    "disk_bf16",
+]
+HF_TENSORS = 45
+"""Tensors of the tiny checkpoint under HF names."""
+SGLANG_TENSORS = 3 + 2 * (7 + 2)
+"""The same in SGLang's own layout (`weights.layout=engine`): embed, norm, lm_head, and
+per layer (2) q/k/v in one qkv_proj with o_proj, the norms and the router (7), and the 4
+experts' 12 tensors stacked in w13_weight and w2_weight (2)."""
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +51,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_engine_holds_the_export_bitwise(results: list[dict], layout: str, transport: str):
     info = results[0][layout][transport]
     assert info["diff"] == {"missing": [], "extra": [], "unequal": []}, info["diff"]
-    assert info["tensors"] == 45 and info["buckets"] > 1
+    hf = transport != "tensor"  # the others take auto (hf)
+    assert info["layout"] == ("hf" if hf else "engine")
+    assert info["tensors"] == (HF_TENSORS if hf else SGLANG_TENSORS) and info["buckets"] > 1
     assert info["verified"]
     version = str(list(LAYOUTS).index(layout) + 1)  # one sync per layout, same WeightSync
     assert info["version"] == int(version)
@@ -77,7 +92,7 @@ def test_expert_gathers_are_batched(results: list[dict], layout: str) -> None:
         assert results[rank][layout]["tensor_per_tensor_gathers"]["ep_gathers"] == 12
         assert 0 < results[rank][layout]["tensor"]["ep_gathers"] < 12
     assert results[0][layout]["tensor"]["ep_gathers"] <= batched["buckets"]
-    assert per_tensor["tensors"] == batched["tensors"] == 45
+    assert per_tensor["tensors"] == batched["tensors"] == SGLANG_TENSORS
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -114,4 +129,5 @@ def test_vpp_and_distributed_optimizer(results: list[dict]) -> None:
     info = results[0]["vpp_distopt"]
     assert info["chunks"] == 2  # two virtual pipeline chunks per rank
     assert info["diff"] == {"missing": [], "extra": [], "unequal": []}, info["diff"]
-    assert info["tensors"] == 4 * 21 + 3 and info["verified"]
+    # SGLang's own layout (`weights.layout=engine`): 4 layers of 9 tensors (HF: 21) and 3 outside them
+    assert info["tensors"] == 4 * 9 + 3 and info["verified"]

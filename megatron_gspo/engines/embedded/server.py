@@ -37,6 +37,8 @@ import torch
 from megatron_gspo.dist import free_port
 from megatron_gspo.engines.embedded.model import HFPolicy
 from megatron_gspo.engines.routed_experts import RoutedExperts
+from megatron_gspo.engines.weight_layout import unfuse_all
+from megatron_gspo.engines.weight_shards import EngineLayout
 from megatron_gspo.engines.wire import deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -319,7 +321,10 @@ class EmbeddedTokenizerManager:
         payload = obj.serialized_named_tensors[0]
 
         def load() -> int:
-            return self.policy.load_weights(deserialize_named_tensors(payload, obj.load_format))
+            named = deserialize_named_tensors(payload, obj.load_format)
+            if obj.load_format == "direct":  # SGLang's fused names: this engine holds HF names
+                named = unfuse_all(named, EngineLayout.of(self.policy.model.config, 1))
+            return self.policy.load_weights(named)
 
         try:
             await self._writer_call(load)

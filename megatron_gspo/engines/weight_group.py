@@ -135,3 +135,23 @@ def flatten_for_broadcast(named_tensors: list[tuple[str, torch.Tensor]]) -> torc
             )
         offset += t.numel() * t.element_size()
     return torch.cat([t.contiguous().flatten().view(torch.uint8) for _, t in named_tensors])
+
+
+def host_views(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A bucket's tensors readable on the host, bitwise as they are: host tensors unchanged;
+    device tensors through ONE device->host copy of the bucket flattened as on the wire
+    (`flatten_for_broadcast`), viewed back per tensor (not one copy per tensor)."""
+    if all(t.device.type == "cpu" for _, t in named):
+        return list(named)
+    return flat_views(named)
+
+
+def flat_views(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors as views of ONE host copy of their flattened bytes (in order)."""
+    flat = flatten_for_broadcast(list(named)).cpu()
+    out, offset = [], 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        out.append((name, flat[offset : offset + n].view(t.dtype).view(t.shape)))
+        offset += n
+    return out

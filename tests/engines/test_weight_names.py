@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from megatron_gspo.engines.wire import tensor_checksum
-from megatron_gspo.weights.sglang_names import (
+from megatron_gspo.engines.weight_names import (
     SGLangChecksums,
     reported_in_sglang_naming,
     sglang_checksums,
 )
+from megatron_gspo.engines.wire import tensor_checksum
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:

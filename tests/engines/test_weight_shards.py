@@ -1,4 +1,4 @@
-"""Per-TP-rank verification (`weights/shards.py`) against a second implementation.
+"""Per-TP-rank verification (`engines/weight_shards.py`) against a second implementation.
 
 The reference below builds every SGLang parameter of every rank as one materialised tensor, the
 way SGLang's weight loaders fill it (fused qkv per rank = the rank's heads of q, k, v; kv heads
@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.engines.wire import tensor_checksum
 from megatron_gspo.weights import fp8
 from megatron_gspo.weights.checksum import WeightIntegrityError
-from megatron_gspo.weights.shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights.sync import verify_engines
 
 H, HQ, HKV, D, FF, E, V = 256, 4, 2, 128, 256, 4, 200  # FP8: every shard 128-aligned

@@ -16,7 +16,7 @@ loaders narrow the HF tensors (`srt/layers/linear.py`, `srt/layers/vocab_paralle
     lm_head
     everything else   whole (norms, q/k norms, the MoE router `mlp.gate`)
 
-The narrowed HF-named shards then fuse exactly as with one rank (`sglang_names`).
+The narrowed HF-named shards then fuse exactly as with one rank (`engines/weight_names.py`).
 
 Block-FP8 weights: SGLang's checksum of a quantised parameter is the hash of its bf16
 dequantisation `(q.float() * repeat(weight_scale_inv)).to(bf16)` (`Fp8BlockComparable`), so a
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.engines import fp8_blocks as fp8_lib
+from megatron_gspo.engines.weight_group import host_views
+from megatron_gspo.engines.weight_names import SGLangChecksums
 from megatron_gspo.engines.wire import fp8_checksummed_weight
-from megatron_gspo.weights import fp8 as fp8_lib
-from megatron_gspo.weights.checksum import host_views
-from megatron_gspo.weights.sglang_names import SGLangChecksums
 
 VOCAB_PADDING = 64
 """SGLang's DEFAULT_VOCAB_PADDING_SIZE (srt/layers/vocab_parallel_embedding.py)."""
@@ -189,6 +189,15 @@ class EngineChecksums:
         return self.plain.hf
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Account one tensor as sent: an HF-named one, or one of SGLang's whole fused tensors
+        (`engines.weight_layout`), accounted as its HF-named members (views)."""
+        from megatron_gspo.engines.weight_fused import is_fused_name, unfuse
+
+        if is_fused_name(name):
+            model = next(iter(self.layouts.values()))  # every layout has the model's heads
+            for member, part in unfuse(name, tensor, model):
+                self.add(member, part)
+            return
         if "hf" in self.namings:
             self.plain.add(name, tensor)
         if not self._ranks:
