@@ -129,5 +129,5 @@ def test_vpp_and_distributed_optimizer(results: list[dict]) -> None:
     info = results[0]["vpp_distopt"]
     assert info["chunks"] == 2  # two virtual pipeline chunks per rank
     assert info["diff"] == {"missing": [], "extra": [], "unequal": []}, info["diff"]
-    # SGLang's own layout (`weights.layout=engine`): 4 layers of 9 tensors (HF: 21) and 3 outside them
+    # SGLang's own layout (weights.layout=engine): 4 layers of 9 tensors (HF: 21), 3 outside
     assert info["tensors"] == 4 * 9 + 3 and info["verified"]
