@@ -2,4 +2,5 @@
 
 from megatron_gspo.plan.planner import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # importing the module (the packaging test does) runs nothing
+    raise SystemExit(main())
