@@ -24,10 +24,12 @@ from typing import Any, Literal
 import yaml
 
 from megatron_gspo.algo.config import PolicyLossConfig
+from megatron_gspo.config_inert import check_inert_keys
 from megatron_gspo.config_io import (
     FLOAT_DTYPES,
     ConfigError,
     apply_override,
+    at_least,
     build_dataclass,
     describe_keys,
     field_docs,
@@ -235,6 +237,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         _require(bool(self.train_path), "data.train_path is empty; set data.train_path")
         _positive("data", max_prompt_tokens=self.max_prompt_tokens)
+        at_least("data", 0, seed=self.seed)  # numpy's generators refuse a negative seed
 
 
 @dataclass(**_CFG)
@@ -336,6 +339,7 @@ class TrainConfig:
     (default 30 s, after which it SIGKILLs its workers) to at least this."""
 
     def __post_init__(self) -> None:
+        at_least("train", 0, seed=self.seed)  # numpy's generators refuse a negative seed
         _positive(
             "train",
             steps=self.steps,
@@ -390,6 +394,7 @@ class Config:
     """Outer loop."""
 
     def __post_init__(self) -> None:
+        check_inert_keys(self)  # a key another key switches off: refused, not ignored
         _require(
             self.train.micro_batch_tokens > self.rollout.max_new_tokens,
             f"train.micro_batch_tokens={self.train.micro_batch_tokens} cannot hold one response "
