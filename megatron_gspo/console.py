@@ -95,12 +95,11 @@ def route_third_party_output(log_dir: str | Path, *, level: int = logging.INFO) 
     old = _state.get("handler")
     if isinstance(old, logging.FileHandler) and Path(old.baseFilename) == path.resolve():
         return path
-    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     held = _state.pop("held", None)
-    if held is not None and held.getvalue():
-        handler.stream.write(held.getvalue())
-        handler.flush()
-    _route(handler, level)
+    if held is not None and held.getvalue():  # what was said before the file could exist
+        with path.open("a", encoding="utf-8") as f:
+            f.write(held.getvalue())
+    _route(logging.FileHandler(path, mode="a", encoding="utf-8"), level)
     return path
 
 
@@ -145,8 +144,9 @@ def _route(handler: logging.StreamHandler, level: int) -> None:  # type: ignore[
         if console:
             logger.propagate = True
         for h in logger.handlers:  # pointed at the previous target by the addHandler hook
-            if old_stream is not None and getattr(h, "stream", None) is old_stream:
-                h.setStream(handler.stream)
+            if isinstance(h, logging.StreamHandler) and old_stream is not None:
+                if h.stream is old_stream:
+                    h.setStream(handler.stream)
     if old is not None:
         root.removeHandler(old)
         old.close()
