@@ -24,9 +24,11 @@ from typing import Any, Literal
 import yaml
 
 from megatron_gspo.algo.config import PolicyLossConfig
+from megatron_gspo.config_inert import check_inert_keys
 from megatron_gspo.config_io import (
     ConfigError,
     apply_override,
+    at_least,
     build_dataclass,
     describe_keys,
     field_docs,
@@ -234,6 +236,7 @@ class TrainConfig:
     (default 30 s, after which it SIGKILLs its workers) to at least this."""
 
     def __post_init__(self) -> None:
+        at_least("train", 0, seed=self.seed)  # numpy's generators refuse a negative seed
         _positive(
             "train",
             steps=self.steps,
@@ -294,6 +297,7 @@ class Config:
         self._check_engines()
         self._check_routing_replay()
         self._check_schedule()
+        check_inert_keys(self)  # a key another key switches off: refused, not ignored
 
     def _check_token_budgets(self) -> None:
         """A micro-batch holds one whole response (and episode); the overlong buffer lies

@@ -23,10 +23,12 @@ __all__ = [
     "FLOAT_DTYPES",
     "ConfigError",
     "apply_override",
+    "at_least",
     "build_dataclass",
     "describe_keys",
     "field_docs",
     "plain",
+    "port",
     "positive",
     "read_yaml",
     "require",
@@ -67,6 +69,25 @@ def positive(section: str, **values: float | int | None) -> None:
     """Each given `section.name` value is None or > 0, else a `ConfigError` naming the key."""
     for name, v in values.items():
         require(v is None or v > 0, f"{section}.{name}={v} must be > 0; change {section}.{name}")
+
+
+def at_least(section: str, low: int, **values: float | int | None) -> None:
+    """Each given `section.name` value is None or >= `low`, else a `ConfigError` naming the key
+    (a negative count, port or delay has no meaning: issue 40, no silent no-ops)."""
+    for name, v in values.items():
+        require(
+            v is None or v >= low, f"{section}.{name}={v} must be >= {low}; change {section}.{name}"
+        )
+
+
+def port(section: str, **values: int | None) -> None:
+    """Each given `section.name` is None or a TCP port number (0..65535; what 0 means is the
+    key's own docstring's)."""
+    for name, v in values.items():
+        require(
+            v is None or 0 <= v <= 65535,
+            f"{section}.{name}={v} is not a port number (0..65535); change {section}.{name}",
+        )
 
 
 def _hints(cls: type) -> dict[str, Any]:

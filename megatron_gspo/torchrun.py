@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
@@ -77,12 +78,38 @@ def _quiet_worker_failure_records() -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_Drop())
 
 
+def _keep_launcher_output(train_argv: list[str] | None) -> None:
+    """What torchrun itself logged (its OMP_NUM_THREADS notice, ...), held in memory while the
+    ranks ran: appended to the trainer's `<logging.dir>/third_party.log` once they ended (the
+    ranks own that directory while they run, and a refused start writes nothing); for another
+    script, with no log directory known, dropped."""
+    from megatron_gspo.run.console import release_held_output
+
+    text = release_held_output()
+    if not text or train_argv is None:
+        return
+    from megatron_gspo.config import ConfigError, parse_cli
+    from megatron_gspo.run.console import THIRD_PARTY_LOG
+
+    try:
+        log_dir = Path(parse_cli(train_argv)[0].logging.dir)
+    except ConfigError:
+        return
+    if log_dir.is_dir():
+        with (log_dir / THIRD_PARTY_LOG).open("a", encoding="utf-8") as f:
+            f.write(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import get_args_parser, run
 
+    from megatron_gspo.run.console import hold_third_party_output, release_held_output
+
     args = get_args_parser().parse_args(argv)
+    train_argv = None
     if args.module and args.training_script == TRAINER:
-        error = check_trainer_input(list(args.training_script_args), _world_size(args))
+        train_argv = list(args.training_script_args)
+        error = check_trainer_input(train_argv, _world_size(args))
         if error is not None:
             print(f"error: {error}", file=sys.stderr, flush=True)
             return BAD_INPUT_EXIT_CODE
@@ -90,11 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     _quiet_worker_failure_records()
+    hold_third_party_output()  # torchrun's notices off the console (the ranks print their own)
+    try:
+        return _run(run, args, SignalException, ChildFailedError)
+    except Exception:  # a bug of the launcher: its traceback after what it logged before
+        sys.stderr.write(release_held_output())
+        raise
+    finally:
+        _keep_launcher_output(train_argv)
+
+
+def _run(run: Any, args: Any, signal_exception: Any, child_failed: Any) -> int:
+    """torchrun's `run`, its ends as exit codes: 128+N for a forwarded signal, a failed
+    worker's own code (and one line naming it, unless it was a refusal: code 2)."""
     try:
         run(args)
-    except SignalException as e:  # SIGTERM / SIGINT / SIGHUP: forwarded; the ranks checkpointed
+    except signal_exception as e:  # SIGTERM / SIGINT / SIGHUP: forwarded; the ranks checkpointed
         return 128 + int(e.sigval)
-    except ChildFailedError as e:
+    except child_failed as e:
         rank, failure = e.get_first_failure()
         code = exit_code_of(failure)
         if code != BAD_INPUT_EXIT_CODE:  # a refusal's line is already on the console

@@ -66,13 +66,13 @@ def test_override_types():
     c = cfg(
         "logging.tensorboard=false",
         "train.steps=7",
-        "loss.tis_cap=3",  # an int literal into a float field
+        "loss.log_ratio_clamp=3",  # an int literal into a float field
         "model.hf_path=007",  # a string field keeps its text
         "checkpoint.dir=null",
         "logging.wandb_project=123",
     )
     assert c.logging.tensorboard is False and c.train.steps == 7
-    assert c.loss.tis_cap == 3.0 and isinstance(c.loss.tis_cap, float)
+    assert c.loss.log_ratio_clamp == 3.0 and isinstance(c.loss.log_ratio_clamp, float)
     assert c.model.hf_path == "007" and c.checkpoint.dir is None
     assert c.logging.wandb_project == "123"
 

@@ -5,7 +5,8 @@ or an engine starts), writes nothing and starts nothing.
 
 The cases are generated, not listed: every way `_corrupt_files` damages a real tiny model
 directory (the one `tools/make_tiny_toy.py` writes), every way `_bad_prompt_files` damages the
-prompt file, an empty value for every string key of the config (walked from the dataclasses),
+prompt file, every budget no prompt fits (`FIT_CASES`, with the toy's tokenizer), an empty
+value for every string key of the config (walked from the dataclasses),
 every key a resume may not change (`FIXED_ON_RESUME`) plus a step count below the checkpoint's,
 and disk states (no room for a checkpoint, a checkpoint directory under a file, a `latest`
 naming nothing). `test_there_are_at_least_50_cases` counts them.
@@ -13,11 +14,13 @@ naming nothing). `test_there_are_at_least_50_cases` counts them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import struct
+import sys
 import threading
 import types
 import typing
@@ -52,6 +55,7 @@ def _config(tmp: Path, toy: Path, over: dict[str, Any]) -> Config:
         "data": {"train_path": str(tmp / "toy.jsonl")},
         "train": {"device": "cpu"},
         "reward": {"kind": "toy"},
+        "rollout": {"max_new_tokens": 16},  # the toy's context is 512 tokens
         "logging": {"dir": str(tmp / "run")},
         "checkpoint": {"dir": str(tmp / "ckpt")},
     }
@@ -212,6 +216,25 @@ PROMPT_CASES: dict[str, tuple[bytes, str]] = {
 }
 
 
+# Budgets no prompt fits, with the run's tokenizer (was: found on rank 0 once the engines had
+# started, issue 40): a micro-batch, the prompt cap, the engine's context, a stop text.
+FIT_CASES: dict[str, tuple[dict[str, Any], str]] = {
+    "micro-batch": (
+        {"train.micro_batch_tokens": 5, "rollout.max_new_tokens": 4},
+        "are longer than train.micro_batch_tokens=5 with 4 response tokens",
+    ),
+    "max-prompt-tokens": ({"data.max_prompt_tokens": 1}, "longer than data.max_prompt_tokens=1"),
+    "engine-context": (
+        {"rollout.launch.extra_args": ["--context-length", "6"], "rollout.max_new_tokens": 4},
+        "the engine's context of 6 tokens",
+    ),
+    "turn-stop-not-one-token": (
+        {"rollout.env": "megatron_gspo.envs.calculator:Calculator", "rollout.turn_stop": ["ab"]},
+        "rollout.turn_stop entry 'ab' is 2 tokens",
+    ),
+}
+
+
 def _string_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every string key whose default is not "" (those refuse an empty value)."""
     keys: list[str] = []
@@ -255,17 +278,31 @@ def _tree(root: Path) -> set[tuple[str, int]]:
             for p in root.rglob("*")}
 
 
+def _children() -> set[str]:
+    """This process's child processes (every thread's), from /proc."""
+    found: set[str] = set()
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            found |= set((task / "children").read_text().split())
+    return found
+
+
 def _refused(tmp: Path, cfg: Config, resume: bool, expected: str) -> str:
-    """preflight refuses with one line containing `expected`, exit code 2, writing nothing
-    and starting nothing."""
-    before, threads = _tree(tmp), threading.active_count()
+    """preflight refuses with one line containing `expected`, exit code 2, before any model is
+    built (no megatron module imported by it), writing nothing (no file created or changed
+    under the test's directory, the run directories absent) and starting nothing (no thread,
+    no child process)."""
+    before, threads, children = _tree(tmp), threading.active_count(), _children()
+    modules = {m for m in sys.modules if m.startswith("megatron.")}
     with pytest.raises(ConfigError) as e:
         preflight(cfg, resume=resume, overwrite=False, world_size=1)
     msg = str(e.value)
     assert "\n" not in msg and expected in msg, (expected, msg)
     assert exit_code(e.value) == 2
     assert _tree(tmp) == before and threading.active_count() == threads
-    assert not (tmp / "run").exists()
+    assert _children() <= children
+    assert not (tmp / "run").exists() and (resume or not (tmp / "ckpt").exists())
+    assert {m for m in sys.modules if m.startswith("megatron.")} <= modules
     return msg
 
 
@@ -292,6 +329,13 @@ def test_prompt_files(tmp_path: Path, toy: Path, case: str) -> None:
     content, expected = PROMPT_CASES[case]
     (tmp_path / "toy.jsonl").write_bytes(content)
     _refused(tmp_path, _config(tmp_path, toy, {}), False, expected)
+
+
+@pytest.mark.parametrize("case", sorted(FIT_CASES))
+def test_budgets_no_prompt_fits(tmp_path: Path, toy: Path, case: str) -> None:
+    _prepare(tmp_path, toy)
+    over, expected = FIT_CASES[case]
+    _refused(tmp_path, _config(tmp_path, toy, over), False, expected)
 
 
 def test_missing_prompt_file(tmp_path: Path, toy: Path) -> None:
@@ -372,6 +416,7 @@ def test_latest_naming_nothing(tmp_path: Path, toy: Path) -> None:
 
 def test_there_are_at_least_50_cases() -> None:
     n = len(FILE_CASES) + len(PROMPT_CASES) + 1 + len(EMPTY_KEYS) + len(RESUME_CHANGES) + 4
+    n += len(FIT_CASES)
     assert n >= 50, n
 
 

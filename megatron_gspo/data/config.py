@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_gspo.config_io import positive, require
+from megatron_gspo.config_io import at_least, positive, require
 
 __all__ = ["DataConfig"]
 
@@ -44,3 +44,4 @@ class DataConfig:
     def __post_init__(self) -> None:
         require(bool(self.train_path), "data.train_path is empty; set data.train_path")
         positive("data", max_prompt_tokens=self.max_prompt_tokens)
+        at_least("data", 0, seed=self.seed)  # numpy's generators refuse a negative seed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_gspo.config_io import ConfigError
+from megatron_gspo.config_io import ConfigError, at_least, positive
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -61,6 +61,16 @@ class ClientConfig:
     `return_routed_experts`); the job fills it from the model's config."""
 
     def __post_init__(self) -> None:
+        c = "rollout.client"  # a zero timeout or batch would fail every request; < 0: nonsense
+        positive(c, max_batch_per_request=self.max_batch_per_request,
+                 max_inflight_per_engine=self.max_inflight_per_engine,
+                 request_timeout_s=self.request_timeout_s,
+                 control_timeout_s=self.control_timeout_s,
+                 connect_timeout_s=self.connect_timeout_s)  # fmt: skip
+        at_least(c, 0, max_retries=self.max_retries, backoff_s=self.backoff_s,
+                 backoff_max_s=self.backoff_max_s, engine_cooldown_s=self.engine_cooldown_s,
+                 resubmit_aborted=self.resubmit_aborted,
+                 num_experts_per_tok=self.num_experts_per_tok)  # fmt: skip
         if self.dead_after_failures < 1:
             raise ConfigError(
                 f"rollout.client.dead_after_failures={self.dead_after_failures} must be >= 1"

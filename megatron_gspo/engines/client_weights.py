@@ -92,7 +92,7 @@ class WeightCalls:
         payloads: dict[int, tuple[list[str], Any]] = {}  # per TP size: engines share a copy
         targets = self.pool.require_targets()
         bodies = {}
-        for url, tp in zip(self.config.engine_urls, self.config.engine_tp_sizes, strict=True):
+        for url, tp in zip(self.config.engine_urls, self.engine_tp_sizes(), strict=True):
             if url not in targets:
                 continue
             if tp not in payloads:

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_gspo.config_io import require
+from megatron_gspo.config_io import port, positive, require
 from megatron_gspo.run.stop import popen_from_lasting_thread
 
 
@@ -120,6 +120,18 @@ class LaunchConfig:
     client sends it (rollout.client.api_key, which it defaults)."""
 
     def __post_init__(self) -> None:
+        c = "rollout.launch"
+        positive(c, startup_timeout_s=self.startup_timeout_s,
+                 max_total_tokens=self.max_total_tokens,
+                 mem_fraction_static=self.mem_fraction_static)  # fmt: skip
+        require(
+            self.mem_fraction_static is None or self.mem_fraction_static <= 1,
+            f"{c}.mem_fraction_static={self.mem_fraction_static} is a share of GPU memory: "
+            f"in (0, 1]; change {c}.mem_fraction_static",
+        )
+        port(c, base_port=self.base_port, router_port=self.router_port,
+             router_metrics_port=self.router_metrics_port)  # fmt: skip
+        positive(c, router_port=self.router_port, router_metrics_port=self.router_metrics_port)
         require(
             self.backend in ("sglang", "embedded"),
             f"rollout.launch.backend={self.backend!r} must be sglang or embedded",

@@ -218,11 +218,11 @@ class EngineChecksums:
             digest = None  # SGLang hashes the dequantised weight, not the bytes sent
         for tp, accs in self._ranks.items():
             for r, acc in enumerate(accs):
-                part = engine_shard(name, tensor, r, self.layouts[tp])
-                if part is not None:
+                shard = engine_shard(name, tensor, r, self.layouts[tp])
+                if shard is not None:
                     # The whole tensor under its own name: its HF checksum is already known.
-                    same = part[0] == name and part[1] is tensor
-                    acc.add(*part, hf_digest=digest if same else None)
+                    same = shard[0] == name and shard[1] is tensor
+                    acc.add(shard[0], shard[1], hf_digest=digest if same else None)
 
     def add_bucket(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """`add` every tensor of a bucket, in order: from one host copy of it (`host_views`)

@@ -9,12 +9,10 @@ tensor the index places in a shard that lacks it, embeddings or layers that do n
 config.json, a non-float weight, an inf / NaN among the sampled values, a tokenizer with ids
 past the model's vocabulary. Each problem is one `ConfigError` line naming the file and the fix.
 
-Cost (estimated from the reads it makes): a 30B MoE checkpoint (Qwen3-30B-A3B: 16 shards,
-~18,900 tensors, ~61 GB in bf16) means 16 header reads (~1.5 MB of JSON in all) and ~38,000
-reads of 256 bytes: ~10 MB read, dominated by seeks (~0.1 s per 1,000 on an SSD or a warm page
-cache, so seconds; a cold network file system may take tens of seconds). Reading every value
-instead would read all 61 GB: minutes. `tests/test_input_generated.py` times nothing; the
-benchmark-free estimate above is arithmetic on those counts.
+Cost, measured on a synthetic Qwen3-30B-A3B directory (16 shards, 18,867 tensors, 61 GB:
+`benchmarks/startup_validation.py`, table in docs/reliability.md): 0.7 s of CPU warm, 37,734
+reads of 256 bytes (9.2 MiB), ~20 s of a loaded machine's cold disk; reading every value
+instead would take half an hour there.
 
     check_model_files("/models/Qwen3-30B-A3B")   # None, or ConfigError("<file>: ...")
     weights_present("/models/Qwen3-30B-A3B")     # the same as one line, or None
@@ -23,8 +21,7 @@ benchmark-free estimate above is arithmetic on those counts.
 `model_files_problem` is the planner's cheaper question (issue 35: the recipes ship only
 config.json; are the weight files there, non-empty, with a readable header?), asked before
 any engine starts; it reads no values and does not compare with config.json, which lets the
-planner's tests use header-only stand-ins. TODO(issue 40/35 follow-up): one header reader for
-both.
+planner's tests use header-only stand-ins. Both read headers through `_parse_header`.
 """
 
 from __future__ import annotations
@@ -131,37 +128,72 @@ def _shards(root: Path, key: str) -> dict[Path, list[str] | None]:
     return {f: None for f in files}
 
 
+class _Unreadable(Exception):
+    """Why a safetensors file cannot be loaded: `short` for the planner's list of files,
+    `detail` and `fix` for the start-up check's one line."""
+
+    def __init__(self, short: str, detail: str, fix: str = "download it again") -> None:
+        super().__init__(detail)
+        self.short, self.detail, self.fix = short, detail, fix
+
+
+def _parse_header(shard: Path) -> tuple[int, int, dict[str, Any]]:
+    """(file size, header length, header) of the safetensors file `shard`, reading only its
+    8-byte length and its JSON header; raises `_Unreadable`. The one header reader of both
+    the start-up check (`_read_header`) and the planner's presence check."""
+    try:
+        size = shard.stat().st_size
+    except FileNotFoundError:
+        named = "missing, but model.safetensors.index.json names it"
+        raise _Unreadable("missing", named) from None
+    except OSError as e:
+        why = e.strerror or str(e)
+        raise _Unreadable(f"unreadable ({why})", f"cannot be read ({why})") from None
+    if not shard.is_file():
+        raise _Unreadable("missing", "not a file")
+    if size == 0:
+        raise _Unreadable("empty", "empty (0 bytes; an interrupted download?)")
+    try:
+        with shard.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _Unreadable(
+                    "truncated (no safetensors header)",
+                    f"{size} bytes, too short for a safetensors file",
+                )
+            (n,) = struct.unpack("<Q", head)
+            if not 0 < n <= min(_MAX_HEADER, size - 8):
+                raise _Unreadable(
+                    "not a safetensors file (header length out of range)",
+                    f"not a safetensors file (header length {n} for {size} bytes)",
+                )
+            raw = f.read(n)
+    except PermissionError:
+        raise _Unreadable(
+            "unreadable (permission denied)", "not readable (permission denied)", "fix its mode"
+        ) from None
+    except OSError as e:
+        why = e.strerror or str(e)
+        raise _Unreadable(f"unreadable ({why})", f"cannot be read ({why})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        bad = "not a safetensors file (bad header)"
+        raise _Unreadable(bad, "its safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        bad = "not a safetensors file (bad header)"
+        raise _Unreadable(bad, "its safetensors header is not a mapping")
+    return size, n, header
+
+
 def _read_header(shard: Path, key: str) -> dict[str, Any]:
     """The shard's tensors (`__metadata__` dropped), after checking that the file is present,
     non-empty, readable and long enough for every tensor its header lists."""
     fix = "download it again"
     try:
-        size = shard.stat().st_size
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{shard}: missing, but model.safetensors.index.json names it; {fix}"
-        ) from None
-    require(size > 0, f"{shard}: empty (0 bytes; an interrupted download?); {fix}")
-    try:
-        with shard.open("rb") as f:
-            head = f.read(8)
-            short = f"{shard}: {size} bytes, too short for a safetensors file; {fix}"
-            require(len(head) == 8, short)
-            (n,) = struct.unpack("<Q", head)
-            require(
-                0 < n <= min(_MAX_HEADER, size - 8),
-                f"{shard}: not a safetensors file (header length {n} for {size} bytes); {fix}",
-            )
-            raw = f.read(n)
-    except PermissionError:
-        raise ConfigError(f"{shard}: not readable (permission denied); fix its mode") from None
-    except OSError as e:
-        raise ConfigError(f"{shard}: cannot be read ({e.strerror}); {fix}") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ConfigError(f"{shard}: its safetensors header is not valid JSON; {fix}") from None
-    require(isinstance(header, dict), f"{shard}: its safetensors header is not a mapping; {fix}")
+        size, n, header = _parse_header(shard)
+    except _Unreadable as e:
+        raise ConfigError(f"{shard}: {e.detail}; {e.fix}") from None
     header.pop("__metadata__", None)
     end = 0
     for name, t in header.items():
@@ -286,21 +318,10 @@ INDEX = "model.safetensors.index.json"
 def _presence_problem(f: Path) -> str | None:
     """Why the safetensors file `f` cannot be loaded (missing, empty, unreadable, a header
     that is not one), or None. Reads only the 8-byte length and the JSON header."""
-    if not f.is_file():
-        return "missing"
     try:
-        with f.open("rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                return "empty" if not head else "truncated (no safetensors header)"
-            (n,) = struct.unpack("<Q", head)
-            if n > 100 * 2**20 or n > f.stat().st_size:
-                return "not a safetensors file (header length out of range)"
-            json.loads(fh.read(n))
-    except OSError as e:
-        return f"unreadable ({e.strerror or e})"
-    except ValueError:
-        return "not a safetensors file (bad header)"
+        _parse_header(f)
+    except _Unreadable as e:
+        return e.short
     return None
 
 

@@ -234,7 +234,8 @@ def make_rollout(spec: RolloutSpec, launched: Any = None) -> Rollout:
     job), load prompts, tokenizer and rewards."""
     from transformers import AutoTokenizer
 
-    from megatron_gspo.data.prompts import PromptDataset, PromptLoader, engine_context_length
+    from megatron_gspo.data.fit import prompt_limits
+    from megatron_gspo.data.prompts import PromptDataset, PromptLoader
     from megatron_gspo.engines.connect import connect
     from megatron_gspo.rewards.pool import build_reward_pool
 
@@ -243,21 +244,11 @@ def make_rollout(spec: RolloutSpec, launched: Any = None) -> Rollout:
         r.launch, r.client, log_dir=Path(spec.log_dir) / "engines", launched=launched
     )
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or spec.hf_path)
-    # Prompts that cannot fit the engine's context with the response budget: dropped here,
-    # counted, instead of an HTTP 400 that ends the step that samples one.
-    context_len = engine_context_length(
-        spec.hf_path, r.launch.extra_args if r.launch is not None else ()
-    )
-    context = (
-        None if context_len is None else (context_len, r.max_new_tokens, "rollout.max_new_tokens")
-    )
-    # A prompt whose sequence no micro-batch can hold with a whole response (was: accepted,
-    # train.micro_batch_tokens silently exceeded; issue 40).
-    budget = spec.micro_batch_tokens
-    fit = (
-        budget - r.episode_tokens,
-        f"train.micro_batch_tokens={budget} with {r.episode_tokens} response tokens",
-    )
+    # Prompts that cannot fit the engine's context with the response budget (an HTTP 400 at
+    # the step that samples one), or whose sequence no micro-batch holds with a whole response
+    # (train.micro_batch_tokens silently exceeded; issue 40): dropped here, counted. None left
+    # was refused by preflight already (data.fit.check_prompts_fit, the same limits).
+    context, fit = prompt_limits(spec.hf_path, r, spec.micro_batch_tokens)
     dataset = PromptDataset.from_config(spec.data, tokenizer, context, fit=fit)
     loader = PromptLoader(
         dataset, spec.prompts_per_rollout, seed=spec.data.seed, shuffle=spec.data.shuffle
@@ -276,21 +267,14 @@ def make_rollout(spec: RolloutSpec, launched: Any = None) -> Rollout:
 def make_multiturn(spec: RolloutSpec, engine: RolloutEngine, tokenizer: Any) -> tuple[Any, Any]:
     """rollout.env: the env worker pool and the multi-turn `group_fn` over `engine`."""
     from megatron_gspo.config_io import ConfigError
+    from megatron_gspo.data.fit import turn_stop_ids
     from megatron_gspo.engines.connect import per_engine_clients
     from megatron_gspo.envs.pool import EnvPool
     from megatron_gspo.rewards.pool import worker_limits
     from megatron_gspo.rollout.multiturn import MultiTurn, ObservationCodec
 
     r = spec.rollout
-    stop_ids = []
-    for text in r.turn_stop:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:
-            raise ConfigError(
-                f"rollout.turn_stop entry {text!r} is {len(ids)} tokens of the tokenizer, not "
-                "one; change rollout.turn_stop"
-            )
-        stop_ids.append(int(ids[0]))
+    stop_ids = turn_stop_ids(tokenizer, r.turn_stop)  # checked by preflight already
     try:
         codec = ObservationCodec(tokenizer, chat_template=spec.data.chat_template)
         envs = EnvPool(

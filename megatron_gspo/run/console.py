@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import logging
 import sys
 from collections.abc import Iterator
@@ -26,7 +27,10 @@ from typing import IO, Any
 
 __all__ = [
     "THIRD_PARTY_LOG",
+    "hold_third_party_output",
+    "release_held_output",
     "route_third_party_output",
+    "routed_stdio",
     "survive_a_lost_console",
     "third_party_stdio",
 ]
@@ -84,13 +88,46 @@ def route_third_party_output(log_dir: str | Path, *, level: int = logging.INFO) 
     warning to `<log_dir>/third_party.log` instead of the console; returns that path.
 
     Call on every rank (records carry the rank; ranks append to one file). Idempotent: a second
-    call with another directory moves the routing there."""
+    call with another directory moves the routing there; what `hold_third_party_output` held
+    in memory is written to the file first."""
     path = Path(log_dir) / THIRD_PARTY_LOG
     path.parent.mkdir(parents=True, exist_ok=True)
     old = _state.get("handler")
-    if old is not None and Path(old.baseFilename) == path.resolve():
+    if isinstance(old, logging.FileHandler) and Path(old.baseFilename) == path.resolve():
         return path
-    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    held = _state.pop("held", None)
+    if held is not None and held.getvalue():  # what was said before the file could exist
+        with path.open("a", encoding="utf-8") as f:
+            f.write(held.getvalue())
+    _route(logging.FileHandler(path, mode="a", encoding="utf-8"), level)
+    return path
+
+
+def hold_third_party_output(*, level: int = logging.INFO) -> None:
+    """Route as `route_third_party_output` does, into memory: for an entry point whose log
+    file's directory may not be created yet (the conversion tools write theirs into the output
+    directory, which exists only once the input, output and layout were accepted). A later
+    `route_third_party_output` writes what was held to the file; `release_held_output` hands
+    it back instead (a refusal drops it, a crash prints it)."""
+    buffer = io.StringIO()
+    _route(logging.StreamHandler(buffer), level)
+    _state["held"] = buffer
+
+
+def release_held_output() -> str:
+    """What `hold_third_party_output` has held so far, emptied (routing stays in memory)."""
+    held = _state.get("held")
+    if held is None:
+        return ""
+    text = held.getvalue()
+    held.seek(0)
+    held.truncate()
+    return text
+
+
+def _route(handler: logging.StreamHandler, level: int) -> None:  # type: ignore[type-arg]
+    old = _state.get("handler")
+    old_stream = getattr(old, "stream", None)
     handler.setFormatter(logging.Formatter(_FORMAT.format(rank=f"rank{_rank()}")))
     root = logging.getLogger()
     for h in [h for h in root.handlers if _is_console(h)]:  # e.g. a library's basicConfig()
@@ -106,13 +143,32 @@ def route_third_party_output(log_dir: str | Path, *, level: int = logging.INFO) 
             logger.removeHandler(h)
         if console:
             logger.propagate = True
+        for h in logger.handlers:  # pointed at the previous target by the addHandler hook
+            if isinstance(h, logging.StreamHandler) and old_stream is not None:
+                if h.stream is old_stream:
+                    h.setStream(handler.stream)
     if old is not None:
+        root.removeHandler(old)
         old.close()
     _state["handler"] = handler
     _install_add_handler_hook(handler.stream)  # FileHandler without delay: open already
     logging.captureWarnings(True)  # warnings.warn -> logger "py.warnings" -> the file
     _keep_ours_on_console()
-    return path
+
+
+@contextlib.contextmanager
+def routed_stdio() -> Iterator[None]:
+    """`print()` to stdout / stderr within the block goes where third-party logging is routed
+    (the held buffer or `third_party.log`); without routing, nothing changes (a library
+    function called from a test or a notebook keeps its output)."""
+    handler = _state.get("handler")
+    if handler is None:
+        yield
+        return
+    target = handler.stream if "held" in _state else _stdio_file(Path(handler.baseFilename))
+    with contextlib.redirect_stdout(target), contextlib.redirect_stderr(target):
+        yield
+    target.flush()
 
 
 def _keep_ours_on_console() -> None:
@@ -130,6 +186,7 @@ def _keep_ours_on_console() -> None:
 
 def _restore() -> None:
     """Undo `route_third_party_output` (tests): console handlers removed then stay removed."""
+    _state.pop("held", None)
     handler = _state.pop("handler", None)
     if handler is not None:
         logging.getLogger().removeHandler(handler)

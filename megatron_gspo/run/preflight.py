@@ -27,6 +27,7 @@ from megatron_gspo.checkpoint.resume import (
 from megatron_gspo.checkpoint.store import check_resume_layout, latest_checkpoint
 from megatron_gspo.config import Config
 from megatron_gspo.config_io import ConfigError, require
+from megatron_gspo.data.fit import check_prompts_fit
 from megatron_gspo.data.formats import load_prompt_records
 from megatron_gspo.engines.sglang_rules import check_engine_interpreter
 from megatron_gspo.plan.model_files import check_model_files, estimate_checkpoint_bytes
@@ -66,6 +67,7 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
                 answer_key=cfg.data.answer_key,
                 key=key,
             )
+    check_prompts_fit(cfg)  # with the tokenizer: what the rollout would refuse after start-up
     _check_reward(cfg.reward.kind)
     if cfg.rollout.env is not None:
         _check_module(cfg.rollout.env, "rollout.env")

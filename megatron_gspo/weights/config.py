@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from megatron_gspo.config_io import FLOAT_DTYPES, ConfigError
+from megatron_gspo.config_io import FLOAT_DTYPES, ConfigError, at_least, port, positive
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +104,9 @@ class WeightSyncConfig:
     """Timeout of the distributed transport's rendezvous and collectives."""
 
     def __post_init__(self) -> None:
+        at_least("weights", 0, sender_rank=self.sender_rank)
+        port("weights", master_port=self.master_port)
+        positive("weights", disk_keep=self.disk_keep, timeout_s=self.timeout_s)
         if self.transport not in ("tensor", "distributed", "disk"):
             raise ConfigError(f"weights.transport={self.transport!r}: tensor|distributed|disk")
         if self.layout not in ("auto", "hf", "engine"):

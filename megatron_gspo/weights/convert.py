@@ -25,6 +25,7 @@ import fnmatch
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,13 @@ from megatron_gspo.megatron.model import (
     load_bridge,
     make_provider,
     quiet_megatron,
+)
+from megatron_gspo.run.console import (
+    THIRD_PARTY_LOG,
+    hold_third_party_output,
+    release_held_output,
+    route_third_party_output,
+    routed_stdio,
 )
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.stream import hf_tensors
@@ -67,8 +75,12 @@ def check_layout(layout: Layout, hf_config: Any) -> int:
 
 
 # What each direction writes into its output directory; anything else there is the user's.
-MEGATRON_OUTPUT = ("*.distcp", ".metadata", "common.pt", "metadata.json", META_FILE, HF_CONFIG_DIR)
-HF_OUTPUT = ("*.safetensors", hf_io.INDEX_NAME, "config.json", *hf_io.SIDE_FILES)
+# THIRD_PARTY_LOG: the libraries' output during the conversion (`cli`).
+MEGATRON_OUTPUT = (
+    *("*.distcp", ".metadata", "common.pt", "metadata.json", META_FILE, HF_CONFIG_DIR),
+    THIRD_PARTY_LOG,
+)
+HF_OUTPUT = ("*.safetensors", hf_io.INDEX_NAME, "config.json", *hf_io.SIDE_FILES, THIRD_PARTY_LOG)
 
 
 def _check_output(out_dir: Path, force: bool, writes: tuple[str, ...], src: Path) -> None:
@@ -184,7 +196,8 @@ def build_for_layout(
     """Parallel state + model chunks (no weights loaded) for `layout`."""
     check_layout(layout, hf_io.hf_config_of(bridge))
     init_megatron(layout)
-    return build_model(make_provider(bridge, layout, dtype=dtype))
+    with routed_stdio():  # megatron prints its parameter counts: to the tool's library log
+        return build_model(make_provider(bridge, layout, dtype=dtype))
 
 
 def check_hf_tensors(bridge: Any, model: list[torch.nn.Module], hf_dir: Path) -> None:
@@ -406,6 +419,11 @@ def cli(direction: str, argv: list[str] | None = None) -> int:
         layout = _layout(ns)
     except ConfigError as e:  # e.g. --vpp without --pp: argparse's usage error, exit code 2
         p.error(str(e))
+    # Library chatter (megatron-bridge's traceback for each optional import it misses, build
+    # warnings, deprecations) is held in memory and written to <output>/third_party.log once
+    # the conversion succeeded: the output directory is created only after the checks, and a
+    # refusal writes nothing. The console keeps our [convert] lines and the progress bars.
+    hold_third_party_output()
     dist.init_distributed()
     try:
         if to_megatron:
@@ -414,10 +432,17 @@ def cli(direction: str, argv: list[str] | None = None) -> int:
         else:
             hf_dtype = getattr(torch, ns.hf_dtype) if ns.hf_dtype else None
             megatron_to_hf(ns.input, ns.output, layout, force=ns.force, hf_dtype=hf_dtype)
+        if Path(ns.output).is_dir():  # another node's rank may not see it: its chatter dropped
+            log = route_third_party_output(ns.output)
+            _say(f"library output (warnings, notices) in {log}")
     except ConversionError as e:
+        release_held_output()  # a refusal: one line; the libraries' chatter is not the cause
         if dist.rank() == 0:
             print(f"error: {e}", flush=True)
         return 2
+    except Exception:  # a bug: its traceback follows what the libraries said before it
+        sys.stderr.write(release_held_output())
+        raise
     finally:
         torch.distributed.destroy_process_group()
     return 0

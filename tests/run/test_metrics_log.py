@@ -290,3 +290,41 @@ def test_a_stream_kept_from_inside_third_party_stdio_still_writes_to_the_log(tmp
     err = capfd.readouterr().err
     assert "Logging error" not in text + err, text + err
     assert "inside a later block" in text and "after every block" in text, text
+
+
+def test_held_library_output_goes_to_the_log_once_it_exists_or_back_to_the_caller(
+    tmp_path, capfd
+):
+    """The conversion tools' routing (issue 40): library records, warnings and prints inside
+    `routed_stdio` are held in memory, never on the console; `route_third_party_output` writes
+    them to the file first (then later records), `release_held_output` hands them back."""
+    import logging
+    import warnings
+
+    lib = logging.getLogger("some_library_held40")
+    try:
+        console.hold_third_party_output()
+        lib.warning("REFUSED-RUN-NOISE")
+        assert "REFUSED-RUN-NOISE" in console.release_held_output()
+        assert console.release_held_output() == ""  # emptied
+        lib.addHandler(logging.StreamHandler(sys.stderr))  # as transformers does on import
+        lib.propagate = False
+        lib.warning("BEFORE-THE-FILE")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("HELD-USERWARNING", UserWarning, stacklevel=1)
+        with console.routed_stdio():
+            print(" > number of parameters: 43")
+        path = console.route_third_party_output(tmp_path)
+        lib.warning("AFTER-THE-FILE")  # its handler was pointed at the buffer: now the file
+    finally:
+        console._restore()
+        lib.handlers.clear()
+        lib.propagate = True
+    out, err = capfd.readouterr()
+    text = path.read_text()
+    for noise in ("REFUSED-RUN-NOISE", "BEFORE-THE-FILE", "HELD-USERWARNING", "43", "AFTER-THE"):
+        assert noise not in out + err, noise
+    for kept in ("BEFORE-THE-FILE", "HELD-USERWARNING", "number of parameters: 43", "AFTER-THE"):
+        assert kept in text, (kept, text)
+    assert "REFUSED-RUN-NOISE" not in text and text.index("BEFORE") < text.index("AFTER")

@@ -323,7 +323,7 @@ class EmbeddedTokenizerManager:
         def load() -> int:
             named = deserialize_named_tensors(payload, obj.load_format)
             if obj.load_format == "direct":  # SGLang's fused names: this engine holds HF names
-                named = unfuse_all(named, EngineLayout.of(self.policy.model.config, 1))
+                named = list(unfuse_all(named, EngineLayout.of(self.policy.model.config, 1)))
             return self.policy.load_weights(named)
 
         try:

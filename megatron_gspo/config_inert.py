@@ -1,0 +1,160 @@
+"""Keys that another key switches off: set to anything but their default there, refused.
+
+A key documented as taking effect only with another setting (`optim.sgd_momentum` with
+`optim.optimizer=sgd`, `checkpoint.save_every` with a `checkpoint.dir`, the multi-turn keys with
+`rollout.env`, ...) did nothing, silently, when that setting was absent: a user who tuned it
+saw no change and no word why (issue 40, "no silent no-ops"). Each such pair is one `Inert`
+row below; `check_inert_keys` (called by `Config.__post_init__`) refuses a key set away from
+its default where its row says it has no effect, in one line naming both keys:
+
+    optim.sgd_momentum=0.5 has no effect unless optim.optimizer=sgd; set optim.optimizer=sgd,
+    or remove optim.sgd_momentum (its default is 0.9)
+
+The default itself is always accepted (it is what an unset key holds). Standard library only:
+the config and the planner load without torch. `tests/test_config_no_ops.py` walks every key of
+the config (as `python -m megatron_gspo.config --keys` lists them) and each row here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from megatron_gspo.config_io import ConfigError
+
+__all__ = ["INERT", "Inert", "check_inert_keys", "key_default", "key_value"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Inert:
+    """`key` has an effect only where `active(cfg)`; `unless` says that condition in words."""
+
+    key: str
+    """The dotted key that may be switched off."""
+    unless: str
+    """What switches it on, as the message says it (`optim.optimizer=sgd`)."""
+    active: Callable[[Any], bool]
+    """Whether `key` takes effect in a whole `Config`."""
+
+
+def _sgd(c: Any) -> bool:
+    return bool(c.optim.optimizer == "sgd")
+
+
+def _adam(c: Any) -> bool:
+    return bool(c.optim.optimizer == "adam")
+
+
+def _kl(c: Any) -> bool:
+    return bool(c.loss.kl_coef > 0)
+
+
+def _env(c: Any) -> bool:
+    return c.rollout.env is not None
+
+
+def _agent(c: Any) -> bool:
+    return c.rollout.agent is not None
+
+
+def _http(c: Any) -> bool:
+    return bool(c.reward.kind == "http")
+
+
+def _ckpt(c: Any) -> bool:
+    return c.checkpoint.dir is not None
+
+
+def _eval(c: Any) -> bool:
+    return bool(c.eval.every > 0)
+
+
+INERT: tuple[Inert, ...] = (
+    Inert("optim.sgd_momentum", "optim.optimizer=sgd", _sgd),
+    Inert("optim.adam_beta1", "optim.optimizer=adam", _adam),
+    Inert("optim.adam_beta2", "optim.optimizer=adam", _adam),
+    Inert("optim.adam_eps", "optim.optimizer=adam", _adam),
+    Inert(
+        "optim.min_lr",
+        "optim.lr_schedule=linear or cosine (constant never decays)",
+        lambda c: c.optim.lr_schedule != "constant",
+    ),
+    Inert("loss.kl_estimator", "loss.kl_coef > 0", _kl),
+    Inert("loss.kl_in_reward", "loss.kl_coef > 0", _kl),
+    Inert("loss.ref_offload", "loss.kl_coef > 0 (no reference model without it)", _kl),
+    Inert("loss.tis_cap", "loss.tis_mode is not none", lambda c: c.loss.tis_mode != "none"),
+    Inert(
+        "reward.overlong_penalty",
+        "reward.overlong_buffer > 0",
+        lambda c: c.reward.overlong_buffer > 0,
+    ),
+    Inert("reward.retries", "reward.kind=http", _http),
+    Inert("reward.api_key_env", "reward.kind=http", _http),
+    Inert("checkpoint.save_every", "checkpoint.dir is set", _ckpt),
+    Inert("checkpoint.keep_last", "checkpoint.dir is set", _ckpt),
+    Inert("checkpoint.export_hf_at_end", "checkpoint.dir is set (it writes <dir>/hf_final)", _ckpt),
+    Inert("eval.samples_per_prompt", "eval.every > 0", _eval),
+    Inert("eval.temperature", "eval.every > 0", _eval),
+    Inert("eval.max_new_tokens", "eval.every > 0", _eval),
+    Inert("eval.pass_threshold", "eval.every > 0", _eval),
+    Inert(
+        "rollout.max_staleness",
+        "rollout.async_rollout=true or rollout.partial_tokens is set (else no token lags)",
+        lambda c: c.rollout.async_rollout or c.rollout.partial_tokens is not None,
+    ),
+    Inert(
+        "rollout.max_continuation_retries",
+        "rollout.partial_tokens is set",
+        lambda c: c.rollout.partial_tokens is not None,
+    ),
+    Inert("rollout.max_turns", "rollout.env is set", _env),
+    Inert("rollout.max_total_tokens", "rollout.env is set", _env),
+    Inert("rollout.turn_stop", "rollout.env is set", _env),
+    Inert("rollout.env_workers", "rollout.env is set", _env),
+    Inert("rollout.env_timeout_s", "rollout.env is set", _env),
+    Inert("rollout.agent_workers", "rollout.agent is set", _agent),
+    Inert("rollout.agent_timeout_s", "rollout.agent is set", _agent),
+    Inert(
+        "weights.disk_keep",
+        "weights.transport=disk",
+        lambda c: c.weights.transport == "disk",
+    ),
+)
+
+
+def key_value(cfg: Any, key: str) -> Any:
+    """The value of the dotted `key` in `cfg` (None below a section that is None)."""
+    obj = cfg
+    for part in key.split("."):
+        if obj is None:
+            return None
+        obj = getattr(obj, part)
+    return obj
+
+
+def key_default(cfg: Any, key: str) -> Any:
+    """The default of the dotted `key`: its field's default in the section that holds it."""
+    section, _, name = key.rpartition(".")
+    owner = key_value(cfg, section) if section else cfg
+    (field,) = [f for f in dataclasses.fields(owner) if f.name == name]
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def check_inert_keys(cfg: Any) -> None:
+    """Raise `ConfigError` for the first key of `INERT` that is set away from its default
+    where it has no effect."""
+    for row in INERT:
+        section = key_value(cfg, row.key.rpartition(".")[0])
+        if section is None:  # an optional section left out (rollout.launch: null)
+            continue
+        value = key_value(cfg, row.key)
+        default = key_default(cfg, row.key)
+        if value == default or row.active(cfg):
+            continue
+        raise ConfigError(
+            f"{row.key}={value!r} has no effect unless {row.unless}; set that, or remove "
+            f"{row.key} (its default is {default!r})"
+        )
