@@ -36,6 +36,7 @@ from megatron_gspo.run_dir import RunLock, clear_previous_run
 from megatron_gspo.stop import StopSignals
 from megatron_gspo.user_errors import build_policy, exit_code, first_push
 from megatron_gspo.weights.colocated import resume_engines
+from megatron_gspo.weights.owners import send_engines_for
 from megatron_gspo.weights.sync import WeightSync
 
 if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
@@ -117,7 +118,10 @@ def main(argv: list[str] | None = None) -> None:
                 launched, pending = pending.wait(), None
             rollout = make_rollout(cfg, launched) if dist.rank() == 0 else None
             evaluator = build_evaluator(cfg, rollout)  # eval.every (rank 0); None when off
-        sync = WeightSync(policy.bridge, rollout.engine if rollout else [], cfg.weights)
+        send = send_engines_for(cfg.weights, cfg.rollout.client, launched)  # senders=owners
+        sync = WeightSync(
+            policy.bridge, rollout.engine if rollout else [], cfg.weights, send_engines=send
+        )
         start = load_checkpoint(policy, rollout) if cfg.checkpoint.resume else 0
         if args.overwrite and dist.rank() == 0:  # only now that the new run has started
             clear_previous_run(cfg)
