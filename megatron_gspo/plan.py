@@ -54,6 +54,7 @@ from megatron_gspo.plan_memory import (
     count_params,
     hf_tensor_bytes,
     memory_formula,
+    push_buffer_bytes,
 )
 from megatron_gspo.topology import Placement, topology_problems
 
@@ -200,6 +201,7 @@ def make_plan(
             overhead=PROCESS_OVERHEAD_GB * GiB,
             engine_train=engine_train,
             engine_rollout=engine_rollout,
+            send_buffers=push_buffer_bytes(cfg.weights.bucket_bytes, cfg.weights.senders),
         )
         if worst is None or est.train_peak > worst.train_peak:
             worst, worst_inflight = est, inflight
@@ -232,8 +234,14 @@ def make_plan(
         samples_per_engine=concurrent,
         colocated=colocated,
     )
+    # Senders: owners splits the bytes over each scope's ranks (a node for tensor, the trainer
+    # for distributed); every engine GPU still receives all of them (HF-named loads).
+    senders = 1
+    if cfg.weights.senders == "owners":
+        senders = gpus_per_node if cfg.weights.transport == "tensor" else world
     sync = dict(
         bytes=float(sync_bytes),
+        sender_bytes=sync_bytes / senders,
         gb_per_s=sync_gb_per_s,
         seconds=sync_bytes / 1e9 / sync_gb_per_s,
         fp8=float(cfg.weights.fp8),
@@ -248,8 +256,9 @@ def make_plan(
     if colocated and worst.rollout_peak > mem_bytes:
         problems.append(
             f"colocated rollout needs {worst.rollout_peak / GiB:.1f} GiB per GPU (trainer state "
-            f"{worst.trainer_static / GiB:.1f} + engine {engine_rollout / GiB:.1f}) > "
-            f"{gpu_mem_gb:g}; lower rollout.launch.mem_fraction_static or use rollout nodes"
+            f"{worst.trainer_static / GiB:.1f} + engine {engine_rollout / GiB:.1f} + push "
+            f"buffers {worst.send_buffers / GiB:.1f}) > {gpu_mem_gb:g}; lower "
+            "rollout.launch.mem_fraction_static or weights.bucket_mb, or use rollout nodes"
         )
     if engine_weights >= frac * mem_bytes:
         problems.append(
@@ -408,7 +417,8 @@ def format_plan(plan: Plan) -> str:
             "weight sync/step",
             f"{plan.sync['bytes'] / 1e9:.1f} GB "
             f"({'FP8' if plan.sync['fp8'] else 'bf16'}) = {plan.sync['seconds']:.1f} s at "
-            f"{plan.sync['gb_per_s']:g} GB/s",
+            f"{plan.sync['gb_per_s']:g} GB/s into each engine GPU; busiest sender "
+            f"{plan.sync['sender_bytes'] / 1e9:.1f} GB, {m.send_buffers / GiB:.1f} GiB buffers",
         ),
     ]
     width = max(len(k) for k, _ in rows)

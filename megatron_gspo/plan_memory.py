@@ -34,6 +34,7 @@ __all__ = [
     "count_params",
     "hf_tensor_bytes",
     "memory_formula",
+    "push_buffer_bytes",
 ]
 
 GiB = 1024**3
@@ -71,6 +72,9 @@ class MemoryEstimate:
     overhead: float
     engine_train: float
     engine_rollout: float
+    send_buffers: float = 0.0
+    """The weight push's buffers on the busiest trainer GPU, held while the engines are back
+    (`push_buffer_bytes`)."""
 
     @property
     def trainer_static(self) -> float:
@@ -82,7 +86,16 @@ class MemoryEstimate:
 
     @property
     def rollout_peak(self) -> float:
-        return self.trainer_static + self.engine_rollout
+        # The push runs after the engines resumed: its buffers sit next to their share.
+        return self.trainer_static + self.engine_rollout + self.send_buffers
+
+
+def push_buffer_bytes(bucket_bytes: int, senders: str) -> float:
+    """Send buffers of one push on the busiest trainer GPU: up to 3 buckets in flight
+    (`weights.pipeline`: one being sent, one looked ahead, one being filled), plus on the one
+    sender (`weights.senders=one`) the expert batch gathered into it (about one bucket,
+    `weights.ep_batch`). With `owners` every trainer GPU holds its own 3, none more."""
+    return (3 if senders == "owners" else 4) * float(bucket_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,8 +255,11 @@ memory per GPU (most loaded pipeline stage; P = its parameters, Pd dense + Pe ex
   engine      = colocated: mem_fraction_static * M while rolling out, {RELEASED_ENGINE_GB} GiB
                 while released (trainer-launched engines; engines started outside the trainer
                 are not released, so their full share counts while training too)
+  send bufs   = 4 x weights.bucket_mb on the one sender's GPU (3 in flight + a gathered expert
+                batch), 3 x on every GPU with weights.senders=owners; in the rollout peak
   weight sync = HF bytes of the model (bf16, or FP8: 1 B/elem of *_proj weights + an fp32
-                scale per 128x128 block) / the stated bandwidth
+                scale per 128x128 block) / the stated bandwidth: with HF-named loads every
+                engine GPU receives them all, whoever sends (owners: a sender sends 1/n)
 assumptions: routing balanced up to imb (--moe-imbalance), packed micro-batches filled to T,
 sequences at their longest, bf16 activations, no CPU offload, fragmentation in the overhead."""
 
