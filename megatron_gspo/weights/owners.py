@@ -28,8 +28,9 @@ buckets inside the open session. Each sender hashes what it sent (SGLang's own f
 HF-named) and rank 0 compares the union with the engines, so verification costs each rank
 about one shard's hash. Engines that report SGLang's fused per-rank names (a real server)
 need all members of a fused parameter in one place, which no sender has; `WeightSync` sends
-their verified pushes through the one-sender path (the per-rank SGLang layout of issue 36
-part 1 removes that).
+their verified pushes (and the first push, before the naming is known) through one sender per
+scope: the scope's first rank, experts gathered to it as with `senders=one`, which hashes in
+both namings (the per-rank SGLang layout of issue 36 part 1 removes that exception).
 """
 
 from __future__ import annotations

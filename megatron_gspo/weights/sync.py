@@ -18,6 +18,9 @@ the next one is exported (`weights.pipeline`), then checks, when due:
 * version: each engine reports the new version (`WeightReceiver.weight_version()`), which
   rollouts then carry.
 
+With `weights.senders=owners` every rank sends the tensors it holds instead, rank 0 only
+opening and closing the session and checking (`weights.owners`).
+
 The outcome is broadcast from the sender so that every rank returns or raises together.
 Call `push` once the parameters hold the new weights: with the distributed optimizer's
 `overlap_param_gather`, the all-gather of updated parameters finishes only in the next forward,
