@@ -39,6 +39,7 @@ from megatron_gspo.run.run_dir import RunLock, clear_previous_run
 from megatron_gspo.run.stop import StopSignals
 from megatron_gspo.run.user_errors import build_policy, exit_code, first_push
 from megatron_gspo.weights.colocated import resume_engines
+from megatron_gspo.weights.owners import send_engines_for
 from megatron_gspo.weights.sync import WeightSync
 
 if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
@@ -160,7 +161,10 @@ def _train(
         run.pending = _begin_engines(cfg)
     policy = _build_policy(cfg)
     _start_rollout(cfg, run)
-    run.sync = WeightSync(policy.bridge, run.rollout.engine if run.rollout else [], cfg.weights)
+    send = send_engines_for(cfg.weights, cfg.rollout.client, run.launched)  # senders=owners
+    run.sync = WeightSync(
+        policy.bridge, run.rollout.engine if run.rollout else [], cfg.weights, send_engines=send
+    )
     start = _resume(cfg, policy, run.rollout, overwrite=overwrite, changed=changed)
     run.log = MetricsLogger.from_config(
         cfg.logging,

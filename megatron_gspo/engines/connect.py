@@ -15,7 +15,7 @@ from megatron_gspo.engines.client_config import ClientConfig
 from megatron_gspo.engines.launch import LaunchConfig, ServerGroup
 from megatron_gspo.engines.nodes import LaunchedEngines, start_node_engines
 
-__all__ = ["connect", "per_engine_clients"]
+__all__ = ["connect", "per_engine_clients", "sender_client"]
 
 
 def connect(
@@ -71,3 +71,31 @@ def per_engine_clients(client: object) -> tuple[SGLangClient, ...]:
     for c in clients:  # one view of dead / rejoining engines: no turn goes to an engine the
         c.pool = client.pool  # weight sync has dropped or not yet re-admitted
     return clients
+
+
+def sender_client(
+    client: ClientConfig, launched: LaunchedEngines | None, *, node: int | None
+) -> SGLangClient | None:
+    """Any rank: a client over the engines this rank pushes weights to as one of several
+    senders (`weights.senders=owners`): node `node`'s engines (`launched.per_node`; the CUDA-IPC
+    transport), or every engine with `node` None; engines started outside the job
+    (`launched` None) count as on every node. None when there is none to push to."""
+    urls, tps = list(client.engine_urls), list(client.engine_tp_sizes or [])
+    api_key = client.api_key
+    if launched is not None:
+        urls, tps, api_key = list(launched.urls), list(launched.tp_sizes), launched.api_key
+        if node is not None and launched.per_node:
+            first = sum(launched.per_node[:node])
+            count = launched.per_node[node] if node < len(launched.per_node) else 0
+            urls, tps = urls[first : first + count], tps[first : first + count]
+    if not urls:
+        return None
+    # Weights only: no router (it routes generation), one TP size per engine.
+    cfg = dataclasses.replace(
+        client,
+        engine_urls=urls,
+        engine_tp_sizes=tps or [1] * len(urls),
+        router_url=None,
+        api_key=api_key,
+    )
+    return SGLangClient(cfg)

@@ -37,6 +37,7 @@ __all__ = [
     "memory_formula",
     "sync_estimate",
     "trainer_memory",
+    "push_buffer_bytes",
 ]
 
 GiB = 1024**3
@@ -71,6 +72,9 @@ class MemoryEstimate:
     overhead: float
     engine_train: float
     engine_rollout: float
+    send_buffers: float = 0.0
+    """The weight push's buffers on the busiest trainer GPU, held while the engines are back
+    (`push_buffer_bytes`)."""
 
     @property
     def trainer_static(self) -> float:
@@ -82,7 +86,16 @@ class MemoryEstimate:
 
     @property
     def rollout_peak(self) -> float:
-        return self.trainer_static + self.engine_rollout
+        # The push runs after the engines resumed: its buffers sit next to their share.
+        return self.trainer_static + self.engine_rollout + self.send_buffers
+
+
+def push_buffer_bytes(bucket_bytes: int, senders: str) -> float:
+    """Send buffers of one push on the busiest trainer GPU: up to 3 buckets in flight
+    (`weights.pipeline`: one being sent, one looked ahead, one being filled), plus on the one
+    sender (`weights.senders=one`) the expert batch gathered into it (about one bucket,
+    `weights.ep_batch`). With `owners` every trainer GPU holds its own 3, none more."""
+    return (3 if senders == "owners" else 4) * float(bucket_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,8 +207,11 @@ memory per GPU (most loaded pipeline stage; P = its parameters, Pd dense + Pe ex
   engine      = colocated: mem_fraction_static * M while rolling out, {RELEASED_ENGINE_GB} GiB
                 while released (trainer-launched engines; engines started outside the trainer
                 are not released, so their full share counts while training too)
+  send bufs   = 4 x weights.bucket_mb on the one sender's GPU (3 in flight + a gathered expert
+                batch), 3 x on every GPU with weights.senders=owners; in the rollout peak
   weight sync = HF bytes of the model (bf16, or FP8: 1 B/elem of *_proj weights + an fp32
-                scale per 128x128 block) / the stated bandwidth
+                scale per 128x128 block) / the stated bandwidth: with HF-named loads every
+                engine GPU receives them all, whoever sends (owners: a sender sends 1/n)
 assumptions: routing balanced up to imb (--moe-imbalance), packed micro-batches filled to T,
 sequences at their longest, bf16 activations, no CPU offload, fragmentation in the overhead."""
 
@@ -301,6 +317,7 @@ def trainer_memory(
             overhead=PROCESS_OVERHEAD_GB * GiB,
             engine_train=engine_train,
             engine_rollout=engine_rollout,
+            send_buffers=push_buffer_bytes(cfg.weights.bucket_bytes, cfg.weights.senders),
         )
         if worst is None or est.train_peak > worst.train_peak:
             worst, worst_inflight = est, inflight
@@ -359,13 +376,21 @@ def engine_estimate(
     return EngineEstimate(params=params, weights_per_gpu=engine_weights, table=table)
 
 
-def sync_estimate(cfg: Config, hf: Any, gb_per_s: float) -> dict[str, float]:
-    """Bytes of one weight sync (`weights.dtype`, block FP8 with `weights.fp8`) and its time at
-    `gb_per_s`."""
+def sync_estimate(
+    cfg: Config, hf: Any, gb_per_s: float, *, gpus_per_node: int, trainer_world: int
+) -> dict[str, float]:
+    """Bytes of one weight sync (`weights.dtype`, block FP8 with `weights.fp8`), through the
+    busiest sender, and its time at `gb_per_s`. `weights.senders=owners` splits the bytes over
+    each scope's ranks (a node for tensor, the trainer for distributed); every engine GPU still
+    receives all of them (HF-named loads)."""
     send_dtype_bytes = 4 if (cfg.weights.dtype == "float32") else 2
     _, sync_bytes = hf_tensor_bytes(hf, dtype_bytes=send_dtype_bytes, fp8=cfg.weights.fp8)
+    senders = 1
+    if cfg.weights.senders == "owners":
+        senders = gpus_per_node if cfg.weights.transport == "tensor" else trainer_world
     return dict(
         bytes=float(sync_bytes),
+        sender_bytes=sync_bytes / senders,
         gb_per_s=gb_per_s,
         seconds=sync_bytes / 1e9 / gb_per_s,
         fp8=float(cfg.weights.fp8),

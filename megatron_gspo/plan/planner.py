@@ -210,7 +210,9 @@ def make_plan(
         micro_batches=mbs,
         in_flight=in_flight,
         engine=engine.table,
-        sync=sync_estimate(cfg, hf, sync_gb_per_s),
+        sync=sync_estimate(
+            cfg, hf, sync_gb_per_s, gpus_per_node=gpus_per_node, trainer_world=world
+        ),
         problems=problems,
     )
 
@@ -248,8 +250,9 @@ def _memory_problems(
     if colocated and worst.rollout_peak > mem_bytes:
         problems.append(
             f"colocated rollout needs {worst.rollout_peak / GiB:.1f} GiB per GPU (trainer state "
-            f"{worst.trainer_static / GiB:.1f} + engine {worst.engine_rollout / GiB:.1f}) > "
-            f"{gpu_mem_gb:g}; lower rollout.launch.mem_fraction_static or use rollout nodes"
+            f"{worst.trainer_static / GiB:.1f} + engine {worst.engine_rollout / GiB:.1f} + push "
+            f"buffers {worst.send_buffers / GiB:.1f}) > {gpu_mem_gb:g}; lower "
+            "rollout.launch.mem_fraction_static or weights.bucket_mb, or use rollout nodes"
         )
     if engine.weights_per_gpu >= frac * mem_bytes:
         problems.append(
@@ -360,7 +363,8 @@ def format_plan(plan: Plan) -> str:
             "weight sync/step",
             f"{plan.sync['bytes'] / 1e9:.1f} GB "
             f"({'FP8' if plan.sync['fp8'] else 'bf16'}) = {plan.sync['seconds']:.1f} s at "
-            f"{plan.sync['gb_per_s']:g} GB/s",
+            f"{plan.sync['gb_per_s']:g} GB/s into each engine GPU; busiest sender "
+            f"{plan.sync['sender_bytes'] / 1e9:.1f} GB, {m.send_buffers / GiB:.1f} GiB buffers",
         ),
     ]
     width = max(len(k) for k, _ in rows)

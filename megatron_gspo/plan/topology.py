@@ -8,7 +8,9 @@ job. The rules:
 * NCCL refuses a communicator in which two ranks use one GPU: colocated engines (sharing the
   trainer's GPUs) cannot join the `distributed` transport's group with trainer rank 0.
 * CUDA IPC handles (the `tensor` transport) open only on the node that made them: every engine
-  must be on the sender's node.
+  must be on a sender's node: one node with `weights.senders=one`; any number of colocated
+  nodes with `weights.senders=owners` (each node's ranks feed its engines) when every
+  expert-parallel group lies within a node.
 * torchrun's c10d rendezvous gives global rank 0 (which hosts the weight-update rendezvous) to
   any node: `weights.master_address` must be resolved at run time on rank 0, not pinned.
 * A block-FP8 push (`weights.fp8`) loads only into an engine started from a block-FP8
@@ -84,13 +86,32 @@ def transport_problems(cfg: Config, p: Placement) -> list[str]:
             " which NCCL refuses; set weights.transport=tensor (one node) or give the engines"
             " nodes of their own (--rollout-nodes)"
         )
-    if w.transport == "tensor" and (p.rollout_nodes > 0 or p.nodes > 1):
-        where = f"{p.engine_nodes} engine nodes" if p.rollout_nodes else f"all {p.nodes} nodes"
+    # With weights.senders=owners each node's ranks push the whole model to that node's
+    # engines (weights/owners.py): colocated runs on any number of nodes, provided every
+    # expert-parallel group lies within a node (each node then holds every expert).
+    owners = w.senders == "owners"
+    if w.transport == "tensor" and p.rollout_nodes > 0:
         out.append(
             f"weights.transport=tensor (CUDA IPC) reaches only engines on the sender's node, but "
-            f"the plan puts engines on {where}; run on one node, or use --rollout-nodes with "
+            f"the plan puts engines on {p.engine_nodes} engine nodes of their own; use "
+            "weights.transport=distributed with --rollout-nodes"
+        )
+    elif w.transport == "tensor" and p.nodes > 1 and not owners:
+        out.append(
+            f"weights.transport=tensor (CUDA IPC) reaches only engines on the sender's node, but "
+            f"the plan puts engines on all {p.nodes} nodes; set weights.senders=owners (each "
+            "node's ranks feed its own engines), run on one node, or use --rollout-nodes with "
             "weights.transport=distributed"
         )
+    elif w.transport == "tensor" and p.nodes > 1:
+        group = cfg.parallel.ep * cfg.parallel.expert_tp
+        if p.gpus_per_node % group:
+            out.append(
+                f"weights.senders=owners with weights.transport=tensor on {p.nodes} nodes needs "
+                f"every expert-parallel group within a node, but parallel.ep x expert TP = "
+                f"{group} does not divide {p.gpus_per_node} GPUs per node; lower parallel.ep, or "
+                "use --rollout-nodes with weights.transport=distributed"
+            )
     if w.master_address and p.trainer_nodes > 1:
         out.append(
             f"weights.master_address={w.master_address} is pinned, but torchrun's c10d "

@@ -63,7 +63,14 @@ class WeightSyncConfig:
     check_version: bool = True
     """Require every engine to report the new weight version after a sync."""
     sender_rank: int = 0
-    """Global trainer rank that keeps and sends the buckets."""
+    """Global trainer rank that keeps and sends the buckets (`senders=one`)."""
+    senders: Literal["one", "owners"] = "one"
+    """one: `sender_rank` receives every tensor (experts gathered to it) and sends them all;
+    owners: every rank that holds a shard sends it, no weight is gathered for the push
+    (`weights.owners`): with `transport=tensor` each node's ranks push the whole model to that
+    node's engines (colocated on any number of nodes; every EP rank must be on each node),
+    with `distributed` each rank has its own weight-update group to every engine. Rank 0
+    still opens and closes the session and stamps the version. Not with `transport=disk`."""
     experts_to_first: bool = True
     """Gather expert weights to EP rank 0 only (the sender), not to every EP rank; False keeps
     megatron-bridge's all-gather (see `stream.experts_to_ep_rank0`)."""
@@ -123,6 +130,18 @@ class WeightSyncConfig:
             raise ConfigError(
                 f"weights.dtype={self.dtype!r} is not a floating-point torch dtype name "
                 f"({', '.join(sorted(FLOAT_DTYPES))})"
+            )
+        if self.senders not in ("one", "owners"):
+            raise ConfigError(f"weights.senders={self.senders!r}: one|owners")
+        if self.senders == "owners" and self.transport == "disk":
+            raise ConfigError(
+                "weights.senders=owners sends from every rank, but weights.transport=disk writes "
+                "one checkpoint directory from one rank; set weights.senders=one"
+            )
+        if self.senders == "owners" and self.sender_rank != 0:
+            raise ConfigError(
+                f"weights.sender_rank={self.sender_rank} with weights.senders=owners: rank 0 "
+                "coordinates the session; leave weights.sender_rank=0"
             )
         if self.verify_every < 0:
             raise ConfigError("weights.verify_every must be >= 0")

@@ -18,6 +18,9 @@ the next one is exported (`weights.pipeline`), then checks, when due:
 * version: each engine reports the new version (`WeightReceiver.weight_version()`), which
   rollouts then carry.
 
+With `weights.senders=owners` every rank sends the tensors it holds instead, rank 0 only
+opening and closing the session and checking (`weights.owners`).
+
 The outcome is broadcast from the sender so that every rank returns or raises together.
 Call `push` once the parameters hold the new weights: with the distributed optimizer's
 `overlap_param_gather`, the all-gather of updated parameters finishes only in the next forward,
@@ -40,21 +43,31 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_gspo import dist
 from megatron_gspo.engines.protocols import NoEnginesLeft, WeightReceiver
 from megatron_gspo.engines.weight_layout import engine_layout
 from megatron_gspo.engines.weight_names import reported_in_sglang_naming
 from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights import fp8 as fp8_lib
 from megatron_gspo.weights import hf_io
+from megatron_gspo.weights import owners as owners_lib
 from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
 from megatron_gspo.weights.config import WeightSyncConfig
 from megatron_gspo.weights.pipeline import SendPipeline
-from megatron_gspo.weights.stream import Bucket, StreamStats, is_sender, model_buckets
+from megatron_gspo.weights.stream import (
+    Bucket,
+    StreamStats,
+    hf_tensors,
+    is_sender,
+    iter_buckets,
+    model_buckets,
+)
 from megatron_gspo.weights.transports import (
     DiskTransport,
     DistributedTransport,
     TensorTransport,
     Transport,
+    _end_session,
 )
 
 
@@ -70,6 +83,8 @@ class SyncReport:
     seconds: float = 0.0
     verified: bool = False
     stats: StreamStats = field(default_factory=StreamStats)
+    bytes_by_rank: list[int] = field(default_factory=list)
+    """`weights.senders=owners`: bytes each global rank sent (empty with one sender)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -128,7 +143,7 @@ def verification_due(version: int, verify_every: int, *, verified_before: bool) 
 
 def verify_engines(
     engines: Sequence[WeightReceiver],
-    sent: EngineChecksums,
+    sent: EngineChecksums | owners_lib.SentChecksums,
     *,
     verify_names: Literal["all", "common"] = "all",
 ) -> frozenset[str]:
@@ -221,9 +236,14 @@ class WeightSync:
         config: WeightSyncConfig | None = None,
         *,
         initial_version: int = 0,
+        send_engines: Sequence[WeightReceiver] | None = None,
     ) -> None:
+        """engines: on rank 0 every engine (sessions, versions, checks); elsewhere none.
+        send_engines: with `weights.senders=owners`, the engines this rank sends its tensors to
+        on every rank (its node's for `tensor`, all for `distributed`); default `engines`."""
         self.bridge = bridge
         self.engines = [engines] if isinstance(engines, WeightReceiver) else list(engines)
+        self.send_engines = self.engines if send_engines is None else list(send_engines)
         self.config = config or WeightSyncConfig()
         self.version = initial_version
         self.sender = is_sender(self.config.sender_rank)
@@ -237,6 +257,9 @@ class WeightSync:
         """What the engines' checksums are named in (learnt at the first verified push)."""
         self.local_stats = StreamStats()
         """What this rank's last export received (`push` returns the sender's stats)."""
+        self._owner_transport: Transport | None = None
+        """This rank's transport as one of several senders (`weights.senders=owners`)."""
+        self._owner_ready = False
 
     @property
     def _tx(self) -> Transport:
@@ -289,11 +312,19 @@ class WeightSync:
         verify = verification_due(self.version, cfg.verify_every, verified_before=self._verified)
         error: BaseException | None = None
         start = time.perf_counter()
+        prepared = False
+        if cfg.senders == "owners":
+            rejoined, error, self._namings = owners_lib.prepare(
+                self.engines, self.send_engines, self.sender, cfg.transport, self._namings
+            )
+            prepared = True
+            verify = verify or (cfg.verify_every > 0 and rejoined)
+            return self._push_owners(model, report, verify, start, error)
         try:
             if self.sender and not self._ready:
                 self._tx.setup()
                 self._ready = True
-            if self.sender and cfg.transport != "distributed":  # its groups have fixed members
+            if self.sender and cfg.transport != "distributed" and not prepared:
                 joining = [j for engine in self.engines for j in engine.prepare_sync()]
                 # An engine that re-joins (restarted, or back from a hang) serves only once a
                 # verified push reached it, whatever the schedule.
@@ -357,14 +388,134 @@ class WeightSync:
         self._verified = self._verified or outcome.verified
         return outcome
 
+    def _push_owners(
+        self,
+        model: list[torch.nn.Module],
+        report: SyncReport,
+        verify: bool,
+        start: float,
+        error: BaseException | None,
+    ) -> SyncReport:
+        """`push` with every rank sending what it holds (`weights.owners`); rank 0 opens the
+        session, waits for every sender's last bucket, then closes it and stamps the version."""
+        cfg, stats, version = self.config, report.stats, str(self.version)
+        own = stats  # this rank's own export (rank 0's report gets every sender's, merged)
+        grid = owners_lib.SenderGrid.gather(
+            per_node=cfg.transport == "tensor", sending=bool(self.send_engines)
+        )
+        problem = owners_lib.grid_problem(grid)  # the same on every rank: all stop here
+        if problem is not None:
+            return self._agree(report, error or WeightSyncError(problem))
+        if self.sender and error is None:
+            try:
+                for engine in self.engines:
+                    engine.begin_weight_update()
+            except BaseException as e:  # noqa: BLE001 - reported on every rank below
+                error = e
+        began = bool(dist.broadcast(error is None))  # no sender writes outside a session
+        stats.add_seconds("begin", time.perf_counter() - start)
+        mine: BaseException | None = None
+        if self._owner_transport is None:
+            self._owner_transport = owners_lib.sender_transport(cfg, self.send_engines)
+        if began and self.send_engines and not self._owner_ready:
+            try:
+                self._owner_transport.setup()
+                self._owner_ready = True
+            except BaseException as e:  # noqa: BLE001 - gathered to rank 0 below
+                mine = e
+        # Each sender hashes HF-named tensors; SGLang's fused per-rank names need every member
+        # of a fused parameter in one place: those pushes go through one sender per scope.
+        spread = not verify or self._namings == frozenset({"hf"})
+        keep = True
+        if spread:
+            sums = EngineChecksums([EngineLayout(1, 1, 1, 1, 1, 0)], namings=frozenset({"hf"}))
+            tensors = owners_lib.owned_tensors(
+                self.bridge, model, grid, cpu=self._send_on_cpu(), stats=stats
+            )
+        else:
+            keep = grid.scope()[0] == grid.rank
+            sums = self._checksums(self.send_engines if keep else [])
+            tensors = hf_tensors(
+                self.bridge,
+                model,
+                cpu=self._send_on_cpu(),
+                experts_to_first=cfg.experts_to_first,
+                expert_batch_bytes=self._expert_batch_bytes(),
+            )
+        buckets = iter_buckets(
+            tensors,
+            keep=keep,
+            bucket_bytes=cfg.bucket_bytes,
+            dtype=cfg.torch_dtype,
+            use_fp8=cfg.fp8,
+            fp8_check=cfg.fp8_check,
+            stats=stats,
+        )
+        pipe = None
+        if began and mine is None and self.send_engines:
+            pipe = SendPipeline(
+                self._owner_transport,
+                sums=sums if verify else None,
+                stats=stats,
+                overlap=cfg.overlap,
+            )
+        for bucket, last in _with_last(buckets):
+            if pipe is not None:
+                pipe.submit(bucket, version=version, last=last)
+        if pipe is not None:
+            pipe.close()
+            mine = mine or pipe.error
+        if mine is None and stats.error is not None:
+            mine = WeightSyncError(f"export stopped: {stats.error}")
+        t0 = time.perf_counter()
+        sent = owners_lib.SentChecksums.of(sums, engine_tp_sizes(self.send_engines), keep)
+        senders = owners_lib.gather_outcomes(
+            mine, sent if verify else None, stats, self.send_engines
+        )
+        if self.sender:
+            error = error or owners_lib.first_error(senders)
+            report.stats = stats = owners_lib.merged_stats([o[2] for o in senders])
+            report.bytes_by_rank = [o[2].bytes_sent for o in senders]
+            for one in senders:
+                owners_lib.adopt_dropped(self.engines, one[3])
+            stats.add_seconds("gather", time.perf_counter() - t0)
+        if self.sender and error is None:
+            try:
+                t1 = time.perf_counter()
+                # Every sender's last bucket is in: only now is the version stamped.
+                _end_session(self.engines, version)
+                t2 = time.perf_counter()
+                stats.add_seconds("finish", t2 - t1)
+                if verify:
+                    self._verify(owners_lib.merged_checksums(o[1] for o in senders))
+                    report.verified = True
+                    stats.add_seconds("verify", time.perf_counter() - t2)
+                if cfg.check_version:
+                    self._check_version(version)
+                for engine in self.engines:
+                    engine.commit_sync(version)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        if self.sender and error is not None and began:
+            owners_lib.abort(self.engines)
+        report.seconds = time.perf_counter() - start
+        self.local_stats = own
+        outcome = self._agree(report, error)
+        self._verified = self._verified or outcome.verified
+        return outcome
+
     def _expert_batch_bytes(self) -> int:
         """Bytes EP rank 0 receives per batched expert gather (about one bucket; 0: the
         bridge's per-tensor gathers)."""
         cfg = self.config
         return cfg.bucket_bytes if cfg.batch_expert_gathers and cfg.experts_to_first else 0
 
-    def _checksums(self) -> EngineChecksums:
-        tps = engine_tp_sizes(self.engines) if self.sender else []
+    def _checksums(self, engines: Sequence[WeightReceiver] | None = None) -> EngineChecksums:
+        """What the sender predicts `engines` (default: this rank's `engines` on the sender)
+        report."""
+        if engines is None:
+            engines = self.engines if self.sender else []
+        tps = engine_tp_sizes(engines) if engines else []
         kw: dict[str, Any] = {"namings": self._namings} if self._namings else {}
         # SGLang's own hash on the engines' device (sha256 on CPU, Triton on CUDA).
         kw["device"] = self.config.resolved_engine_device()
@@ -388,7 +539,7 @@ class WeightSync:
             return "hf"  # auto: without the model's shape, HF names
         return layout
 
-    def _verify(self, sent: EngineChecksums) -> None:
+    def _verify(self, sent: EngineChecksums | owners_lib.SentChecksums) -> None:
         self._namings = verify_engines(self.engines, sent, verify_names=self.config.verify_names)
 
     def _check_version(self, version: str) -> None:
@@ -423,4 +574,6 @@ class WeightSync:
         """Release the transport (leave process groups). Call on every rank."""
         if self.transport is not None and self._ready:
             self.transport.close()
-        self._ready = False
+        if self._owner_transport is not None and self._owner_ready:
+            self._owner_transport.close()
+        self._ready = self._owner_ready = False

@@ -45,6 +45,9 @@ class Transport(abc.ABC):
 
     def __init__(self, engines: Sequence[WeightReceiver]) -> None:
         self.engines = list(engines)
+        self.stamps_last_bucket = True
+        """False for one of several senders (`weights.senders=owners`): its last bucket is not
+        the push's, so it must not label the engine's weights (rank 0 stamps them after all)."""
 
     def setup(self) -> None:
         """One-time connection work (the distributed transport's process groups)."""
@@ -219,7 +222,7 @@ class DistributedTransport(Transport):
                 shapes,
                 group_name=group_name,
                 flattened_bucket=True,
-                weight_version=version if last else None,
+                weight_version=version if last and self.stamps_last_bucket else None,
                 flush_cache=last,
             )
             torch.distributed.broadcast(flat, src=0, group=pg)

@@ -246,8 +246,9 @@ def test_nothing_starts_when_the_planner_refuses(tmp_path: Path, counts_cache: P
 
 
 def test_nothing_starts_when_the_topology_is_refused(tmp_path: Path, counts_cache: Path) -> None:
-    """Colocated on 2 nodes: CUDA IPC cannot reach the second node's engines, and NCCL refuses
-    trainer rank 0 and an engine rank on one GPU; PLAN_FORCE does not override either."""
+    """Colocated on 2 nodes with one sender: CUDA IPC cannot reach the second node's engines,
+    and NCCL refuses trainer rank 0 and an engine rank on one GPU; PLAN_FORCE does not
+    override either."""
     for transport, key in (("tensor", "CUDA IPC"), ("distributed", "NCCL refuses")):
         job = _sbatch_sets(
             tmp_path / transport,
@@ -255,6 +256,7 @@ def test_nothing_starts_when_the_topology_is_refused(tmp_path: Path, counts_cach
             "colocated.sbatch",
             2,
             f"weights.transport={transport}",
+            "weights.senders=one",  # the recipe's owners would feed each node's engines
         )
         out = job.proc.stdout + job.proc.stderr
         assert job.proc.returncode == 2 and key in out, out

@@ -57,7 +57,14 @@ def test_nccl_one_rank_per_gpu() -> None:
 
 
 def test_cuda_ipc_within_a_node() -> None:
-    _one(_refusals("qwen3_30b_a3b_bf16", 2, 0), "weights.transport=tensor", "CUDA IPC")
+    """One sender reaches only its own node's engines; every rank sending its shard
+    (weights.senders=owners, the recipe's) feeds each node's engines from that node's ranks,
+    provided each node holds every expert-parallel rank."""
+    one = _refusals("qwen3_30b_a3b_bf16", 2, 0, "weights.senders=one")
+    _one(one, "weights.transport=tensor", "CUDA IPC", "weights.senders=owners")
+    assert _refusals("qwen3_30b_a3b_bf16", 2, 0) == []  # the colocated recipe on 2 nodes
+    assert _refusals("qwen3_30b_a3b_fp8", 4, 0) == []
+    _one(_refusals("qwen3_30b_a3b_bf16", 2, 0, "parallel.ep=16"), "parallel.ep", "divide")
 
 
 def test_rendezvous_address_not_pinned_on_several_trainer_nodes() -> None:
