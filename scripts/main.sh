@@ -30,7 +30,7 @@ if [ "${1:-}" = "--example" ]; then
   export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
   py="$venv/bin/python"
   cd "$root"
-  "$py" tools/make_tiny_toy.py --out runs/tiny_toy_agent --ops add --chat
+  "$py" tools/make_tiny_toy.py --out runs/tiny_toy_agent --ops add --max-len 3 --chat
   status=0
   for run in tiny_moe_agent_cpu tiny_moe_agent_env_cpu; do
     "$py" -m megatron_gspo.torchrun --nproc_per_node 2 -m megatron_gspo.train \

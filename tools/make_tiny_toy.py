@@ -3,7 +3,7 @@ prompt dataset. Everything is generated locally (nothing is downloaded).
 
     python tools/make_tiny_toy.py --out runs/tiny_toy [--seed 0] [--n 2000] [--ops copy]
     python tools/make_tiny_toy.py --out runs/evidence_task --task pattern --length 64
-    python tools/make_tiny_toy.py --out runs/tiny_toy_agent --ops add --chat
+    python tools/make_tiny_toy.py --out runs/tiny_toy_agent --ops add --max-len 3 --chat
 
 --chat saves the character chat tokenizer (`megatron_gspo.data.chat_toy`: same ids, plus a
 chat template and newline) instead of the plain toy tokenizer: the agent example's model.

@@ -1,10 +1,11 @@
 """The agent example: the calculator task of `envs/calculator.py`, written as an ordinary agent
 on the OpenAI API (`rollout.agent: megatron_gspo.agents.calculator:solve`).
 
-    python tools/make_tiny_toy.py --out runs/tiny_toy_agent --ops add --chat
+    python tools/make_tiny_toy.py --out runs/tiny_toy_agent --ops add --max-len 3 --chat
     bash scripts/main.sh --example agent
 
-The task is the toy "add" task (prompt "add 8+7=", answer "15"). The agent asks the policy
+The task is the toy "add" task with operands 0-99 (prompt "add 37+45=", answer "82": too many
+sums for the tiny model to memorise, so only the tool gets them right). The agent asks the policy
 through the `openai` client it is given; a reply that starts with "?" is a **tool call** (an
 in-text marker, ReAct style: the tiny model cannot write a JSON tool call, and the agent, not
 the endpoint, decides what its model's text means). The agent then runs its tool, a calculator
@@ -33,7 +34,7 @@ CALL = "?"
 
 
 def calculator(prompt: str) -> str:
-    """The tool: "add 8+7=" -> "15" (the agent's own code; it does not read the answer)."""
+    """The tool: "add 37+45=" -> "82" (the agent's own code; it does not read the answer)."""
     a, _, b = prompt.removeprefix("add ").rstrip("=").partition("+")
     return str(int(a) + int(b))
 

@@ -73,8 +73,8 @@ class RolloutDriver:
             if prev is not None:
                 try:
                     await asyncio.wrap_future(prev)
-                except BaseException:  # noqa: BLE001 - raised to the trainer by its own batch
-                    pass
+                except Exception:  # noqa: BLE001 - raised to the trainer by its own batch
+                    pass  # (a cancel, on close, is a BaseException: it ends this fill too)
             return await self.scheduler.fill(target)
 
         self._ahead.append((target, asyncio.run_coroutine_threadsafe(after(), self.loop)))
@@ -88,7 +88,9 @@ class RolloutDriver:
             since, busy = self._handed
             away = tic - since
             busy_now = self._on_loop(self.scheduler.busy_s)
-            metrics["rollout/engine_busy_frac"] = min(1.0, (busy_now - busy) / away) if away else 0
+            metrics["rollout/engine_busy_frac"] = (
+                min(1.0, (busy_now - busy) / away) if away > 0 else 0.0
+            )
         metrics["rollout/batches_ready"] = float(sum(f.done() for _, f in self._ahead))
         if not self._ahead:
             self._queue(self.version)

@@ -2,7 +2,11 @@
 
 Pure asyncio, no torch.distributed. Every group (one prompt, `group_size` responses) is a task;
 `GroupScheduler.fill(target_version)` runs up to `ceil(prompts * oversample)` of them at once
-and returns as soon as `prompts` groups are complete and kept:
+and returns as soon as `prompts` groups are complete and kept. Its steps, in order:
+`_sort_carried` (carried groups within the staleness bound first), `_launch` / `_collect` until
+the batch is full, `_stop_running` (abort what still runs), `_settle` (carry or return the
+leftovers); `_give_back` when a fill raises. The data it hands around (`Group`, `Batch`,
+`SchedulerConfig`) lives in `rollout/groups.py`.
 
 * over-sampling / dynamic sampling: a finished group is scored at once; with
   `drop_equal_reward_groups` a group whose rewards are all equal is dropped (its prompt is used

@@ -29,7 +29,7 @@ STEPS, WINDOW, MARGIN = 30, 5, 0.05
 @ahead("agent_example")
 def _launch(tmp_path: Path) -> list[dict]:
     """The run (started ahead: tests/ahead.py); its metrics rows."""
-    make_toy(tmp_path / "toy", "--ops", "add", "--chat")
+    make_toy(tmp_path / "toy", "--ops", "add", "--max-len", "3", "--chat")
     sets = {
         "model.hf_path": f"{tmp_path}/toy/model",
         "data.train_path": f"{tmp_path}/toy/toy.jsonl",
