@@ -9,7 +9,7 @@
 #   --eval            (first argument) the same job with held-out evaluation every 5 steps
 #                     (examples/tiny_moe_cpu_eval.yaml): prints the held-out curve and plots it
 #                     in runs/tiny_moe_cpu_eval/reward.png.
-#   --example agent   (first argument) an agent written against the OpenAI API learns a
+#   --example agent   (first argument) an agent written against the OpenAI API trains on a
 #                     calculator task (megatron_gspo/agents/calculator.py through the job's
 #                     token-exact endpoint, examples/tiny_moe_agent_cpu.yaml), then the same
 #                     task through the Env interface (examples/tiny_moe_agent_env_cpu.yaml);

@@ -4,7 +4,7 @@ endpoint, 2 CPU ranks, embedded engine) trains STEPS steps; the mean reward of i
 WINDOW steps must exceed that of its first WINDOW steps (same run) by MARGIN.
 
 The margin is well inside what the example reaches: `bash scripts/main.sh --example agent`
-(docs/agents.md) rose by more than 0.2 within its first 30 steps in every run measured there.
+(docs/agents.md) rose from 0.233 (steps 1-5) to 0.488 (steps 26-30) in the run measured there.
 """
 
 from __future__ import annotations
