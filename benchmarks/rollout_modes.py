@@ -2,6 +2,7 @@
 
     python benchmarks/rollout_modes.py                 # the CPU example, 6 steps per mode
     python benchmarks/rollout_modes.py --steps 10 --set rollout.max_new_tokens=32
+    python benchmarks/rollout_modes.py --modes sync async "async k=4" --engine sglang
 
 Each mode runs the example config (same seed, data and model) through
 `torchrun -m megatron_gspo.train` with one switch changed; the table is read from their
@@ -10,7 +11,11 @@ the wall time between the end of step 1 and the end of the last step, so start-u
 engine launch, the first batch) is left out. Columns: samples/s and its ratio to the
 synchronous run, time waiting for the rollout per step (time/rollout_wait_s), rollout wall time
 per step (time/rollout_s), overlap (rollout/overlap_frac: share of the rollout hidden behind
-training), groups launched and aborted/carried per step, mean token staleness.
+training), groups launched and aborted/carried per step, mean token staleness, and the engine
+busy fraction (rollout/engine_busy_frac: the share of the trainer's time between taking two
+batches, training, weight push and logging, during which the engines generated; from step 2).
+`--engine sglang` rolls out on the real SGLang 0.5.23 CPU server (the venv of
+scripts/engine_env.sh) instead of the embedded engine.
 Needs the inputs of the CPU example (`python tools/make_tiny_toy.py --out runs/tiny_toy`).
 """
 
@@ -28,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "sync": [],
     "async": ["rollout.async_rollout=true"],
+    "async k=4": ["rollout.async_rollout=true", "rollout.max_staleness=4"],
     "oversample 2x": ["rollout.oversample=2.0", "rollout.drop_equal_reward_groups=true"],
     "async+oversample+partial": [
         "rollout.async_rollout=true",
@@ -90,6 +96,7 @@ def summarize(metrics: list[dict]) -> dict[str, float]:
         "launched": mean("rollout/groups_launched") + mean("rollout/groups_continued"),
         "aborted": mean("rollout/groups_aborted") + mean("rollout/groups_carried"),
         "staleness": mean("rollout/staleness_mean"),
+        "busy": mean("rollout/engine_busy_frac"),
     }
 
 
@@ -99,7 +106,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default=str(ROOT / "examples/tiny_moe_cpu.yaml"))
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra overrides")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    p.add_argument("--engine", choices=("embedded", "sglang"), default="embedded")
     args = p.parse_args(argv)
+    if args.engine == "sglang":  # the real server, bf16, in its own venv (as scripts/main.sh)
+        venv = subprocess.run(
+            ["bash", str(ROOT / "scripts/engine_env.sh")], capture_output=True, text=True
+        ).stdout.strip()
+        args.sets = [
+            "rollout.launch.backend=sglang",
+            "rollout.launch.device=cpu",
+            f"rollout.launch.python={venv}/bin/python",
+            *args.sets,
+        ]
     if args.steps < 3:
         p.error("--steps must be >= 3 (step 1 is left out of the timing)")
     rows = {}
@@ -119,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         "launched",
         "aborted",
         "staleness",
+        "busy",
     ]
     print(f"{'mode':<26}" + "".join(f"{c:>11}" for c in cols))
     for name, r in rows.items():

@@ -9,6 +9,11 @@
 #   --eval            (first argument) the same job with held-out evaluation every 5 steps
 #                     (examples/tiny_moe_cpu_eval.yaml): prints the held-out curve and plots it
 #                     in runs/tiny_moe_cpu_eval/reward.png.
+#   --example agent   (first argument) an agent written against the OpenAI API trains on a
+#                     calculator task (megatron_gspo/agents/calculator.py through the job's
+#                     token-exact endpoint, examples/tiny_moe_agent_cpu.yaml), then the same
+#                     task through the Env interface (examples/tiny_moe_agent_env_cpu.yaml);
+#                     prints both reward curves. Extra args go to both runs.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/env.sh")
@@ -17,6 +22,28 @@ run=runs/tiny_moe_cpu
 config=examples/tiny_moe_cpu.yaml
 engine_sets=()
 held_out=false
+if [ "${1:-}" = "--example" ]; then
+  example=${2:-}; shift 2 || shift
+  if [ "$example" != agent ]; then
+    echo "scripts/main.sh: --example takes agent, not '$example'" >&2; exit 2
+  fi
+  export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
+  py="$venv/bin/python"
+  cd "$root"
+  "$py" tools/make_tiny_toy.py --out runs/tiny_toy_agent --ops add --max-len 3 --chat
+  status=0
+  for run in tiny_moe_agent_cpu tiny_moe_agent_env_cpu; do
+    "$py" -m megatron_gspo.torchrun --nproc_per_node 2 -m megatron_gspo.train \
+      --config "examples/$run.yaml" --overwrite "$@"
+    "$py" tools/plot_metrics.py "runs/$run/metrics.jsonl" --out "runs/$run/reward.png"
+  done
+  for run in tiny_moe_agent_cpu tiny_moe_agent_env_cpu; do
+    echo "== runs/$run"
+    "$py" tools/reward_summary.py "runs/$run/metrics.jsonl" --curve reward/mean
+    "$py" tools/reward_summary.py "runs/$run/metrics.jsonl" || status=1
+  done
+  exit $status
+fi
 if [ "${1:-}" = "--eval" ]; then
   shift; held_out=true; config=examples/tiny_moe_cpu_eval.yaml; run=runs/tiny_moe_cpu_eval
 fi

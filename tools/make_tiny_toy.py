@@ -3,6 +3,10 @@ prompt dataset. Everything is generated locally (nothing is downloaded).
 
     python tools/make_tiny_toy.py --out runs/tiny_toy [--seed 0] [--n 2000] [--ops copy]
     python tools/make_tiny_toy.py --out runs/evidence_task --task pattern --length 64
+    python tools/make_tiny_toy.py --out runs/tiny_toy_agent --ops add --max-len 3 --chat
+
+--chat saves the character chat tokenizer (`megatron_gspo.data.chat_toy`: same ids, plus a
+chat template and newline) instead of the plain toy tokenizer: the agent example's model.
 
 --task pattern writes the long-response repeat task (`megatron_gspo.data.pattern`) instead of the
 digit toy: answers of --length characters, patterns of --min-len..--max-len digits.
@@ -40,6 +44,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--max-len", type=int, default=2)
     p.add_argument("--task", choices=("toy", "pattern"), default="toy")
     p.add_argument("--length", type=int, default=64, help="--task pattern: answer length")
+    p.add_argument("--chat", action="store_true", help="the chat tokenizer (agent example)")
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -51,7 +56,12 @@ def main(argv: list[str] | None = None) -> Path:
 
     hf_logging.disable_progress_bar()  # a sub-second "Writing model shards" bar is noise here
     save_tiny_hf_checkpoint(model_dir, seed=args.seed, perturb_norms=False)
-    save_toy_tokenizer(model_dir)
+    if args.chat:
+        from megatron_gspo.data.chat_toy import build_chat_toy_tokenizer
+
+        build_chat_toy_tokenizer().save_pretrained(model_dir)
+    else:
+        save_toy_tokenizer(model_dir)
     if args.task == "pattern":
         task = PatternTaskConfig(
             length=args.length,

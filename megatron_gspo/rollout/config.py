@@ -45,12 +45,16 @@ class RolloutConfig:
     the batch is full (or aborted by a weight update) continue in a later step under the new
     weights, each token keeping its engine log-prob (pi_old) and weight version. null = off."""
     async_rollout: bool = False
-    """Asynchronous mode: generate step k+1's batch while step k trains (engines must not
-    share the trainer's devices); weight pushes abort in-flight requests, which continue on
-    the new weights. Trains on tokens up to rollout.max_staleness versions old."""
+    """Asynchronous mode: generate the next rollout.max_staleness batches while the trainer
+    trains (engines must not share the trainer's devices); weight pushes abort in-flight
+    requests, which continue on the new weights, each token keeping the version that sampled
+    it (its engine log-prob is its pi_old). rollout/engine_busy_frac logs how much of the
+    trainer's time the engines generated."""
     max_staleness: int = 1
     """Most weight versions a trained token may lag the weights it is trained under (async
-    mode and partial rollouts); an older carried partial response restarts from its prompt."""
+    mode and partial rollouts); an older carried partial response restarts from its prompt
+    (rollout/groups_restarted). With rollout.async_rollout also how many batches are generated
+    ahead of the trainer (1: one step ahead; k: the engines run k steps ahead)."""
     max_continuation_retries: int = 3
     """Partial rollouts: a sample whose continuation the client rejects (ids and log-probs
     disagree after every re-send) is retried with the next chunk at most this many times in a

@@ -28,9 +28,9 @@ class Rollout:
     """Rank 0's side: prompts -> engine samples -> rewards -> advantages -> sequences.
 
     Groups come from a `GroupScheduler` (over-sampling, dynamic sampling, partial rollouts)
-    run by a `RolloutDriver` (synchronous, or one step ahead with `rollout.async_rollout`); the
-    loop sees the same three calls in every mode: `next_batch`, and `before_push` /
-    `after_push(version)` around each weight push."""
+    run by a `RolloutDriver` (synchronous, or `rollout.max_staleness` steps ahead with
+    `rollout.async_rollout`); the loop sees the same three calls in every mode: `next_batch`,
+    and `before_push` / `after_push(version)` around each weight push."""
 
     spec: RolloutSpec
     """What it reads of the run (`Config.rollout_spec()`)."""
@@ -70,7 +70,9 @@ class Rollout:
         scheduler = GroupScheduler(
             self.engine, queue, self._score, sched_cfg, self.sampling(), group_fn=self.group_fn
         )
-        return RolloutDriver(scheduler, lookahead=1 if r.async_rollout else 0)
+        # k steps ahead: the batch for version v + j is trained j pushes later, so with
+        # k = max_staleness no token of a fresh fill can break the bound
+        return RolloutDriver(scheduler, lookahead=r.max_staleness if r.async_rollout else 0)
 
     def sampling(self) -> SamplingParams:
         """Base sampling; the scheduler offsets the seed by the sequences handed out so far."""

@@ -2,7 +2,11 @@
 
 Pure asyncio, no torch.distributed. Every group (one prompt, `group_size` responses) is a task;
 `GroupScheduler.fill(target_version)` runs up to `ceil(prompts * oversample)` of them at once
-and returns as soon as `prompts` groups are complete and kept:
+and returns as soon as `prompts` groups are complete and kept. Its steps, in order:
+`_sort_carried` (carried groups within the staleness bound first), `_launch` / `_collect` until
+the batch is full, `_stop_running` (abort what still runs), `_settle` (carry or return the
+leftovers); `_give_back` when a fill raises. The data it hands around (`Group`, `Batch`,
+`SchedulerConfig`) lives in `rollout/groups.py`.
 
 * over-sampling / dynamic sampling: a finished group is scored at once; with
   `drop_equal_reward_groups` a group whose rewards are all equal is dropped (its prompt is used
@@ -44,11 +48,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import math
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any
@@ -56,6 +59,33 @@ from typing import Any
 from megatron_gspo.config_io import ConfigError
 from megatron_gspo.engines.protocols import Generator
 from megatron_gspo.engines.types import SEED_PROMPT_STRIDE, RolloutStats, Sample, SamplingParams
+from megatron_gspo.rollout.groups import (
+    Batch,
+    Group,
+    SchedulerConfig,
+    StalenessError,
+    check_staleness,
+    extend_sample,
+    sample_done,
+)
+
+__all__ = [
+    "TURN_CONTEXT",
+    "Batch",
+    "ContinuationRejected",
+    "Group",
+    "GroupFn",
+    "GroupScheduler",
+    "PromptQueue",
+    "RolloutStarved",
+    "SchedulerConfig",
+    "ScoreFn",
+    "StalenessError",
+    "TurnContext",
+    "check_staleness",
+    "extend_sample",
+    "sample_done",
+]
 
 GroupFn = Callable[[Any, list[int], SamplingParams, int, int], Awaitable[list[Sample]]]
 """`async group_fn(record, prompt_ids, sampling, n, prompt_index) -> list[Sample]`: one group's
@@ -69,10 +99,6 @@ _CHUNK_SEED_STRIDE = 104_729
 
 class RolloutStarved(ConfigError):
     """A fill launched its bounded number of groups without filling the batch."""
-
-
-class StalenessError(RuntimeError):
-    """A batch holds a token older than the staleness bound allows."""
 
 
 class ContinuationRejected(RuntimeError):
@@ -95,137 +121,23 @@ TURN_CONTEXT: ContextVar[TurnContext | None] = ContextVar("mgspo_turn_context", 
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class SchedulerConfig:
-    """What `GroupScheduler` needs from `gspo` and `rollout` (see `RolloutConfig`)."""
+class _Fill:
+    """The state of one `GroupScheduler.fill` while it runs (its steps share it)."""
 
-    prompts: int
-    group_size: int
-    max_new_tokens: int
-    oversample: float = 1.0
-    drop_equal_reward_groups: bool = False
-    partial_tokens: int | None = None
-    max_staleness: int = 1
-    fill_attempts: int = 4
-    max_continuation_retries: int = 3
-
-    @property
-    def width(self) -> int:
-        """Groups generated concurrently."""
-        return math.ceil(self.prompts * self.oversample - 1e-9)
-
-    @property
-    def chunk(self) -> int:
-        """New tokens one request may ask for."""
-        return min(self.partial_tokens or self.max_new_tokens, self.max_new_tokens)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class Group:
-    """One prompt's group on its way to the trainer."""
-
-    uid: int
-    """Unique per scheduler (identity checks: a group is returned at most once)."""
-    record: Any
-    prompt_ids: list[int]
-    slot: int = 0
-    """Position in the fill that (re)started it; seeds sampling as `prompt_index` did."""
-    samples: list[Sample] = dataclasses.field(default_factory=list)
-    rewards: list[float] = dataclasses.field(default_factory=list)
-    reward_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    rids: list[str] = dataclasses.field(default_factory=list)
-    """Request ids in flight (empty between requests, or when a custom group_fn runs)."""
-    chunks: int = 0
+    target: int
+    limit: int
+    """New groups this fill may launch."""
     seed: int | None = None
-    rejected: int = 0
-    """Samples the client rejected (ids vs log-probs): left out, the group is short."""
-    failed: int = 0
-    """Episodes that failed (`Sample.failed`, or missing from a custom group_fn's
-    answer): left out, the group is short."""
-    rejects: Counter = dataclasses.field(default_factory=Counter)
-    """Sample index -> continuations rejected in a row."""
-
-    def complete(self, max_new_tokens: int) -> bool:
-        return bool(self.samples) and all(sample_done(s, max_new_tokens) for s in self.samples)
-
-    def oldest_version(self) -> int | None:
-        versions = [v for s in self.samples for v in s.token_versions]
-        return min(versions) if versions else None
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class Batch:
-    """One fill's result: `prompts` kept groups (in launch order) and the fill's counters."""
-
-    groups: list[Group]
-    target_version: int
-    counts: Counter
-    stats: RolloutStats
-    reward_metrics: dict[str, float]
-    wall_s: float
-
-    def metrics(self) -> dict[str, float]:
-        """`rollout/` counters and staleness, `reward/` scoring counters."""
-        versions = [v for g in self.groups for s in g.samples for v in s.token_versions]
-        stale = [self.target_version - v for v in versions]
-        out = {f"rollout/groups_{k}": float(self.counts[k]) for k in _COUNTS}
-        out |= {
-            "rollout/groups_rejected": float(sum(g.rejected > 0 for g in self.groups)),
-            "rollout/groups_failed": float(sum(g.failed > 0 for g in self.groups)),
-            "rollout/samples_rejected": float(self.counts["samples_rejected"]),
-            "rollout/samples_failed": float(self.counts["samples_failed"]),
-            "rollout/staleness_mean": sum(stale) / len(stale) if stale else 0.0,
-            "rollout/staleness_max": float(max(stale, default=0)),
-            "rollout/continued_samples": float(
-                sum(s.chunks > 1 for g in self.groups for s in g.samples)
-            ),
-        }
-        return out | self.reward_metrics
-
-
-_COUNTS = ("launched", "continued", "kept", "dropped", "aborted", "carried", "restarted", "empty")
-
-
-def sample_done(s: Sample, max_new_tokens: int) -> bool:
-    """Finished for good: a stop token, the total length cap, or an engine that stopped short
-    of a chunk's budget (context length)."""
-    if s.finish_reason == "stop":
-        return True
-    if s.finish_reason == "length":
-        return len(s.response_ids) >= max_new_tokens or s.stalled
-    return False
-
-
-def extend_sample(base: Sample, more: Sample, version: int) -> Sample:
-    """`base` continued by `more` (generated from prompt + base's response): response ids,
-    log-probs, mask and per-token versions concatenated; finish state from `more`."""
-    if len(more.prompt_ids) != len(base.prompt_ids) + len(base.response_ids):
-        raise ValueError("continuation prompt is not prompt + response so far")
-    return dataclasses.replace(
-        base,
-        response_ids=base.response_ids + more.response_ids,
-        logprobs=base.logprobs + more.logprobs,
-        logprob_mask=base.logprob_mask + more.logprob_mask,
-        token_versions=base.token_versions + [version] * len(more.response_ids),
-        finish_reason=more.finish_reason,
-        truncated=more.truncated,
-        weight_version=more.weight_version,
-        engine_id=more.engine_id,
-        chunks=base.chunks + 1,
-        stalled=more.stalled,
-        routed_experts=more.routed_experts,  # its prompt was all of base: it covers the lot
-    )
-
-
-def check_staleness(groups: Sequence[Group], target_version: int, max_staleness: int) -> None:
-    """Raise `StalenessError` if a token was sampled more than `max_staleness` versions
-    before `target_version` (the weights the batch is trained under)."""
-    for g in groups:
-        oldest = g.oldest_version()
-        if oldest is not None and target_version - oldest > max_staleness:
-            raise StalenessError(
-                f"group {g.uid} holds a token of weight version {oldest}, trained under "
-                f"{target_version}: more than rollout.max_staleness={max_staleness} behind"
-            )
+    counts: Counter = dataclasses.field(default_factory=Counter)
+    ready: deque[Group] = dataclasses.field(default_factory=deque)
+    """Carried groups within the staleness bound, not yet continued."""
+    active: dict[asyncio.Task, Group] = dataclasses.field(default_factory=dict)
+    kept: list[Group] = dataclasses.field(default_factory=list)
+    extra: list[Group] = dataclasses.field(default_factory=list)
+    """Finished and kept-worthy, but the batch was already full."""
+    empty: list[Any] = dataclasses.field(default_factory=list)
+    """Records of groups left with no sample: back to the queue."""
+    slots: Iterator[int] = dataclasses.field(default_factory=itertools.count)
 
 
 class PromptQueue:
@@ -300,6 +212,8 @@ class GroupScheduler:
         self._engine_paused = False
         self._stop = False
         self._stats = RolloutStats()
+        self._busy_total = 0.0
+        self._busy_since: float | None = None
         self._score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-score")
 
     # ---- weight-update hooks ---------------------------------------------------------------
@@ -307,6 +221,7 @@ class GroupScheduler:
         """Before a weight push: no new request starts; in-flight ones are aborted and return
         what they generated (continued after `resume`)."""
         self._resumed.clear()
+        self._busy(False)
         self._engine_paused = self._filling
         if self._engine_paused:
             await asyncio.to_thread(self.engine.pause_generation, "abort")
@@ -318,121 +233,158 @@ class GroupScheduler:
             await asyncio.to_thread(self.engine.continue_generation)
             self._engine_paused = False
         self._resumed.set()
+        self._busy(self._filling)
+
+    def _busy(self, on: bool) -> None:
+        """Generation runs (a fill, not paused by a weight push) from now on, or not."""
+        now = time.perf_counter()
+        if self._busy_since is not None:
+            self._busy_total += now - self._busy_since
+        self._busy_since = now if on else None
+
+    def busy_s(self) -> float:
+        """Seconds generation has run so far (the engines' busy time as the scheduler sees it:
+        a fill with requests to make, not paused by a weight push)."""
+        running = 0.0 if self._busy_since is None else time.perf_counter() - self._busy_since
+        return self._busy_total + running
 
     # ---- one batch ---------------------------------------------------------------------------
     async def fill(self, target_version: int) -> Batch:
         """`cfg.prompts` complete, kept groups, for training under `target_version`."""
-        cfg, tic = self.cfg, time.perf_counter()
-        counts: Counter = Counter()
+        tic = time.perf_counter()
         self._stats, self._stop, self._filling = RolloutStats(), False, True
-        ready: deque[Group] = deque()
-        stale: list[Group] = []
-        for g in self.carried:
-            oldest = g.oldest_version()
-            too_old = oldest is not None and target_version - oldest > cfg.max_staleness
-            (stale if too_old else ready).append(g)
-        self.carried = list(ready)  # cleared only once this fill succeeded (partial tokens)
-        for g in stale:
-            counts["restarted"] += 1
-            del self.owned[g.uid]
-        self.queue.put_front([g.record for g in stale])
-        seed = None if self.sampling.seed is None else self.sampling.seed + self.seq_cursor
-        slots = itertools.count()
-        active: dict[asyncio.Task, Group] = {}
-        kept: list[Group] = []
-        extra: list[Group] = []
-        empty: list[Any] = []  # records of groups left with no sample: back to the queue
-        limit = cfg.width * cfg.fill_attempts
+        self._busy(self._resumed.is_set())
+        f = _Fill(target=target_version, limit=self.cfg.width * self.cfg.fill_attempts)
+        self._sort_carried(f)
         try:
-            while len(kept) < cfg.prompts:
-                # width groups in play (running or kept); a dropped one is replaced
-                while len(active) + len(kept) < cfg.width and (ready or counts["launched"] < limit):
-                    if ready:
-                        g = ready.popleft()
-                        counts["continued"] += 1
-                    else:
-                        g = self._new_group()
-                        counts["launched"] += 1
-                    g.slot = next(slots)
-                    if not g.samples:  # a (re)started group takes this fill's seed slot
-                        g.seed = None if seed is None else seed + g.slot * SEED_PROMPT_STRIDE
-                    active[asyncio.create_task(self._advance(g))] = g
-                if not active:
-                    raise RolloutStarved(
-                        f"{counts['launched']} groups launched for one step, "
-                        f"{counts['dropped']} dropped for equal rewards, {counts['empty']} left "
-                        f"with no sample ({counts['samples_rejected']} samples rejected by the "
-                        f"client, {counts['samples_failed']} episodes failed), only {len(kept)} "
-                        f"of {cfg.prompts} kept; raise rollout.fill_attempts or "
-                        "rollout.oversample, or set rollout.drop_equal_reward_groups=false"
-                    )
-                done, _ = await asyncio.wait(active, return_when=asyncio.FIRST_COMPLETED)
-                for t in sorted(done, key=lambda t: active[t].slot):
-                    g = active.pop(t)
-                    t.result()
-                    counts["samples_rejected"] += g.rejected
-                    counts["samples_failed"] += g.failed
-                    if not g.samples:  # not a dynamic-sampling drop: the prompt is tried again
-                        counts["empty"] += 1
-                        empty.append(g.record)
-                        del self.owned[g.uid]
-                    elif cfg.drop_equal_reward_groups and len(set(g.rewards)) <= 1:
-                        counts["dropped"] += 1
-                        del self.owned[g.uid]
-                    elif len(kept) < cfg.prompts:
-                        kept.append(g)
-                    else:
-                        extra.append(g)
-            self._stop = True
-            await self._abort(list(active.values()))
-            for t, g in active.items():
-                if not g.rids and self.group_fn is not None:
-                    t.cancel()  # a custom group_fn has no request ids to abort
-            pending = set(active)
-            while pending:  # an abort that raced its request's arrival is sent again
-                _, pending = await asyncio.wait(pending, timeout=_REABORT_S)
-                await self._abort([active[t] for t in pending])
-            for r in await asyncio.gather(*active, return_exceptions=True):
-                if isinstance(r, Exception):
-                    raise r
-            leftovers = sorted([*active.values(), *extra], key=lambda g: g.slot)
+            while len(f.kept) < self.cfg.prompts:
+                self._launch(f)
+                await self._collect(f)
+            leftovers = await self._stop_running(f)
         except BaseException:
-            for t in active:
-                t.cancel()
-            await asyncio.gather(*active, return_exceptions=True)
-            # carried groups stay carried with their tokens; this fill's new ones and the empty
-            # ones give their prompts back (owned held only carried groups when it started)
-            carried = {g.uid for g in self.carried}
-            new = [g for k, g in sorted(self.owned.items()) if k not in carried]
-            for g in new:
-                del self.owned[g.uid]
-            self.queue.put_front([g.record for g in new] + empty)
+            await self._give_back(f)
             raise
         finally:
             self._filling = False
-        back = []
-        self.carried = list(ready)  # carried groups this fill had no room for: still carried
-        for g in leftovers:
-            if cfg.partial_tokens and self.continuable and g.samples:
-                self.carried.append(g)
-                counts["carried"] += 1
-            else:
-                back.append(g.record)
-                counts["aborted"] += 1
-                del self.owned[g.uid]
-        self.queue.put_front(back + empty)
-        kept.sort(key=lambda g: g.slot)
-        counts["kept"] = len(kept)
-        check_staleness(kept, target_version, cfg.max_staleness)
-        self.seq_cursor += sum(len(g.samples) for g in kept)
+            self._busy(False)
+        self._settle(f, leftovers)
+        f.kept.sort(key=lambda g: g.slot)
+        f.counts["kept"] = len(f.kept)
+        check_staleness(f.kept, target_version, self.cfg.max_staleness)
+        self.seq_cursor += sum(len(g.samples) for g in f.kept)
         return Batch(
-            groups=kept,
+            groups=f.kept,
             target_version=target_version,
-            counts=counts,
+            max_staleness=self.cfg.max_staleness,
+            counts=f.counts,
             stats=self._stats,
-            reward_metrics=_sum_metrics(g.reward_metrics for g in kept),
+            reward_metrics=_sum_metrics(g.reward_metrics for g in f.kept),
             wall_s=time.perf_counter() - tic,
         )
+
+    def _sort_carried(self, f: _Fill) -> None:
+        """Carried groups within the bound are continued first; one holding a token more than
+        `max_staleness` versions older than the target restarts from its prompt (counted)."""
+        stale: list[Group] = []
+        for g in self.carried:
+            oldest = g.oldest_version()
+            too_old = oldest is not None and f.target - oldest > self.cfg.max_staleness
+            (stale if too_old else f.ready).append(g)
+        self.carried = list(f.ready)  # cleared only once this fill succeeded (partial tokens)
+        for g in stale:
+            f.counts["restarted"] += 1
+            del self.owned[g.uid]
+        self.queue.put_front([g.record for g in stale])
+        f.seed = None if self.sampling.seed is None else self.sampling.seed + self.seq_cursor
+
+    def _launch(self, f: _Fill) -> None:
+        """Keep `width` groups in play (running or kept): carried ones first, then new prompts,
+        until the fill's launch budget is spent."""
+        cfg, counts = self.cfg, f.counts
+        while len(f.active) + len(f.kept) < cfg.width and (f.ready or counts["launched"] < f.limit):
+            if f.ready:
+                g = f.ready.popleft()
+                counts["continued"] += 1
+            else:
+                g = self._new_group()
+                counts["launched"] += 1
+            g.slot = next(f.slots)
+            if not g.samples:  # a (re)started group takes this fill's seed slot
+                g.seed = None if f.seed is None else f.seed + g.slot * SEED_PROMPT_STRIDE
+            f.active[asyncio.create_task(self._advance(g))] = g
+        if not f.active:
+            raise RolloutStarved(
+                f"{counts['launched']} groups launched for one step, "
+                f"{counts['dropped']} dropped for equal rewards, {counts['empty']} left "
+                f"with no sample ({counts['samples_rejected']} samples rejected by the "
+                f"client, {counts['samples_failed']} episodes failed), only {len(f.kept)} "
+                f"of {cfg.prompts} kept; raise rollout.fill_attempts or "
+                "rollout.oversample, or set rollout.drop_equal_reward_groups=false"
+            )
+
+    async def _collect(self, f: _Fill) -> None:
+        """Wait for groups to finish; keep, drop (equal rewards) or return each (empty)."""
+        done, _ = await asyncio.wait(f.active, return_when=asyncio.FIRST_COMPLETED)
+        for t in sorted(done, key=lambda t: f.active[t].slot):
+            g = f.active.pop(t)
+            t.result()
+            f.counts["samples_rejected"] += g.rejected
+            f.counts["samples_failed"] += g.failed
+            if not g.samples:  # not a dynamic-sampling drop: the prompt is tried again
+                f.counts["empty"] += 1
+                f.empty.append(g.record)
+                del self.owned[g.uid]
+            elif self.cfg.drop_equal_reward_groups and len(set(g.rewards)) <= 1:
+                f.counts["dropped"] += 1
+                del self.owned[g.uid]
+            elif len(f.kept) < self.cfg.prompts:
+                f.kept.append(g)
+            else:
+                f.extra.append(g)
+
+    async def _stop_running(self, f: _Fill) -> list[Group]:
+        """The batch is full: abort the groups still running, wait for them to return what
+        they generated; returns them and the finished extras, in slot order."""
+        self._stop = True
+        await self._abort(list(f.active.values()))
+        for t, g in f.active.items():
+            if not g.rids and self.group_fn is not None:
+                t.cancel()  # a custom group_fn has no request ids to abort
+        pending = set(f.active)
+        while pending:  # an abort that raced its request's arrival is sent again
+            _, pending = await asyncio.wait(pending, timeout=_REABORT_S)
+            await self._abort([f.active[t] for t in pending])
+        for r in await asyncio.gather(*f.active, return_exceptions=True):
+            if isinstance(r, Exception):
+                raise r
+        return sorted([*f.active.values(), *f.extra], key=lambda g: g.slot)
+
+    async def _give_back(self, f: _Fill) -> None:
+        """A fill that raised: carried groups stay carried with their tokens; this fill's new
+        groups and the empty ones give their prompts back to the queue."""
+        for t in f.active:
+            t.cancel()
+        await asyncio.gather(*f.active, return_exceptions=True)
+        carried = {g.uid for g in self.carried}  # owned held only these when the fill started
+        new = [g for k, g in sorted(self.owned.items()) if k not in carried]
+        for g in new:
+            del self.owned[g.uid]
+        self.queue.put_front([g.record for g in new] + f.empty)
+
+    def _settle(self, f: _Fill, leftovers: list[Group]) -> None:
+        """Groups the batch had no room for: carried to the next fill (partial rollouts) or
+        aborted (their prompts to the front of the queue)."""
+        back = []
+        self.carried = list(f.ready)  # carried groups this fill had no room for: still carried
+        for g in leftovers:
+            if self.cfg.partial_tokens and self.continuable and g.samples:
+                self.carried.append(g)
+                f.counts["carried"] += 1
+            else:
+                back.append(g.record)
+                f.counts["aborted"] += 1
+                del self.owned[g.uid]
+        self.queue.put_front(back + f.empty)
 
     def release(self, batch: Batch) -> None:
         """The trainer took `batch`: its groups are no longer the scheduler's."""

@@ -61,7 +61,8 @@ def test_every_key_reaches_the_scheduler():
         assert (d.oversample, o.oversample) == (1.0, 1.5)
         assert (d.drop_equal_reward_groups, o.drop_equal_reward_groups) == (False, True)
         assert (d.partial_tokens, o.partial_tokens) == (None, 7)
-        assert (default.driver.lookahead, on.driver.lookahead) == (0, 1)
+        # asynchronous mode generates max_staleness batches ahead
+        assert (default.driver.lookahead, on.driver.lookahead) == (0, 3)
         assert (d.max_staleness, o.max_staleness) == (1, 3)
         assert (d.fill_attempts, o.fill_attempts) == (4, 9)
     finally:
