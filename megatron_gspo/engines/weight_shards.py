@@ -231,6 +231,12 @@ class EngineChecksums:
         for name, tensor in named if on_gpu else host_views(named):
             self.add(name, tensor)
 
+    @property
+    def per_rank(self) -> bool:
+        """Whether the engines report SGLang's fused per-rank checksums (not only HF-named
+        ones): then `ranks` holds what each engine rank should report."""
+        return "sglang" in self.namings
+
     def ranks(self, tp_size: int) -> list[dict[str, str]]:
         """Per TP rank, `{sglang_name: checksum}` as a TP `tp_size` engine reports it."""
         if self._fp8:

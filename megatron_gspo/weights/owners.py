@@ -270,7 +270,7 @@ class SentChecksums:
 
     @classmethod
     def of(cls, sums: EngineChecksums, tp_sizes: list[int], sent: bool) -> SentChecksums:
-        if not sent or "sglang" not in sums.namings:
+        if not sent or not sums.per_rank:
             return cls(dict(sums.hf), {})
         return cls(dict(sums.hf), {tp: sums.ranks(tp) for tp in tp_sizes})
 
