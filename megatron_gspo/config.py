@@ -2,11 +2,17 @@
 
 No Megatron import: the one adapter in `megatron_gspo/megatron/` translates these sections into
 megatron-core objects. Sections owned by a component are that component's own dataclass
-(`loss` is `algo.PolicyLossConfig`, `parallel` is `layout.Layout`, `weights` is
-`weights.sync.WeightSyncConfig`, `rollout.launch` / `rollout.client` are the launcher's and the
-SGLang client's), so every knob has one name and one check. Every field carries a docstring (the
-string literal under it; `field_docs()` reads them back for `--keys`), and every check raises a
-`ConfigError` whose message names the key to change.
+(`loss` is `algo.PolicyLossConfig`, `parallel` is `layout.Layout`, `model` / `optim` are in
+`megatron/config.py`, `data` in `data/config.py`, `weights` is `weights.config.WeightSyncConfig`,
+`rollout.launch` / `rollout.client` are the launcher's and the client's), so every knob has one
+name and one check. Every field carries a docstring (the string literal under it; `field_docs()`
+reads them back for `--keys`), and every check raises a `ConfigError` whose message names the
+key to change.
+
+Loading is three steps: each section checks itself, `Config.__post_init__` checks them against
+each other (through the checks next to each section), and `resolve` fills in the values other
+keys imply, once, into a new `Config`. The wings never see a `Config`: `policy_spec()` and
+`rollout_spec()` are what `megatron/` and `rollout/` read of it.
 
     cfg = load_config("examples/tiny_moe_cpu.yaml", ["loss.kind=grpo", "parallel.ep=2"])
     dp = cfg.parallel.validate(world_size, hf_config)
