@@ -75,8 +75,7 @@ class _Sending:
     attempt: int = 0
     done: list[Sample] = dataclasses.field(default_factory=list)
     last_error: str = "no engine available"
-    inconsistent: bool = False
-    """The last fault was inconsistent samples (dropped at the end, not an error)."""
+    inconsistent: bool = False  # the last fault: inconsistent samples (dropped, no error)
 
 
 class _Target:
@@ -395,16 +394,14 @@ class SGLangClient(WeightCalls):
         try:
             got, bad = self._to_samples(st.chunk, st.n, json.loads(raw), url)
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
-            reason = f"unusable answer ({type(e).__name__}: {str(e)[:200]})"
-            self._retry_fault(st, url, reason)
+            self._retry_fault(st, url, f"unusable answer ({type(e).__name__}: {str(e)[:200]})")
             return False
         stats.requests_per_engine[url] += 1
         st.done += got
         if not bad:
             self.pool.succeeded(url)
             return True
-        reason = f"{len(bad)} inconsistent samples ({bad[0][1]})"
-        self._retry_fault(st, url, reason, True)
+        self._retry_fault(st, url, f"{len(bad)} inconsistent samples ({bad[0][1]})", True)
         st.chunk = [e for e, _ in bad]
         return False
 
