@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from megatron_gspo.rewards.pool import _MAX_ERRORS_KEPT, RewardBatch
+from megatron_gspo.rewards.batch import MAX_ERRORS_KEPT, RewardBatch
 
 if TYPE_CHECKING:
     from megatron_gspo.rewards.config import RewardConfig
@@ -97,7 +97,7 @@ class HttpReward:
                 batch.timeouts += 1
             else:
                 batch.failures += 1
-            if len(batch.errors) < _MAX_ERRORS_KEPT:
+            if len(batch.errors) < MAX_ERRORS_KEPT:
                 batch.errors.append(f"sample {i}: {o.error}")
         batch.time_s = time.monotonic() - t0
         return batch
