@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.tokenizer import Tokenizer
 
 __all__ = ["ChatDeltaError", "ChatRenderer", "message_key", "template_message"]
 
@@ -91,7 +94,7 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
 class ChatRenderer:
     """The model's chat template over OpenAI messages; see the module docstring."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the agent endpoint needs a tokenizer with a chat template")
         self.tokenizer = tokenizer

@@ -25,13 +25,16 @@ import itertools
 import threading
 import uuid
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.agents.trajectory import TrajectoryStore, to_samples
 from megatron_gspo.engines.protocols import Sampler
 from megatron_gspo.engines.types import Sample, SamplingParams
 from megatron_gspo.sandbox.pool import WorkerCallError, WorkerPool
 from megatron_gspo.sandbox.process import WorkerLimits
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.tokenizer import Tokenizer
 
 __all__ = ["AgentPool", "AgentRollout", "make_agent_rollout"]
 
@@ -185,7 +188,7 @@ class AgentRollout:
             self.endpoint.stop()
 
 
-def make_agent_rollout(cfg: Any, engine: Sampler, tokenizer: Any) -> tuple[Any, AgentRollout]:
+def make_agent_rollout(cfg: Any, engine: Sampler, tokenizer: Tokenizer) -> tuple[Any, AgentRollout]:
     """rollout.agent: the endpoint in front of `engine` (sampling forced to the rollout's
     temperature and top_p, calls capped at rollout.max_new_tokens), the agent workers, and the
     `group_fn` over them."""

@@ -32,7 +32,7 @@ import json
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -42,6 +42,9 @@ from megatron_gspo.agents.trajectory import Trajectory, TrajectoryStore, Turn
 from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, Sampler
 from megatron_gspo.engines.tool_calls import parse_tool_calls, tool_call_parser_names
 from megatron_gspo.engines.types import Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.tokenizer import Tokenizer
 
 __all__ = ["AgentEndpoint", "RequestError"]
 
@@ -69,7 +72,7 @@ class AgentEndpoint:
     def __init__(
         self,
         generator: Sampler,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         config: AgentEndpointConfig | None = None,
         *,
         store: TrajectoryStore | None = None,

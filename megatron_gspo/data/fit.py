@@ -17,9 +17,12 @@ from __future__ import annotations
 import contextlib
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from megatron_gspo.config_io import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.tokenizer import Tokenizer
 
 __all__ = ["TOKENIZER_FILES", "check_prompts_fit", "prompt_limits", "turn_stop_ids"]
 
@@ -50,7 +53,7 @@ def prompt_limits(
     return context, fit
 
 
-def turn_stop_ids(tokenizer: Any, turn_stop: list[str]) -> list[int]:
+def turn_stop_ids(tokenizer: Tokenizer, turn_stop: list[str]) -> list[int]:
     """The token id of each `rollout.turn_stop` text; ConfigError for one that is not a single
     token of the tokenizer."""
     ids = []
@@ -79,7 +82,9 @@ def check_prompts_fit(cfg: Any) -> None:
 
     key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.hf_path"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(where))
+        tokenizer = cast(
+            "Tokenizer", AutoTokenizer.from_pretrained(str(where))
+        )  # data/tokenizer.py
     except Exception as e:  # any loader failure is this input's: one line, not a traceback
         text = " ".join(str(e).split())[:300]
         raise ConfigError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.data.formats import load_prompt_records
 from megatron_gspo.data.records import (
@@ -29,6 +29,9 @@ from megatron_gspo.data.records import (
     record_from_object,
 )
 from megatron_gspo.engines.sglang_rules import engine_context_length  # the engines' rule
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.tokenizer import Tokenizer
 
 __all__ = [
     "DatasetError",
@@ -45,7 +48,7 @@ __all__ = [
 
 def render_prompt(
     record: PromptRecord,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     *,
     chat_template: bool = True,
     system_prompt: str | None = None,
@@ -72,7 +75,7 @@ class PromptDataset(Sequence[PromptRecord]):
     def __init__(
         self,
         records: list[PromptRecord],
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         *,
         chat_template: bool = True,
         system_prompt: str | None = None,
@@ -162,7 +165,7 @@ class PromptDataset(Sequence[PromptRecord]):
     def from_config(
         cls,
         data_cfg: Any,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         context: tuple[int, int, str] | None = None,
         *,
         path: str | None = None,

@@ -20,6 +20,9 @@ from megatron_gspo.layout import Layout
 from megatron_gspo.patches import P2P_ORDER_PATCH, apply_bridge_imports, apply_cpu_runtime
 
 if TYPE_CHECKING:
+    from megatron.bridge import AutoBridge
+    from megatron.core.optimizer import MegatronOptimizer
+
     from megatron_gspo.megatron.config import ModelConfig, OptimConfig
 
 __all__ = [
@@ -118,7 +121,7 @@ def load_bridge(hf_path: str | Path) -> Any:
 
 
 def make_provider(
-    bridge: Any,
+    bridge: AutoBridge,
     layout: Layout,
     model: ModelConfig | None = None,
     *,
@@ -280,7 +283,7 @@ def build_optimizer(model: list[torch.nn.Module], optim: OptimConfig) -> Any:
     )
 
 
-def build_scheduler(optimizer: Any, optim: OptimConfig, total_steps: int) -> Any:
+def build_scheduler(optimizer: MegatronOptimizer, optim: OptimConfig, total_steps: int) -> Any:
     """megatron-core's `OptimizerParamScheduler`: linear warmup from 0 over optim.warmup_steps,
     then optim.lr_schedule from optim.lr to optim.min_lr until `total_steps` optimizer steps.
     Call `.step(1)` after every applied optimizer step; `.state_dict()` goes in checkpoints."""

@@ -32,9 +32,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 __all__ = ["TrainerOffload", "offload_trainer", "reload_trainer"]
 
@@ -51,7 +54,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _torch_optimizers(optimizer: Any) -> list[Any]:
+def _torch_optimizers(optimizer: MegatronOptimizer) -> list[Any]:
     """The torch optimizers under a megatron-core optimizer (chained or not) or a plain one."""
     if optimizer is None:
         return []
@@ -110,7 +113,7 @@ class TrainerOffload:
     """
 
     model: Sequence[torch.nn.Module]
-    optimizer: Any
+    optimizer: MegatronOptimizer
     params: bool = True
     grads: bool = True
     optimizer_state: bool = True

@@ -36,7 +36,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -61,6 +61,9 @@ from megatron_gspo.megatron.packing import (
     plan_micro_batches,
 )
 from megatron_gspo.megatron.transfer import gather_logprob_rows, logprobs_by_sequence
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,7 +316,7 @@ class UpdateOverflow(RuntimeError):
 
 def train_step(
     model: list[torch.nn.Module],
-    optimizer: Any,
+    optimizer: MegatronOptimizer,
     micro_batches: Sequence[PackedMicroBatch],
     cfg: StepConfig,
 ) -> dict[str, float]:

@@ -53,7 +53,7 @@ def _apply_paged_stash() -> None:
     if importlib.util.find_spec("triton") is not None or _PAGED_STASH_OPS in sys.modules:
         return  # triton importable (torch's CUDA wheels ship it): nothing to stub
 
-    def _unavailable(*_a: Any, **_k: Any) -> None:
+    def _unavailable(*_a: object, **_k: object) -> None:
         raise RuntimeError("moe_paged_stash needs triton and a GPU")
 
     stub = types.ModuleType(_PAGED_STASH_OPS)
@@ -65,13 +65,13 @@ def _apply_paged_stash() -> None:
 # 2. torch.cuda facade (streams, events, current_device, nvtx, RNG state)
 # --------------------------------------------------------------------------------------------
 class _DummyStream:
-    def __init__(self, *_a: Any, **_k: Any) -> None:
+    def __init__(self, *_a: object, **_k: object) -> None:
         pass
 
-    def wait_stream(self, *_a: Any) -> None:
+    def wait_stream(self, *_a: object) -> None:
         pass
 
-    def wait_event(self, *_a: Any) -> None:
+    def wait_event(self, *_a: object) -> None:
         pass
 
     def record_event(self, event: Any = None) -> Any:
@@ -85,13 +85,13 @@ class _DummyStream:
 
 
 class _DummyEvent:
-    def __init__(self, *_a: Any, **_k: Any) -> None:
+    def __init__(self, *_a: object, **_k: object) -> None:
         pass
 
-    def record(self, *_a: Any) -> None:
+    def record(self, *_a: object) -> None:
         pass
 
-    def wait(self, *_a: Any) -> None:
+    def wait(self, *_a: object) -> None:
         pass
 
     def synchronize(self) -> None:
@@ -100,7 +100,7 @@ class _DummyEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, _other: Any) -> float:
+    def elapsed_time(self, _other: object) -> float:
         return 0.0
 
 
@@ -197,7 +197,7 @@ def _apply_rng_tracker() -> None:
 # --------------------------------------------------------------------------------------------
 # 4. device="cuda", .cuda(), pin_memory and Tensor.type() strings, through a torch function mode
 # --------------------------------------------------------------------------------------------
-def _is_cuda(device: Any) -> bool:
+def _is_cuda(device: object) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
     return isinstance(device, str) and device.startswith("cuda")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -21,6 +21,9 @@ from megatron_gspo.engines.types import Sample, SamplingParams
 from megatron_gspo.rollout.driver import RolloutDriver
 from megatron_gspo.rollout.scheduler import GroupFn, GroupScheduler, PromptQueue, SchedulerConfig
 from megatron_gspo.rollout.spec import RolloutSpec
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.tokenizer import Tokenizer
 
 
 @dataclass
@@ -35,7 +38,7 @@ class Rollout:
     spec: RolloutSpec
     """What it reads of the run (`Config.rollout_spec()`)."""
     engine: RolloutEngine
-    tokenizer: Any
+    tokenizer: Tokenizer
     loader: Any
     rewards: Any
     next_seq_id: int = 0
@@ -245,7 +248,10 @@ def make_rollout(spec: RolloutSpec, launched: Any = None) -> Rollout:
     engine, servers = connect(
         r.launch, r.client, log_dir=Path(spec.log_dir) / "engines", launched=launched
     )
-    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or spec.hf_path)
+    # its methods are annotated with every return they can have; ours return text
+    tokenizer = cast(
+        "Tokenizer", AutoTokenizer.from_pretrained(spec.tokenizer_path or spec.hf_path)
+    )
     # Prompts that cannot fit the engine's context with the response budget (an HTTP 400 at
     # the step that samples one), or whose sequence no micro-batch holds with a whole response
     # (train.micro_batch_tokens silently exceeded; issue 40): dropped here, counted. None left
@@ -266,7 +272,9 @@ def make_rollout(spec: RolloutSpec, launched: Any = None) -> Rollout:
     )
 
 
-def make_multiturn(spec: RolloutSpec, engine: RolloutEngine, tokenizer: Any) -> tuple[Any, Any]:
+def make_multiturn(
+    spec: RolloutSpec, engine: RolloutEngine, tokenizer: Tokenizer
+) -> tuple[Any, Any]:
     """rollout.env: the env worker pool and the multi-turn `group_fn` over `engine`."""
     from megatron_gspo.config_io import ConfigError
     from megatron_gspo.data.fit import turn_stop_ids

@@ -40,7 +40,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as tdist
@@ -50,6 +50,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron_gspo import dist
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 SIMULATED = torch.device("cuda", 0)
 
@@ -138,7 +141,9 @@ class DeviceAudit(TorchFunctionMode):
         with torch._C.DisableTorchFunction():
             return t.untyped_storage() in self._marked
 
-    def place_on_device(self, model: list[torch.nn.Module], optimizer: Any = None) -> None:
+    def place_on_device(
+        self, model: list[torch.nn.Module], optimizer: MegatronOptimizer | None = None
+    ) -> None:
         """Mark the model's state as living on the simulated device (megatron-core's GPU build
         puts it there; see the module docstring)."""
         for chunk in model:
@@ -174,7 +179,9 @@ class DeviceAudit(TorchFunctionMode):
                         if isinstance(t, torch.Tensor) and t.dim() > 0:
                             self.mark(t)
 
-    def watch(self, model: list[torch.nn.Module], optimizer: Any = None) -> None:
+    def watch(
+        self, model: list[torch.nn.Module], optimizer: MegatronOptimizer | None = None
+    ) -> None:
         """`place_on_device`, then check the inputs of every forward call of these chunks."""
         self.place_on_device(model, optimizer)
         for chunk in model:

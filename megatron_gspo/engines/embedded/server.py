@@ -30,7 +30,7 @@ import types
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,33 @@ from megatron_gspo.engines.routed_experts import RoutedExperts
 from megatron_gspo.engines.weight_layout import unfuse_all
 from megatron_gspo.engines.weight_shards import EngineLayout
 from megatron_gspo.engines.wire import deserialize_named_tensors
+
+if TYPE_CHECKING:
+    from fastapi import Request
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        CheckWeightsReqInput,
+        ContinueGenerationReqInput,
+        DestroyWeightsUpdateGroupReqInput,
+        EndWeightUpdateReqInput,
+        GenerateReqInput,
+        GetWeightsByNameReqInput,
+        InitWeightsUpdateGroupReqInput,
+        PauseGenerationReqInput,
+        ReleaseMemoryOccupationReqInput,
+        ResumeMemoryOccupationReqInput,
+        UpdateWeightFromDiskReqInput,
+        UpdateWeightsFromDistributedReqInput,
+        UpdateWeightsFromTensorReqInput,
+        UpdateWeightVersionReqInput,
+    )
+
+    # the requests that load weights and may name their weight version
+    type _WeightUpdate = (
+        UpdateWeightsFromTensorReqInput
+        | UpdateWeightsFromDistributedReqInput
+        | UpdateWeightFromDiskReqInput
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +135,7 @@ class EmbeddedTokenizerManager:
     def is_healthy(self) -> bool:
         return True
 
-    def create_abort_task(self, obj: Any) -> None:
+    def create_abort_task(self, obj: GenerateReqInput) -> None:
         return None
 
     async def get_internal_state(self) -> list[dict[str, Any]]:
@@ -151,7 +178,7 @@ class EmbeddedTokenizerManager:
                 cond.notify_all()
 
     # ---- generation ----------------------------------------------------------------------
-    async def generate_request(self, obj: Any, request: Any = None):
+    async def generate_request(self, obj: GenerateReqInput, request: Request | None = None):
         """Async generator yielding one dict (single request) or one list (batch)."""
         from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -255,14 +282,14 @@ class EmbeddedTokenizerManager:
             if abort_all or (rid and state.rid.startswith(rid)):
                 state.aborted = True
 
-    async def pause_generation(self, obj: Any) -> None:
+    async def pause_generation(self, obj: PauseGenerationReqInput) -> None:
         if obj.mode == "abort":
             self.abort_request(abort_all=True)
         self._pause_mode = obj.mode
         self._paused = True
         self._pause_event.clear()
 
-    async def continue_generation(self, obj: Any) -> None:
+    async def continue_generation(self, obj: ContinueGenerationReqInput) -> None:
         self._paused = False
         self._pause_event.set()
         cond = self._condition()
@@ -281,7 +308,7 @@ class EmbeddedTokenizerManager:
         return FlushCacheReqOutput(success=True)
 
     # ---- weights ---------------------------------------------------------------------------
-    def _after_update(self, obj: Any, message: str) -> tuple[bool, str]:
+    def _after_update(self, obj: _WeightUpdate, message: str) -> tuple[bool, str]:
         if obj.weight_version is not None:
             self.weight_version = obj.weight_version
             message += f" Weight version updated to {obj.weight_version}."
@@ -293,7 +320,9 @@ class EmbeddedTokenizerManager:
             )
         return True, message
 
-    async def begin_weight_update(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+    async def begin_weight_update(
+        self, obj: BeginWeightUpdateReqInput, request: Request | None = None
+    ) -> tuple[bool, str]:
         if self._session_open:
             return False, (
                 "a weight-update session is already open; call end_weight_update() first"
@@ -301,13 +330,17 @@ class EmbeddedTokenizerManager:
         self._session_open = True
         return True, "Success"
 
-    async def end_weight_update(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+    async def end_weight_update(
+        self, obj: EndWeightUpdateReqInput, request: Request | None = None
+    ) -> tuple[bool, str]:
         if not self._session_open:
             return False, "no weight-update session is open; call begin_weight_update() first"
         self._session_open = False
         return True, "Success"
 
-    async def update_weights_from_tensor(self, obj: Any, request: Any = None):
+    async def update_weights_from_tensor(
+        self, obj: UpdateWeightsFromTensorReqInput, request: Request | None = None
+    ):
         if obj.abort_all_requests:
             self.abort_request(abort_all=True)
         if not self._session_open:
@@ -332,7 +365,9 @@ class EmbeddedTokenizerManager:
             return False, f"Failed to update weights: {e}"
         return self._after_update(obj, "Success")
 
-    async def init_weights_update_group(self, obj: Any, request: Any = None):
+    async def init_weights_update_group(
+        self, obj: InitWeightsUpdateGroupReqInput, request: Request | None = None
+    ):
         from sglang.srt.utils import init_custom_process_group
 
         def join():
@@ -350,14 +385,18 @@ class EmbeddedTokenizerManager:
             return False, f"Failed to initialize custom process group: {e}."
         return True, "Succeeded to initialize custom process group."
 
-    async def destroy_weights_update_group(self, obj: Any, request: Any = None):
+    async def destroy_weights_update_group(
+        self, obj: DestroyWeightsUpdateGroupReqInput, request: Request | None = None
+    ):
         pg = self._groups.pop(obj.group_name, None)
         if pg is None:
             return False, f"Group {obj.group_name} not in {list(self._groups)}."
         torch.distributed.destroy_process_group(pg)
         return True, "Succeeded to destroy custom process group."
 
-    async def update_weights_from_distributed(self, obj: Any, request: Any = None):
+    async def update_weights_from_distributed(
+        self, obj: UpdateWeightsFromDistributedReqInput, request: Request | None = None
+    ):
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         if obj.abort_all_requests:
@@ -394,7 +433,9 @@ class EmbeddedTokenizerManager:
             return False, f"Failed to receive weights: {e}"
         return self._after_update(obj, "Succeeded to update parameter online.")
 
-    async def update_weights_from_disk(self, obj: Any, request: Any = None):
+    async def update_weights_from_disk(
+        self, obj: UpdateWeightFromDiskReqInput, request: Request | None = None
+    ):
         if obj.abort_all_requests:
             self.abort_request(abort_all=True)
         try:
@@ -405,13 +446,15 @@ class EmbeddedTokenizerManager:
         ok, message = self._after_update(obj, "Succeeded to update model weights.")
         return ok, message, 0
 
-    async def update_weight_version(self, obj: Any) -> None:
+    async def update_weight_version(self, obj: UpdateWeightVersionReqInput) -> None:
         self.weight_version = obj.new_version
 
-    async def get_weights_by_name(self, obj: Any, request: Any = None):
+    async def get_weights_by_name(
+        self, obj: GetWeightsByNameReqInput, request: Request | None = None
+    ):
         return self.policy.get_weights_by_name(obj.name, obj.truncate_size)
 
-    async def check_weights(self, obj: Any, request: Any = None):
+    async def check_weights(self, obj: CheckWeightsReqInput, request: Request | None = None):
         import hashlib
 
         if obj.action != "checksum":
@@ -425,12 +468,16 @@ class EmbeddedTokenizerManager:
         engine_sum = hashlib.sha256(info["per_gpu_checksum"].encode()).hexdigest()
         return True, "Success", [info], engine_sum
 
-    async def release_memory_occupation(self, obj: Any, request: Any = None) -> None:
+    async def release_memory_occupation(
+        self, obj: ReleaseMemoryOccupationReqInput, request: Request | None = None
+    ) -> None:
         if self.rid_to_state:
             raise RuntimeError("release_memory_occupation requires an idle server")
         self._released |= set(obj.tags or ["weights", "kv_cache", "cuda_graph"])
 
-    async def resume_memory_occupation(self, obj: Any, request: Any = None) -> None:
+    async def resume_memory_occupation(
+        self, obj: ResumeMemoryOccupationReqInput, request: Request | None = None
+    ) -> None:
         self._released -= set(obj.tags or ["weights", "kv_cache", "cuda_graph"])
 
 
