@@ -191,7 +191,7 @@ class AgentEndpoint:
         return sampling, n
 
     def _prompt(
-        self, traj: Trajectory, messages: list[dict[str, Any]], tools: Any
+        self, traj: Trajectory, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> tuple[list[int], int | None, str | None, str]:
         """(prompt ids, parent turn, attach, how) for this call's messages."""
         keys = [message_key(m) for m in messages]
@@ -305,7 +305,7 @@ class AgentEndpoint:
             return await self._stream(request, out, samples, body)
         return web.json_response(out)
 
-    def _message(self, s: Sample, tools: Any) -> tuple[dict[str, Any], str]:
+    def _message(self, s: Sample, tools: list[dict[str, Any]] | None) -> tuple[dict[str, Any], str]:
         text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
         calls = []
         if tools:
@@ -343,7 +343,7 @@ class AgentEndpoint:
         await resp.prepare(request)
         head = {k: out[k] for k in ("id", "created", "model")}
 
-        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
+        async def send(choices: list[dict[str, Any]], **extra: object) -> None:
             chunk = {**head, "object": "chat.completion.chunk", "choices": choices, **extra}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
 

@@ -31,6 +31,7 @@ from megatron_gspo.data.records import (
 from megatron_gspo.engines.sglang_rules import engine_context_length  # the engines' rule
 
 if TYPE_CHECKING:
+    from megatron_gspo.data.config import DataConfig
     from megatron_gspo.data.tokenizer import Tokenizer
 
 __all__ = [
@@ -164,7 +165,7 @@ class PromptDataset(Sequence[PromptRecord]):
     @classmethod
     def from_config(
         cls,
-        data_cfg: Any,
+        data_cfg: DataConfig,
         tokenizer: Tokenizer | None = None,
         context: tuple[int, int, str] | None = None,
         *,

@@ -39,10 +39,12 @@ import torch
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
 
+    from megatron_gspo.megatron.policy import Policy
+
 __all__ = ["TrainerOffload", "offload_trainer", "reload_trainer"]
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def _tensors(obj: object) -> Iterator[torch.Tensor]:
     """Every tensor inside optimizer state values (tensors, lists, tuples, dicts)."""
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -132,7 +134,7 @@ class TrainerOffload:
             self.home = first.device if first is not None else torch.device("cpu")
 
     @classmethod
-    def from_policy(cls, policy: Any, **kw: Any) -> TrainerOffload:
+    def from_policy(cls, policy: Policy, **kw: Any) -> TrainerOffload:
         return cls(policy.model, policy.optimizer, **kw)
 
     # -- what moves ----------------------------------------------------------------------
@@ -271,11 +273,11 @@ class TrainerOffload:
 _ACTIVE: dict[int, tuple[Any, TrainerOffload]] = {}
 
 
-def _enabled(policy: Any) -> bool:
+def _enabled(policy: Policy) -> bool:
     return bool(policy.spec.offload_trainer)
 
 
-def offload_trainer(policy: Any) -> dict[str, float]:
+def offload_trainer(policy: Policy) -> dict[str, float]:
     """Before the engines generate: colocated runs (rollout.launch.colocated and
     rollout.launch.offload_trainer: `PolicySpec.offload_trainer`) move this rank's trainer
     state off its device; else no-op."""
@@ -286,7 +288,7 @@ def offload_trainer(policy: Any) -> dict[str, float]:
     return _ACTIVE[id(policy)][1].offload()
 
 
-def reload_trainer(policy: Any) -> dict[str, float]:
+def reload_trainer(policy: Policy) -> dict[str, float]:
     """Before the update: undo `offload_trainer` (no-op when it did nothing); returns the
     offload's metrics (bytes moved, allocated memory before/while offloaded, times)."""
     entry = _ACTIVE.get(id(policy))

@@ -62,6 +62,7 @@ from megatron_gspo.megatron.routing import (
 if TYPE_CHECKING:
     from megatron.bridge import AutoBridge
     from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = ["Policy"]
 
@@ -78,7 +79,7 @@ class Policy:
     bridge: AutoBridge
     model: list[torch.nn.Module]
     optimizer: MegatronOptimizer
-    scheduler: Any
+    scheduler: OptimizerParamScheduler
     ref: ReferenceModel | None = None
     """pi_ref for loss.kl_coef > 0 (a frozen copy of the initial policy), else None."""
 

@@ -58,7 +58,7 @@ class RewardScorer(Protocol):
     client (`rewards/http.py`)."""
 
     def score(
-        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[str | None], responses: Sequence[str], answers: Sequence[Any]
     ) -> RewardBatch:
         """Rewards for aligned lists of prompts, responses and answers."""
         ...

@@ -77,7 +77,7 @@ class HttpReward:
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward-http")
 
     def score(
-        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[str | None], responses: Sequence[str], answers: Sequence[Any]
     ) -> RewardBatch:
         """Rewards for aligned lists of prompts, responses and answers (never raises for a
         server problem: see the module docstring)."""
@@ -104,7 +104,7 @@ class HttpReward:
 
     __call__ = score
 
-    def _one(self, prompt: str, response: str, answer: Any) -> _Outcome:
+    def _one(self, prompt: str | None, response: str, answer: object) -> _Outcome:
         out = _Outcome()
         try:
             body = json.dumps({"prompt": prompt, "response": response, "answer": answer})

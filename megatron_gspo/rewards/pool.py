@@ -2,7 +2,7 @@
 
 A reward function has the signature
 
-    fn(prompt: str, response: str, answer: Any) -> float
+    fn(prompt: str | None, response: str, answer: Any) -> float
 
 and is named by `reward.kind`: "math" (`math_answer.math_reward`), "toy" (`toy.toy_reward`),
 "pattern" (`pattern.pattern_reward`) or
@@ -50,7 +50,7 @@ __all__ = [
     "worker_limits",
 ]
 
-RewardFn = Callable[[str, str, Any], float]
+RewardFn = Callable[[str | None, str, Any], float]
 
 _BUILTIN = {
     "math": "megatron_gspo.rewards.math_answer:math_reward",
@@ -79,7 +79,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     return cast(RewardFn, fn)  # its signature is the user's promise (reward.kind)
 
 
-def call_reward(fn: RewardFn, prompt: str, response: str, answer: Any) -> tuple[float, str | None]:
+def call_reward(
+    fn: RewardFn, prompt: str | None, response: str, answer: object
+) -> tuple[float, str | None]:
     """One guarded call: (reward, None) or (0.0, error message)."""
     try:
         value = fn(prompt, response, answer)
@@ -140,7 +142,7 @@ class RewardPool:
         return [] if self._pool is None else self._pool.worker_pids
 
     def score(
-        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[str | None], responses: Sequence[str], answers: Sequence[Any]
     ) -> RewardBatch:
         """Rewards for aligned lists of prompts, responses and answers."""
         if not len(prompts) == len(responses) == len(answers):

@@ -42,7 +42,8 @@ from megatron_gspo.engines.weight_shards import EngineLayout
 from megatron_gspo.engines.wire import deserialize_named_tensors
 
 if TYPE_CHECKING:
-    from fastapi import Request
+    import uvicorn
+    from fastapi import FastAPI, Request
     from sglang.srt.managers.io_struct import (
         BeginWeightUpdateReqInput,
         CheckWeightsReqInput,
@@ -60,6 +61,9 @@ if TYPE_CHECKING:
         UpdateWeightsFromTensorReqInput,
         UpdateWeightVersionReqInput,
     )
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs
+    from starlette.types import Receive, Scope, Send
 
     # the requests that load weights and may name their weight version
     type _WeightUpdate = (
@@ -86,7 +90,7 @@ class EmbeddedTokenizerManager:
     """Implements the slice of SGLang's `TokenizerManager` that its HTTP routes call."""
 
     def __init__(
-        self, policy: HFPolicy, server_args: Any, *, weight_version: str = "default"
+        self, policy: HFPolicy, server_args: ServerArgs, *, weight_version: str = "default"
     ) -> None:
         from sglang.srt.managers.tokenizer_manager import ServerStatus
 
@@ -232,7 +236,9 @@ class EmbeddedTokenizerManager:
         self.num_requests_served += 1
         yield outs[0] if obj.is_single else outs
 
-    def _run_one(self, rid: str, ids: list[int], sp: Any, routes: bool) -> dict[str, Any]:
+    def _run_one(
+        self, rid: str, ids: list[int], sp: SamplingParams, routes: bool
+    ) -> dict[str, Any]:
         tic = time.time()
         state = self.rid_to_state[rid]
         res = self.policy.generate(
@@ -487,7 +493,7 @@ class _DispatchingTokenizerManager:
     def __getattr__(self, name: str) -> Any:
         return getattr(_CURRENT_TM.get(), name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         setattr(_CURRENT_TM.get(), name, value)
 
 
@@ -495,7 +501,7 @@ _INSTALL_LOCK = threading.Lock()
 _INSTALLED: dict[str, Any] = {}
 
 
-def _install_sglang_app(model_path: str) -> Any:
+def _install_sglang_app(model_path: str) -> FastAPI:
     """Publish SGLang's server config and global state once per process; return its app."""
     with _INSTALL_LOCK:
         if "app" in _INSTALLED:
@@ -518,7 +524,7 @@ def _install_sglang_app(model_path: str) -> Any:
         return http_server.app
 
 
-def _authorized(app: Any, scope: dict[str, Any], api_key: str) -> bool:
+def _authorized(app: FastAPI, scope: Scope, api_key: str) -> bool:
     """SGLang's decision for this request (its `add_api_key_middleware` logic), per server:
     the app is shared by every in-process server, so the key cannot be app middleware."""
     from sglang.srt.utils.auth import _get_auth_level_from_app_and_scope, decide_request_auth
@@ -535,7 +541,7 @@ def _authorized(app: Any, scope: dict[str, Any], api_key: str) -> bool:
     return decision.allowed
 
 
-async def _unauthorized(scope: Any, receive: Any, send: Any) -> None:
+async def _unauthorized(scope: Scope, receive: Receive, send: Send) -> None:
     """SGLang's 401 body (its middleware sends the same JSON)."""
     from starlette.responses import JSONResponse
 
@@ -583,7 +589,7 @@ class EmbeddedServer:
                 _CURRENT_TM.reset(token)
 
         self._asgi = asgi
-        self._server: Any = None  # a uvicorn.Server once started (uvicorn loads lazily)
+        self._server: uvicorn.Server | None = None  # once started (uvicorn loads lazily)
         self._thread: threading.Thread | None = None
 
     def _config(self):
