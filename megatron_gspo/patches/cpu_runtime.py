@@ -18,12 +18,15 @@ import inspect
 import sys
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_gspo.patches.base import Patch, PatchError
+
+if TYPE_CHECKING:
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
 MCORE_VERSIONS = ("0.19.2",)
 
@@ -74,7 +77,7 @@ class _DummyStream:
     def wait_event(self, *_a: object) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> Any:
+    def record_event(self, event: _DummyEvent | None = None) -> _DummyEvent:
         return event or _DummyEvent()
 
     def synchronize(self) -> None:
@@ -146,7 +149,7 @@ def _apply_cuda_facade() -> None:
 # --------------------------------------------------------------------------------------------
 # 3. tensor-parallel RNG tracker on the CPU generator
 # --------------------------------------------------------------------------------------------
-def _tracker_add(self: Any, name: str, seed: int) -> None:
+def _tracker_add(self: CudaRNGStatesTracker, name: str, seed: int) -> None:
     self._is_initialized = True
     if seed in self.seeds_:
         raise Exception(f"seed {seed} already exists")
@@ -157,7 +160,7 @@ def _tracker_add(self: Any, name: str, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def _tracker_fork(self: Any, name: str = "model-parallel-rng"):  # type: ignore[no-untyped-def]
+def _tracker_fork(self: CudaRNGStatesTracker, name: str = "model-parallel-rng"):  # type: ignore[no-untyped-def]
     if name not in self.states_:
         raise Exception(f"rng state {name} is not added")
     outer = torch.get_rng_state()

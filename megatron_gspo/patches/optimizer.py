@@ -43,7 +43,7 @@ def chained(optimizer: MegatronOptimizer) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _params(opt: Any) -> list[torch.Tensor]:
+def _params(opt: MegatronOptimizer) -> list[torch.Tensor]:
     """The inner torch optimizer's parameters in param-group order (stable across rebuilds)."""
     return [p for group in opt.optimizer.param_groups for p in group["params"]]
 
@@ -79,7 +79,7 @@ STEP_LAYOUTS = {
 }
 
 
-def step_layout(inner: Any) -> str:
+def step_layout(inner: torch.optim.Optimizer) -> str:
     """PER_PARAM, PER_GROUP or NO_STEP for a supported torch-level optimizer; else a PatchError that
     names it (an optimizer whose step we do not know how to resume is refused at start)."""
     cls = type(inner)

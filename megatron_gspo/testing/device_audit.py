@@ -99,7 +99,7 @@ _PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NOT_A_CALL_SITE = {__file__, os.path.join(_PROJECT, "patches", "cpu_runtime.py")}
 
 
-def _is_cuda(d: Any) -> bool:
+def _is_cuda(d: object) -> bool:
     if isinstance(d, torch.device):
         return d.type == "cuda"
     if isinstance(d, str):
@@ -218,7 +218,9 @@ class DeviceAudit(TorchFunctionMode):
             if isinstance(t, torch.Tensor) and self.on_device(t):
                 self.violation(f"torch.distributed.{name} pickles a device tensor", str(t.shape))
 
-    def check_model_inputs(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    def check_model_inputs(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         self.counts["model_calls"] += 1
         params = [p for p in module.parameters()][:1]
         want = self.on_device(params[0]) if params else True
