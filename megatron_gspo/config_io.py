@@ -15,12 +15,9 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -356,16 +353,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def describe_keys(cfg: DataclassInstance) -> str:
+def describe_keys(cfg: object) -> str:
     """Every leaf key with its current value and docstring (`python -m megatron_gspo.config
     --keys`)."""
     lines: list[str] = []
 
-    def walk(obj: DataclassInstance, prefix: str) -> None:
+    def walk(obj: object, prefix: str) -> None:
+        if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+            raise TypeError(f"describe_keys takes a config dataclass, not {type(obj).__name__}")
         docs = field_docs(type(obj))
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if dataclasses.is_dataclass(value):
                 walk(value, f"{prefix}{f.name}.")
                 continue
             doc = " ".join(docs.get(f.name, "").split())
