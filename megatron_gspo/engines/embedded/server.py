@@ -44,32 +44,16 @@ from megatron_gspo.engines.wire import deserialize_named_tensors
 if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI, Request
-    from sglang.srt.managers.io_struct import (
-        BeginWeightUpdateReqInput,
-        CheckWeightsReqInput,
-        ContinueGenerationReqInput,
-        DestroyWeightsUpdateGroupReqInput,
-        EndWeightUpdateReqInput,
-        GenerateReqInput,
-        GetWeightsByNameReqInput,
-        InitWeightsUpdateGroupReqInput,
-        PauseGenerationReqInput,
-        ReleaseMemoryOccupationReqInput,
-        ResumeMemoryOccupationReqInput,
-        UpdateWeightFromDiskReqInput,
-        UpdateWeightsFromDistributedReqInput,
-        UpdateWeightsFromTensorReqInput,
-        UpdateWeightVersionReqInput,
-    )
+    from sglang.srt.managers import io_struct as io
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import ServerArgs
     from starlette.types import Receive, Scope, Send
 
     # the requests that load weights and may name their weight version
     type _WeightUpdate = (
-        UpdateWeightsFromTensorReqInput
-        | UpdateWeightsFromDistributedReqInput
-        | UpdateWeightFromDiskReqInput
+        io.UpdateWeightsFromTensorReqInput
+        | io.UpdateWeightsFromDistributedReqInput
+        | io.UpdateWeightFromDiskReqInput
     )
 
 logger = logging.getLogger(__name__)
@@ -139,7 +123,7 @@ class EmbeddedTokenizerManager:
     def is_healthy(self) -> bool:
         return True
 
-    def create_abort_task(self, obj: GenerateReqInput) -> None:
+    def create_abort_task(self, obj: io.GenerateReqInput) -> None:
         return None
 
     async def get_internal_state(self) -> list[dict[str, Any]]:
@@ -182,7 +166,7 @@ class EmbeddedTokenizerManager:
                 cond.notify_all()
 
     # ---- generation ----------------------------------------------------------------------
-    async def generate_request(self, obj: GenerateReqInput, request: Request | None = None):
+    async def generate_request(self, obj: io.GenerateReqInput, request: Request | None = None):
         """Async generator yielding one dict (single request) or one list (batch)."""
         from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -288,14 +272,14 @@ class EmbeddedTokenizerManager:
             if abort_all or (rid and state.rid.startswith(rid)):
                 state.aborted = True
 
-    async def pause_generation(self, obj: PauseGenerationReqInput) -> None:
+    async def pause_generation(self, obj: io.PauseGenerationReqInput) -> None:
         if obj.mode == "abort":
             self.abort_request(abort_all=True)
         self._pause_mode = obj.mode
         self._paused = True
         self._pause_event.clear()
 
-    async def continue_generation(self, obj: ContinueGenerationReqInput) -> None:
+    async def continue_generation(self, obj: io.ContinueGenerationReqInput) -> None:
         self._paused = False
         self._pause_event.set()
         cond = self._condition()
@@ -327,7 +311,7 @@ class EmbeddedTokenizerManager:
         return True, message
 
     async def begin_weight_update(
-        self, obj: BeginWeightUpdateReqInput, request: Request | None = None
+        self, obj: io.BeginWeightUpdateReqInput, request: Request | None = None
     ) -> tuple[bool, str]:
         if self._session_open:
             return False, (
@@ -337,7 +321,7 @@ class EmbeddedTokenizerManager:
         return True, "Success"
 
     async def end_weight_update(
-        self, obj: EndWeightUpdateReqInput, request: Request | None = None
+        self, obj: io.EndWeightUpdateReqInput, request: Request | None = None
     ) -> tuple[bool, str]:
         if not self._session_open:
             return False, "no weight-update session is open; call begin_weight_update() first"
@@ -345,7 +329,7 @@ class EmbeddedTokenizerManager:
         return True, "Success"
 
     async def update_weights_from_tensor(
-        self, obj: UpdateWeightsFromTensorReqInput, request: Request | None = None
+        self, obj: io.UpdateWeightsFromTensorReqInput, request: Request | None = None
     ):
         if obj.abort_all_requests:
             self.abort_request(abort_all=True)
@@ -372,7 +356,7 @@ class EmbeddedTokenizerManager:
         return self._after_update(obj, "Success")
 
     async def init_weights_update_group(
-        self, obj: InitWeightsUpdateGroupReqInput, request: Request | None = None
+        self, obj: io.InitWeightsUpdateGroupReqInput, request: Request | None = None
     ):
         from sglang.srt.utils import init_custom_process_group
 
@@ -392,7 +376,7 @@ class EmbeddedTokenizerManager:
         return True, "Succeeded to initialize custom process group."
 
     async def destroy_weights_update_group(
-        self, obj: DestroyWeightsUpdateGroupReqInput, request: Request | None = None
+        self, obj: io.DestroyWeightsUpdateGroupReqInput, request: Request | None = None
     ):
         pg = self._groups.pop(obj.group_name, None)
         if pg is None:
@@ -401,7 +385,7 @@ class EmbeddedTokenizerManager:
         return True, "Succeeded to destroy custom process group."
 
     async def update_weights_from_distributed(
-        self, obj: UpdateWeightsFromDistributedReqInput, request: Request | None = None
+        self, obj: io.UpdateWeightsFromDistributedReqInput, request: Request | None = None
     ):
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
@@ -440,7 +424,7 @@ class EmbeddedTokenizerManager:
         return self._after_update(obj, "Succeeded to update parameter online.")
 
     async def update_weights_from_disk(
-        self, obj: UpdateWeightFromDiskReqInput, request: Request | None = None
+        self, obj: io.UpdateWeightFromDiskReqInput, request: Request | None = None
     ):
         if obj.abort_all_requests:
             self.abort_request(abort_all=True)
@@ -452,15 +436,15 @@ class EmbeddedTokenizerManager:
         ok, message = self._after_update(obj, "Succeeded to update model weights.")
         return ok, message, 0
 
-    async def update_weight_version(self, obj: UpdateWeightVersionReqInput) -> None:
+    async def update_weight_version(self, obj: io.UpdateWeightVersionReqInput) -> None:
         self.weight_version = obj.new_version
 
     async def get_weights_by_name(
-        self, obj: GetWeightsByNameReqInput, request: Request | None = None
+        self, obj: io.GetWeightsByNameReqInput, request: Request | None = None
     ):
         return self.policy.get_weights_by_name(obj.name, obj.truncate_size)
 
-    async def check_weights(self, obj: CheckWeightsReqInput, request: Request | None = None):
+    async def check_weights(self, obj: io.CheckWeightsReqInput, request: Request | None = None):
         import hashlib
 
         if obj.action != "checksum":
@@ -475,14 +459,14 @@ class EmbeddedTokenizerManager:
         return True, "Success", [info], engine_sum
 
     async def release_memory_occupation(
-        self, obj: ReleaseMemoryOccupationReqInput, request: Request | None = None
+        self, obj: io.ReleaseMemoryOccupationReqInput, request: Request | None = None
     ) -> None:
         if self.rid_to_state:
             raise RuntimeError("release_memory_occupation requires an idle server")
         self._released |= set(obj.tags or ["weights", "kv_cache", "cuda_graph"])
 
     async def resume_memory_occupation(
-        self, obj: ResumeMemoryOccupationReqInput, request: Request | None = None
+        self, obj: io.ResumeMemoryOccupationReqInput, request: Request | None = None
     ) -> None:
         self._released -= set(obj.tags or ["weights", "kv_cache", "cuda_graph"])
 
