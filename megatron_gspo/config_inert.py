@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.config_io import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_gspo.config import Config
 
 __all__ = ["INERT", "Inert", "check_inert_keys", "key_default", "key_value"]
 
@@ -34,39 +37,39 @@ class Inert:
     """The dotted key that may be switched off."""
     unless: str
     """What switches it on, as the message says it (`optim.optimizer=sgd`)."""
-    active: Callable[[Any], bool]
+    active: Callable[[Config], bool]
     """Whether `key` takes effect in a whole `Config`."""
 
 
-def _sgd(c: Any) -> bool:
+def _sgd(c: Config) -> bool:
     return bool(c.optim.optimizer == "sgd")
 
 
-def _adam(c: Any) -> bool:
+def _adam(c: Config) -> bool:
     return bool(c.optim.optimizer == "adam")
 
 
-def _kl(c: Any) -> bool:
+def _kl(c: Config) -> bool:
     return bool(c.loss.kl_coef > 0)
 
 
-def _env(c: Any) -> bool:
+def _env(c: Config) -> bool:
     return c.rollout.env is not None
 
 
-def _agent(c: Any) -> bool:
+def _agent(c: Config) -> bool:
     return c.rollout.agent is not None
 
 
-def _http(c: Any) -> bool:
+def _http(c: Config) -> bool:
     return bool(c.reward.kind == "http")
 
 
-def _ckpt(c: Any) -> bool:
+def _ckpt(c: Config) -> bool:
     return c.checkpoint.dir is not None
 
 
-def _eval(c: Any) -> bool:
+def _eval(c: Config) -> bool:
     return bool(c.eval.every > 0)
 
 
@@ -123,7 +126,7 @@ INERT: tuple[Inert, ...] = (
 )
 
 
-def key_value(cfg: Any, key: str) -> Any:
+def key_value(cfg: Config, key: str) -> Any:
     """The value of the dotted `key` in `cfg` (None below a section that is None)."""
     obj = cfg
     for part in key.split("."):
@@ -133,7 +136,7 @@ def key_value(cfg: Any, key: str) -> Any:
     return obj
 
 
-def key_default(cfg: Any, key: str) -> Any:
+def key_default(cfg: Config, key: str) -> Any:
     """The default of the dotted `key`: its field's default in the section that holds it."""
     section, _, name = key.rpartition(".")
     owner = key_value(cfg, section) if section else cfg
@@ -143,7 +146,7 @@ def key_default(cfg: Any, key: str) -> Any:
     return field.default
 
 
-def check_inert_keys(cfg: Any) -> None:
+def check_inert_keys(cfg: Config) -> None:
     """Raise `ConfigError` for the first key of `INERT` that is set away from its default
     where it has no effect."""
     for row in INERT:

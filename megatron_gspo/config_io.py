@@ -94,7 +94,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _type_name(tp: Any) -> str:
+def _type_name(tp: object) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
@@ -102,7 +102,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
+def _coerce(value: Any, tp: object, key: str) -> Any:
     """Check / convert one YAML value against a field type; raise ConfigError naming `key`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -250,7 +250,7 @@ def apply_override(root: type, data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
-def _section(tp: Any) -> Any:
+def _section(tp: object) -> object:
     """The dataclass inside an optional section type (`LaunchConfig | None`), else `tp`."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         arms = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
@@ -259,12 +259,12 @@ def _section(tp: Any) -> Any:
     return tp
 
 
-def _accepts_none(tp: Any) -> bool:
+def _accepts_none(tp: object) -> bool:
     union = typing.get_origin(tp) in (typing.Union, types.UnionType)
     return union and type(None) in typing.get_args(tp)
 
 
-def _accepts_str_only(tp: Any) -> bool:
+def _accepts_str_only(tp: object) -> bool:
     arms = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
     if typing.get_origin(tp) not in (typing.Union, types.UnionType):
         arms = [tp]
@@ -331,7 +331,7 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 
 class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, key: Any, line: int, first: int) -> None:
+    def __init__(self, key: object, line: int, first: int) -> None:
         super().__init__(f"duplicate key {key!r}")
         self.key, self.line, self.first = key, line, first
         self.problem = f"duplicate key {key!r} (lines {first} and {line})"
@@ -353,12 +353,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def describe_keys(cfg: Any) -> str:
+def describe_keys(cfg: object) -> str:
     """Every leaf key with its current value and docstring (`python -m megatron_gspo.config
     --keys`)."""
     lines: list[str] = []
 
-    def walk(obj: Any, prefix: str) -> None:
+    def walk(obj: object, prefix: str) -> None:
+        if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+            raise TypeError(f"describe_keys takes a config dataclass, not {type(obj).__name__}")
         docs = field_docs(type(obj))
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)

@@ -201,7 +201,7 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
-def broadcast(obj: Any, src: int = 0) -> Any:
+def broadcast[T](obj: T, src: int = 0) -> T:
     """`obj` from rank `src` on every rank (pickled; for small control data)."""
     if world_size() == 1:
         return obj

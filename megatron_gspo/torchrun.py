@@ -19,10 +19,16 @@ but torchrun then adds its report and exits 1.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 __all__ = ["main"]
 
@@ -30,7 +36,7 @@ TRAINER = "megatron_gspo.train"
 BAD_INPUT_EXIT_CODE = 2
 
 
-def _world_size(args: Any) -> int | None:
+def _world_size(args: argparse.Namespace) -> int | None:
     """nnodes x nproc_per_node when both are fixed numbers (else the ranks check the layout)."""
     try:
         nproc = int(args.nproc_per_node)
@@ -60,7 +66,7 @@ def check_trainer_input(train_argv: list[str], world_size: int | None) -> str | 
     return None
 
 
-def exit_code_of(failure: Any) -> int:
+def exit_code_of(failure: object) -> int:
     """A failed worker's exit code as a shell reports it (128+N for signal N)."""
     code = int(getattr(failure, "exitcode", 1) or 1)
     return 128 - code if code < 0 else code
@@ -127,7 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         _keep_launcher_output(train_argv)
 
 
-def _run(run: Any, args: Any, signal_exception: Any, child_failed: Any) -> int:
+def _run(
+    run: Callable[[argparse.Namespace], object],
+    args: argparse.Namespace,
+    signal_exception: type[SignalException],
+    child_failed: type[ChildFailedError],
+) -> int:
     """torchrun's `run`, its ends as exit codes: 128+N for a forwarded signal, a failed
     worker's own code (and one line naming it, unless it was a refusal: code 2)."""
     try:

@@ -43,8 +43,13 @@ from megatron_gspo.weights.owners import send_engines_for
 from megatron_gspo.weights.sync import WeightSync
 
 if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
+    from collections.abc import Callable
+
+    from megatron_gspo.engines.nodes import LaunchedEngines, PendingEngines
     from megatron_gspo.megatron.policy import Policy
+    from megatron_gspo.rollout.evaluation import Evaluator
     from megatron_gspo.rollout.experience import Rollout
+    from megatron_gspo.weights.sync import SyncReport
 
 
 class TrainingDiverged(RuntimeError):
@@ -130,14 +135,14 @@ def with_routes(cfg: Config) -> Config:
 class _Parts:
     """What a run has started, closed in order whatever fails."""
 
-    pending: Any = None
+    pending: PendingEngines | None = None
     """Engines starting (`engines.nodes.begin_node_engines`), not yet waited for."""
-    launched: Any = None
+    launched: LaunchedEngines | None = None
     """This node's started engines."""
     rollout: Rollout | None = None
     sync: WeightSync | None = None
     log: MetricsLogger | None = None
-    evaluator: Any = None
+    evaluator: Evaluator | None = None
 
     def close(self) -> None:
         for part in (self.log, self.evaluator, self.rollout, self.sync):
@@ -228,7 +233,7 @@ def _resume(
     return start
 
 
-def _begin_engines(cfg: Config) -> Any:
+def _begin_engines(cfg: Config) -> PendingEngines:
     from megatron_gspo.engines.nodes import begin_node_engines
 
     assert cfg.rollout.launch is not None
@@ -244,7 +249,7 @@ def _loop(
     log: MetricsLogger,
     start: int,
     stop: StopSignals,
-    evaluate: Any,
+    evaluate: Callable[[int], dict[str, float]],
 ) -> None:
     from megatron_gspo.megatron.offload import offload_trainer, reload_trainer
     from megatron_gspo.megatron.transfer import broadcast_sequences
@@ -398,11 +403,11 @@ def _stop_without_engines(
     raise NoEnginesLeft(f"{why}; {_saved(cfg, step)}")
 
 
-def _pusher(policy: Policy, rollout: Rollout | None, sync: WeightSync) -> Any:
+def _pusher(policy: Policy, rollout: Rollout | None, sync: WeightSync) -> Callable[[], SyncReport]:
     """`push()`: the weight sync (every rank), with rank 0's rollout paused around it (async
     mode: in-flight requests stop and continue on the new weights)."""
 
-    def push() -> Any:
+    def push() -> SyncReport:
         if rollout:
             rollout.before_push()
         pushed = sync.push(policy.model)
@@ -419,7 +424,9 @@ def _saved(cfg: Config, step: int) -> str:
     return "no checkpoint written (checkpoint.dir is not set)"
 
 
-def _step_metrics(pushed: Any, seqs: list, t0: float, t1: float, t2: float) -> dict[str, float]:
+def _step_metrics(
+    pushed: SyncReport, seqs: list, t0: float, t1: float, t2: float
+) -> dict[str, float]:
     return {
         "weights/version": pushed.version,
         "weights/verified": float(pushed.verified),

@@ -399,13 +399,8 @@ def test_sglang_in_prose_and_through_engines_is_allowed(tmp_path):
     )
     assert sglang_mentions(root) == []
 # ---- no import cycles -------------------------------------------------------------------------
-# Cycles left, each in one wing and owned by its refactor (issue 39): a module pair that shares
-# names both ways. A new cycle fails here; one that disappears may be struck from this list.
-KNOWN_CYCLES = {
-    ("megatron_gspo.data.formats", "megatron_gspo.data.prompts"),
-    ("megatron_gspo.rewards.http", "megatron_gspo.rewards.pool"),
-    ("megatron_gspo.agents.worker", "megatron_gspo.sandbox.worker"),
-}
+# None is left (issue 39): where two modules shared names both ways, the names moved to a leaf
+# both import (checkpoint/files.py, data/records.py, rewards/batch.py, sandbox/limits.py).
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -485,17 +480,10 @@ def import_cycles(root: Path = PACKAGE) -> list[tuple[str, ...]]:
 def test_no_new_import_cycle():
     """The checkpoint circle (`checkpoint/store.py`, `megatron/checkpoint.py`,
     `checkpoint/resume.py`, `weights/convert.py`: they imported each other for four file names)
-    is gone: the names live in the leaf `checkpoint/files.py`. No other cycle than the
-    `KNOWN_CYCLES` may appear."""
-    cycles = import_cycles()
-    assert [c for c in cycles if c not in KNOWN_CYCLES] == []
-    checkpoint_side = {
-        "megatron_gspo.checkpoint.store",
-        "megatron_gspo.checkpoint.resume",
-        "megatron_gspo.megatron.checkpoint",
-        "megatron_gspo.weights.convert",
-    }
-    assert not [c for c in cycles if checkpoint_side.intersection(c)]
+    is gone: the names live in the leaf `checkpoint/files.py`; so are data.formats/prompts,
+    rewards.http/pool and agents.worker/sandbox.worker (their leaves: data/records.py,
+    rewards/batch.py, sandbox/limits.py). No cycle may appear."""
+    assert import_cycles() == []
 
 
 def test_a_planted_import_cycle_is_found(tmp_path, monkeypatch):

@@ -1,15 +1,17 @@
 """The package's `Any` under a ratchet (`tools/count_any.py` says how it counts).
 
-Issue 39 asks for at most 132; the bounds below are this tree's counts. Lower them when you
-type something precisely; raising one needs a reason in the commit message.
+Issue 39 asks for at most 132, held by the bare count (`tools/count_any.py` says why); the bounds
+below are this tree's counts. Lower them when you type something precisely; raising one needs a
+reason in the commit message.
 """
 
 from __future__ import annotations
 
 from tools.count_any import ROOT, any_tokens, bare_any, count
 
-MAX_ANY_TOKENS = 778
-MAX_BARE_ANY = 380
+MAX_ANY_TOKENS = 517
+MAX_BARE_ANY = 130
+ISSUE_39_TARGET = 132  # half of the issue's 264, on the bare count
 
 
 def test_any_does_not_grow() -> None:
@@ -17,6 +19,10 @@ def test_any_does_not_grow() -> None:
     worst = ", ".join(f"{n} {f}" for f, n in tokens.most_common(3))
     assert sum(tokens.values()) <= MAX_ANY_TOKENS, f"more `Any` than before (most: {worst})"
     assert sum(bare.values()) <= MAX_BARE_ANY, "more annotations typed `Any` as a whole"
+
+
+def test_the_ratchet_meets_issue_39() -> None:
+    assert MAX_BARE_ANY <= ISSUE_39_TARGET
 
 
 def test_the_counts_can_fail() -> None:

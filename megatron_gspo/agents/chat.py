@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.tokenizer import Tokenizer
 
 __all__ = ["ChatDeltaError", "ChatRenderer", "message_key", "template_message"]
 
@@ -43,11 +46,11 @@ def _text(content: Any) -> str:
     return "".join(p.get("text", "") for p in content if isinstance(p, dict))
 
 
-def _canonical_args(arguments: Any) -> str:
+def _canonical_args(arguments: object) -> str:
     """Tool-call arguments compared by value: `{"a":1}` and `{"a": 1}` are the same call."""
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            return json.dumps(json.loads(arguments), sort_keys=True)
         except ValueError:
             return arguments
     return json.dumps(arguments, sort_keys=True)
@@ -91,12 +94,17 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
 class ChatRenderer:
     """The model's chat template over OpenAI messages; see the module docstring."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the agent endpoint needs a tokenizer with a chat template")
         self.tokenizer = tokenizer
 
-    def _render(self, messages: Sequence[dict[str, Any]], gen: bool, tools: Any = None) -> str:
+    def _render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        gen: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         return self.tokenizer.apply_chat_template(
             [template_message(m) for m in messages],
             tools=tools or None,
@@ -108,7 +116,9 @@ class ChatRenderer:
         """Ids of template text (its special tokens map to their ids; no BOS added)."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def prompt_ids(self, messages: Sequence[dict[str, Any]], tools: Any = None) -> list[int]:
+    def prompt_ids(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """The whole conversation plus the generation prompt."""
         return self.encode(self._render(messages, True, tools))
 

@@ -25,13 +25,20 @@ import itertools
 import threading
 import uuid
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.agents.trajectory import TrajectoryStore, to_samples
 from megatron_gspo.engines.protocols import Sampler
 from megatron_gspo.engines.types import Sample, SamplingParams
 from megatron_gspo.sandbox.pool import WorkerCallError, WorkerPool
 from megatron_gspo.sandbox.process import WorkerLimits
+
+if TYPE_CHECKING:
+    from megatron_gspo.agents.server import AgentEndpoint
+    from megatron_gspo.data.records import PromptRecord
+    from megatron_gspo.data.tokenizer import Tokenizer
+    from megatron_gspo.rollout.scheduler import GroupFn
+    from megatron_gspo.rollout.spec import RolloutSpec
 
 __all__ = ["AgentPool", "AgentRollout", "make_agent_rollout"]
 
@@ -110,13 +117,13 @@ class AgentRollout:
         """`episodes`, `failed`, `extra_branches`, and the endpoint's per-call counts
         (`continued`, `replaced`, `unmatched`, `refused`, `aborted`) summed over episodes."""
         self.errors: list[str] = []
-        self.endpoint: Any = None
+        self.endpoint: AgentEndpoint | None = None
         """The endpoint this rollout started (stopped by `close`), if any."""
 
     async def group_fn(
         self,
-        record: Any,
-        prompt_ids: Any,
+        record: PromptRecord,
+        prompt_ids: list[int],
         sampling: SamplingParams,
         n: int,
         prompt_index: int,
@@ -185,7 +192,9 @@ class AgentRollout:
             self.endpoint.stop()
 
 
-def make_agent_rollout(cfg: Any, engine: Sampler, tokenizer: Any) -> tuple[Any, AgentRollout]:
+def make_agent_rollout(
+    cfg: RolloutSpec, engine: Sampler, tokenizer: Tokenizer
+) -> tuple[GroupFn, AgentRollout]:
     """rollout.agent: the endpoint in front of `engine` (sampling forced to the rollout's
     temperature and top_p, calls capped at rollout.max_new_tokens), the agent workers, and the
     `group_fn` over them."""
@@ -195,6 +204,7 @@ def make_agent_rollout(cfg: Any, engine: Sampler, tokenizer: Any) -> tuple[Any, 
     from megatron_gspo.rewards.pool import worker_limits
 
     r = cfg.rollout
+    assert r.agent is not None, "called for rollout.agent only"
     try:
         endpoint = AgentEndpoint(
             engine,
@@ -217,7 +227,7 @@ def make_agent_rollout(cfg: Any, engine: Sampler, tokenizer: Any) -> tuple[Any, 
     return rollout.group_fn, rollout
 
 
-def _record_dict(record: Any) -> dict[str, Any]:
+def _record_dict(record: PromptRecord | dict[str, Any]) -> dict[str, Any]:
     """A `PromptRecord` (or a dict) as the JSON dict the agent receives."""
     if isinstance(record, dict):
         return record

@@ -32,7 +32,7 @@ import json
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -42,6 +42,9 @@ from megatron_gspo.agents.trajectory import Trajectory, TrajectoryStore, Turn
 from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, Sampler
 from megatron_gspo.engines.tool_calls import parse_tool_calls, tool_call_parser_names
 from megatron_gspo.engines.types import Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.tokenizer import Tokenizer
 
 __all__ = ["AgentEndpoint", "RequestError"]
 
@@ -69,7 +72,7 @@ class AgentEndpoint:
     def __init__(
         self,
         generator: Sampler,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         config: AgentEndpointConfig | None = None,
         *,
         store: TrajectoryStore | None = None,
@@ -188,7 +191,7 @@ class AgentEndpoint:
         return sampling, n
 
     def _prompt(
-        self, traj: Trajectory, messages: list[dict[str, Any]], tools: Any
+        self, traj: Trajectory, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> tuple[list[int], int | None, str | None, str]:
         """(prompt ids, parent turn, attach, how) for this call's messages."""
         keys = [message_key(m) for m in messages]
@@ -302,7 +305,7 @@ class AgentEndpoint:
             return await self._stream(request, out, samples, body)
         return web.json_response(out)
 
-    def _message(self, s: Sample, tools: Any) -> tuple[dict[str, Any], str]:
+    def _message(self, s: Sample, tools: list[dict[str, Any]] | None) -> tuple[dict[str, Any], str]:
         text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
         calls = []
         if tools:
@@ -340,7 +343,7 @@ class AgentEndpoint:
         await resp.prepare(request)
         head = {k: out[k] for k in ("id", "created", "model")}
 
-        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
+        async def send(choices: list[dict[str, Any]], **extra: object) -> None:
             chunk = {**head, "object": "chat.completion.chunk", "choices": choices, **extra}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
 

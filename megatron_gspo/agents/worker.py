@@ -17,13 +17,16 @@ Protocol (JSON lines, as the other worker kinds):
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import math
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
+
+from megatron_gspo.sandbox.limits import arm_cpu, memory_message
 
 __all__ = ["agent_loop", "load_agent_fn", "run_agent"]
 
@@ -70,10 +73,8 @@ def run_agent(fn: AgentFn, req: dict[str, Any]) -> tuple[float | None, str | Non
     return reward, None
 
 
-def agent_loop(spec: str, out: Any, args: Any) -> None:
+def agent_loop(spec: str, out: TextIO, args: argparse.Namespace) -> None:
     """The worker's request loop (see the module docstring)."""
-    from megatron_gspo.sandbox.worker import _arm_cpu, _memory_message
-
     try:
         fn = load_agent_fn(spec)
         import openai  # noqa: F401  (paid before the first call's timeout starts)
@@ -83,11 +84,11 @@ def agent_loop(spec: str, out: Any, args: Any) -> None:
     out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     for line in sys.stdin:
         req = json.loads(line)
-        _arm_cpu(args.max_cpu_s)
+        arm_cpu(args.max_cpu_s)
         reward, error = run_agent(fn, req)
         restart = False
         if error is not None:
-            error, restart = _memory_message(error, args.max_memory_mb)
+            error, restart = memory_message(error, args.max_memory_mb)
         out.write(
             json.dumps({"id": req["id"], "reward": reward, "error": error, "restart": restart})
             + "\n"

@@ -125,7 +125,7 @@ def _files(directory: Path) -> list[str]:
     )
 
 
-def _gather(local: Any) -> list[Any]:
+def _gather(local: object) -> list[Any]:
     import torch
 
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:

@@ -18,7 +18,10 @@ must never train on.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 __all__ = ["CHAT_TEMPLATE", "build_chat_toy_tokenizer"]
 
@@ -78,7 +81,7 @@ def _vocab() -> dict[str, int]:
     return {t: i for i, t in enumerate(tokens)}
 
 
-def build_chat_toy_tokenizer() -> Any:
+def build_chat_toy_tokenizer() -> PreTrainedTokenizerFast:
     """A 128-id character `PreTrainedTokenizerFast` with `CHAT_TEMPLATE` (eos `<|im_end|>` = 2)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

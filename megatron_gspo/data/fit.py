@@ -17,9 +17,14 @@ from __future__ import annotations
 import contextlib
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from megatron_gspo.config_io import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_gspo.config import Config
+    from megatron_gspo.data.tokenizer import Tokenizer
+    from megatron_gspo.rollout.config import RolloutConfig
 
 __all__ = ["TOKENIZER_FILES", "check_prompts_fit", "prompt_limits", "turn_stop_ids"]
 
@@ -28,7 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def prompt_limits(
-    hf_path: str, rollout: Any, micro_batch_tokens: int
+    hf_path: str, rollout: RolloutConfig, micro_batch_tokens: int
 ) -> tuple[tuple[int, int, str] | None, tuple[int, str]]:
     """(`context`, `fit`) for `PromptDataset`: the engine's context length with the response
     budget (None when the model's config names no context length), and the most prompt tokens
@@ -50,7 +55,7 @@ def prompt_limits(
     return context, fit
 
 
-def turn_stop_ids(tokenizer: Any, turn_stop: list[str]) -> list[int]:
+def turn_stop_ids(tokenizer: Tokenizer, turn_stop: list[str]) -> list[int]:
     """The token id of each `rollout.turn_stop` text; ConfigError for one that is not a single
     token of the tokenizer."""
     ids = []
@@ -65,7 +70,7 @@ def turn_stop_ids(tokenizer: Any, turn_stop: list[str]) -> list[int]:
     return ids
 
 
-def check_prompts_fit(cfg: Any) -> None:
+def check_prompts_fit(cfg: Config) -> None:
     """The training prompts against `prompt_limits` and `data.max_prompt_tokens`, the held-out
     prompts (`eval.path`) against `data.max_prompt_tokens`, and `rollout.turn_stop`, with the
     run's tokenizer: a ConfigError where no prompt is left or a stop text is not one token.
@@ -79,7 +84,9 @@ def check_prompts_fit(cfg: Any) -> None:
 
     key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.hf_path"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(where))
+        tokenizer = cast(
+            "Tokenizer", AutoTokenizer.from_pretrained(str(where))
+        )  # data/tokenizer.py
     except Exception as e:  # any loader failure is this input's: one line, not a traceback
         text = " ".join(str(e).split())[:300]
         raise ConfigError(

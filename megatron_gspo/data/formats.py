@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megatron_gspo.data.prompts import (
+from megatron_gspo.data.records import (
     DatasetError,
     PromptRecord,
     load_prompt_jsonl,

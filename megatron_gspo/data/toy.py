@@ -24,7 +24,10 @@ import argparse
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 __all__ = [
     "TOY_OPS",
@@ -51,7 +54,7 @@ def _vocab() -> dict[str, int]:
     return {t: i for i, t in enumerate(tokens)}
 
 
-def build_toy_tokenizer() -> Any:
+def build_toy_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level `PreTrainedTokenizerFast` (128 ids; pad=0, bos=1, eos=2).
 
     Encoding with `add_special_tokens=True` prepends `<s>`; decoding concatenates characters.

@@ -30,7 +30,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -124,7 +124,7 @@ class SGLangClient(WeightCalls):
 
     @staticmethod
     async def _request(
-        session: aiohttp.ClientSession, method: str, url: str, body: Any = None
+        session: aiohttp.ClientSession, method: str, url: str, body: object = None
     ) -> tuple[int, bytes]:
         async with session.request(method, url, json=body) as resp:
             return resp.status, await resp.read()
@@ -413,7 +413,7 @@ class SGLangClient(WeightCalls):
         self._fault(url, reason)
 
     def _to_samples(
-        self, chunk: list[_Entry], n: int, payload: Any, url: str
+        self, chunk: list[_Entry], n: int, payload: object, url: str
     ) -> tuple[list[Sample], list[tuple[_Entry, str]]]:
         """The samples of a 200 answer, and the entries whose samples were inconsistent (with
         the reason). Raises ValueError & co. for an answer of the wrong shape."""
@@ -577,7 +577,7 @@ class SGLangClient(WeightCalls):
     async def _abort_on(self, per_url: dict[str, list[str | None]]) -> None:
         await abort_on(self._session, per_url, self._validate, self._request)
 
-    def _background(self, coro: Any) -> None:
+    def _background(self, coro: Coroutine[Any, Any, object]) -> None:
         task = asyncio.ensure_future(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)

@@ -19,6 +19,8 @@ from megatron_gspo.engines.weight_layout import engine_layout, rank_tensors
 from megatron_gspo.engines.weight_shards import EngineLayout
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from megatron_gspo.engines.client_config import ClientConfig
     from megatron_gspo.engines.pool import EnginePool
 
@@ -141,7 +143,9 @@ class WeightCalls:
         """TP size of each engine (`rollout.client.engine_tp_sizes`), in `engine_urls` order."""
         return list(self.config.engine_tp_sizes or [1] * len(self.config.engine_urls))
 
-    def weight_update_session(self, weight_version: str | None = None) -> Any:
+    def weight_update_session(
+        self, weight_version: str | None = None
+    ) -> AbstractContextManager[None]:
         """`protocols.weight_update_session` on this client (a context manager)."""
         return weight_update_session(cast(WeightReceiver, self), weight_version)  # SGLangClient
 

@@ -110,7 +110,7 @@ def node_launch_config(
     return out
 
 
-def _release(launch_cfg: Any) -> None:
+def _release(launch_cfg: LaunchConfig) -> None:
     for port in range(launch_cfg.base_port, launch_cfg.base_port + launch_cfg.num_engines):
         dist.release_port(launch_cfg.host, port)
     if launch_cfg.router:

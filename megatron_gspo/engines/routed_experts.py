@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_gspo.engines.protocols import EngineError
+
+if TYPE_CHECKING:
+    from megatron_gspo.engines.client_config import ClientConfig
+    from megatron_gspo.engines.launch import LaunchConfig
 
 META_KEY = "routed_experts"
 """`meta_info` key of a `/generate` answer holding the base64 array."""
@@ -104,7 +108,9 @@ def attach_routed_experts(sample: Any, meta: dict[str, Any], topk: int, engine: 
     )
 
 
-def ask_for_routes(launch: Any, client: Any, topk: int) -> tuple[Any, Any]:
+def ask_for_routes(
+    launch: LaunchConfig | None, client: ClientConfig, topk: int
+) -> tuple[LaunchConfig | None, ClientConfig]:
     """`rl.routing_replay`: the launch config with the server flag (launched engines) and the
     client config that asks every `/generate` for the routes of a top-`topk` model."""
     if launch is not None and SERVER_FLAG not in launch.extra_args:

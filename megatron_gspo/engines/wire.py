@@ -12,9 +12,12 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
 #: route -> (HTTP methods the bridge uses, SGLang request class validating the body or None).
 ROUTES: dict[str, tuple[tuple[str, ...], str | None]] = {
@@ -145,7 +148,7 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 # ---- responses ----------------------------------------------------------------------------
-def as_response_list(payload: Any) -> list[dict[str, Any]]:
+def as_response_list(payload: object) -> list[dict[str, Any]]:
     """SGLang answers a batch with a JSON list and a single prompt with an object."""
     if isinstance(payload, list):
         return payload
@@ -217,7 +220,7 @@ def serialize_flattened_bucket(
     return bucket_payloads(bucket, tp_size), bucket
 
 
-def bucket_payloads(bucket: Any, tp_size: int) -> list[str]:
+def bucket_payloads(bucket: FlattenedTensorBucket, tp_size: int) -> list[str]:
     """`tp_size` separate serialisations of one `FlattenedTensorBucket` (see above): several
     engines share one flattened copy of the weights, each rank gets its own handle."""
     if tp_size < 1:

@@ -67,7 +67,7 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{at}"[:400]
 
 
-def _check_step(result: Any) -> tuple[str | None, float | None, bool]:
+def _check_step(result: object) -> tuple[str | None, float | None, bool]:
     if not (isinstance(result, tuple | list) and len(result) == 3):
         raise TypeError(f"step() must return (observation, reward, done), got {result!r:.80}")
     obs, reward, done = result

@@ -17,12 +17,15 @@ registered patch `mcore-adam-step-resume` (megatron_gspo/patches/optimizer.py).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_gspo.checkpoint.files import FRESH_OPTIMIZER
 from megatron_gspo.patches.optimizer import chained, resume_hooks
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -66,7 +69,9 @@ def load_model_states(model: list[torch.nn.Module], directory: str | Path) -> li
     return _chunk_states(loaded, len(model))
 
 
-def _sharded_state(model: list[torch.nn.Module], optimizer: Any, is_loading: bool) -> dict:
+def _sharded_state(
+    model: list[torch.nn.Module], optimizer: MegatronOptimizer, is_loading: bool
+) -> dict:
     model_sd = model_sharded_state(model, _METADATA)
     # Nested, not flattened: virtual pipeline chunks share local keys (each has its own
     # "decoder.layers.0..."), and the optimizer matches its params to sharded tensors by identity.
@@ -74,9 +79,7 @@ def _sharded_state(model: list[torch.nn.Module], optimizer: Any, is_loading: boo
     return {**model_sd, "optimizer": optim}
 
 
-
-
-def _has_stepped(optimizer: Any) -> bool:
+def _has_stepped(optimizer: MegatronOptimizer) -> bool:
     """Whether any rank's optimizer holds state (a step was taken); identical on every rank."""
     from megatron_gspo import dist
 
@@ -106,7 +109,9 @@ def _in_process_results_queue() -> None:
     filesystem_async._results_queue = queue.Queue()
 
 
-def save_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, directory: Path) -> None:
+def save_model_and_optimizer(
+    model: list[torch.nn.Module], optimizer: MegatronOptimizer, directory: Path
+) -> None:
     """Collective: every rank writes its shards of the model and optimizer into `directory`."""
     from megatron.core import dist_checkpointing
 
@@ -145,7 +150,7 @@ def _saved_param_groups(state: Any) -> list[dict[str, Any]]:
 _STRUCTURAL = ("is_expert_parallel", "is_decoupled_lr", "lr_mult", "wd_mult")
 
 
-def adopt_current_param_groups(optimizer: Any, saved_state: Any) -> None:
+def adopt_current_param_groups(optimizer: MegatronOptimizer, saved_state: Any) -> None:
     """Resume with changed optimizer settings (optim.lr, min_lr, weight_decay...): the saved
     param groups take this run's values of the keys megatron-core identifies groups by
     (`param_group_identifier_keys`: max_lr, min_lr, start_wd, end_wd...), in place.
@@ -171,7 +176,9 @@ def adopt_current_param_groups(optimizer: Any, saved_state: Any) -> None:
                 old[key] = new[key]
 
 
-def load_model_and_optimizer(model: list[torch.nn.Module], optimizer: Any, directory: Path) -> None:
+def load_model_and_optimizer(
+    model: list[torch.nn.Module], optimizer: MegatronOptimizer, directory: Path
+) -> None:
     """Collective: restore what `save_model_and_optimizer` wrote, in place."""
     from megatron.core import dist_checkpointing
 

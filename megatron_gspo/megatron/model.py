@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +20,15 @@ from megatron_gspo.layout import Layout
 from megatron_gspo.patches import P2P_ORDER_PATCH, apply_bridge_imports, apply_cpu_runtime
 
 if TYPE_CHECKING:
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     from megatron_gspo.megatron.config import ModelConfig, OptimConfig
 
 __all__ = [
@@ -98,7 +107,7 @@ def initialize_parallel_state(layout: Layout, *, create_gloo_process_groups: boo
     )
 
 
-def cpu_layer_spec(config: Any) -> Any:
+def cpu_layer_spec(config: TransformerConfig) -> ModuleSpec:
     """megatron-bridge's local (non-TE) spec with our CPU core attention (THD + CP)."""
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
@@ -109,7 +118,7 @@ def cpu_layer_spec(config: Any) -> Any:
     return spec
 
 
-def load_bridge(hf_path: str | Path) -> Any:
+def load_bridge(hf_path: str | Path) -> AutoBridge:
     """An `AutoBridge` for a local HF checkpoint or config directory."""
     apply_bridge_imports()
     from megatron.bridge import AutoBridge
@@ -118,13 +127,13 @@ def load_bridge(hf_path: str | Path) -> Any:
 
 
 def make_provider(
-    bridge: Any,
+    bridge: AutoBridge,
     layout: Layout,
     model: ModelConfig | None = None,
     *,
     dtype: torch.dtype | None = None,
     loss_is_share: bool = True,
-) -> Any:
+) -> GPTModelProvider:
     """A finalised `GPTModelProvider` for `layout` and the `model` config section.
 
     model: dtype, activation recompute, MoE token dispatcher, grouped GEMM and aux-loss weight;
@@ -187,7 +196,7 @@ def make_provider(
     return provider
 
 
-def _apply_model_options(provider: Any, model: ModelConfig, cpu: bool) -> None:
+def _apply_model_options(provider: GPTModelProvider, model: ModelConfig, cpu: bool) -> None:
     """Recompute, dispatcher and grouped GEMM, refused clearly where the device lacks them."""
     if model.activation_recompute == "full":
         # Recompute every layer's forward in backward: activations of one layer boundary kept.
@@ -225,10 +234,10 @@ def _has_transformer_engine() -> bool:
 
 
 def build_model(
-    provider: Any,
+    provider: GPTModelProvider,
     *,
-    ddp_config: Any | None = None,
-    load_from: Any | None = None,
+    ddp_config: DistributedDataParallelConfig | None = None,
+    load_from: AutoBridge | None = None,
 ) -> list[torch.nn.Module]:
     """Model chunks for this rank (one per virtual pipeline stage).
 
@@ -246,13 +255,13 @@ def build_model(
     return model
 
 
-def _float16_module() -> Any:
+def _float16_module() -> type[Float16Module]:
     from megatron.core.transformer.module import Float16Module
 
     return Float16Module
 
 
-def build_optimizer(model: list[torch.nn.Module], optim: OptimConfig) -> Any:
+def build_optimizer(model: list[torch.nn.Module], optim: OptimConfig) -> MegatronOptimizer:
     """megatron-core's optimizer for the `optim` config section (Adam or SGD; dense and expert
     parameters in separate instances, chained)."""
     from megatron.core.distributed import finalize_model_grads
@@ -280,7 +289,9 @@ def build_optimizer(model: list[torch.nn.Module], optim: OptimConfig) -> Any:
     )
 
 
-def build_scheduler(optimizer: Any, optim: OptimConfig, total_steps: int) -> Any:
+def build_scheduler(
+    optimizer: MegatronOptimizer, optim: OptimConfig, total_steps: int
+) -> OptimizerParamScheduler:
     """megatron-core's `OptimizerParamScheduler`: linear warmup from 0 over optim.warmup_steps,
     then optim.lr_schedule from optim.lr to optim.min_lr until `total_steps` optimizer steps.
     Call `.step(1)` after every applied optimizer step; `.state_dict()` goes in checkpoints."""
@@ -303,7 +314,7 @@ def build_scheduler(optimizer: Any, optim: OptimConfig, total_steps: int) -> Any
     )
 
 
-def ddp_config(use_distributed_optimizer: bool = False) -> Any:
+def ddp_config(use_distributed_optimizer: bool = False) -> DistributedDataParallelConfig:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(

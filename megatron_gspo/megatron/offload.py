@@ -32,14 +32,19 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+
+    from megatron_gspo.megatron.policy import Policy
 
 __all__ = ["TrainerOffload", "offload_trainer", "reload_trainer"]
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def _tensors(obj: object) -> Iterator[torch.Tensor]:
     """Every tensor inside optimizer state values (tensors, lists, tuples, dicts)."""
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -51,7 +56,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _torch_optimizers(optimizer: Any) -> list[Any]:
+def _torch_optimizers(optimizer: MegatronOptimizer) -> list[Any]:
     """The torch optimizers under a megatron-core optimizer (chained or not) or a plain one."""
     if optimizer is None:
         return []
@@ -110,7 +115,7 @@ class TrainerOffload:
     """
 
     model: Sequence[torch.nn.Module]
-    optimizer: Any
+    optimizer: MegatronOptimizer
     params: bool = True
     grads: bool = True
     optimizer_state: bool = True
@@ -129,7 +134,7 @@ class TrainerOffload:
             self.home = first.device if first is not None else torch.device("cpu")
 
     @classmethod
-    def from_policy(cls, policy: Any, **kw: Any) -> TrainerOffload:
+    def from_policy(cls, policy: Policy, **kw: Any) -> TrainerOffload:
         return cls(policy.model, policy.optimizer, **kw)
 
     # -- what moves ----------------------------------------------------------------------
@@ -268,11 +273,11 @@ class TrainerOffload:
 _ACTIVE: dict[int, tuple[Any, TrainerOffload]] = {}
 
 
-def _enabled(policy: Any) -> bool:
+def _enabled(policy: Policy) -> bool:
     return bool(policy.spec.offload_trainer)
 
 
-def offload_trainer(policy: Any) -> dict[str, float]:
+def offload_trainer(policy: Policy) -> dict[str, float]:
     """Before the engines generate: colocated runs (rollout.launch.colocated and
     rollout.launch.offload_trainer: `PolicySpec.offload_trainer`) move this rank's trainer
     state off its device; else no-op."""
@@ -283,7 +288,7 @@ def offload_trainer(policy: Any) -> dict[str, float]:
     return _ACTIVE[id(policy)][1].offload()
 
 
-def reload_trainer(policy: Any) -> dict[str, float]:
+def reload_trainer(policy: Policy) -> dict[str, float]:
     """Before the update: undo `offload_trainer` (no-op when it did nothing); returns the
     offload's metrics (bytes moved, allocated memory before/while offloaded, times)."""
     entry = _ACTIVE.get(id(policy))

@@ -30,7 +30,7 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,6 +59,11 @@ from megatron_gspo.megatron.routing import (
     routing_snapshot,
 )
 
+if TYPE_CHECKING:
+    from megatron.bridge import AutoBridge
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
 __all__ = ["Policy"]
 
 # Copied from the first mini-batch, where the ratio is pure mismatch.
@@ -71,10 +76,10 @@ class Policy:
 
     spec: PolicySpec
     """What it reads of the run (`Config.policy_spec()`)."""
-    bridge: Any
+    bridge: AutoBridge
     model: list[torch.nn.Module]
-    optimizer: Any
-    scheduler: Any
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
     ref: ReferenceModel | None = None
     """pi_ref for loss.kl_coef > 0 (a frozen copy of the initial policy), else None."""
 

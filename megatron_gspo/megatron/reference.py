@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +23,9 @@ from megatron_gspo.megatron.config import PolicySpec
 from megatron_gspo.megatron.model import build_model, make_provider
 from megatron_gspo.megatron.offload import TrainerOffload
 from megatron_gspo.megatron.packing import PackedMicroBatch
+
+if TYPE_CHECKING:
+    from megatron.bridge import AutoBridge
 
 __all__ = ["ReferenceModel"]
 
@@ -45,7 +48,7 @@ class ReferenceModel:
     @classmethod
     def from_policy(
         cls,
-        bridge: Any,
+        bridge: AutoBridge,
         spec: PolicySpec,
         policy_model: Sequence[torch.nn.Module],
         *,

@@ -56,7 +56,7 @@ class RoutingRecorder:
             self._handles.append(mod.register_forward_hook(hook))
         return self
 
-    def __exit__(self, *_exc: Any) -> None:
+    def __exit__(self, *_exc: object) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()

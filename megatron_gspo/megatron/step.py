@@ -36,7 +36,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -61,6 +61,11 @@ from megatron_gspo.megatron.packing import (
     plan_micro_batches,
 )
 from megatron_gspo.megatron.transfer import gather_logprob_rows, logprobs_by_sequence
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,10 +191,10 @@ def _fused_head(
     cfg: StepConfig,
     *,
     hidden_states: Tensor,
-    output_layer: Any,
+    output_layer: ColumnParallelLinear,
     output_weight: Tensor | None,
-    config: Any,
-    **_: Any,
+    config: TransformerConfig,
+    **_: object,
 ) -> tuple[Tensor, Tensor]:
     """megatron-core `output_processor`: the fused output layer + log-probs + entropy from the
     final hidden states [S(/tp under SP), 1, H] and the output weight shard [Vp, H]."""
@@ -225,7 +230,7 @@ def _fused_head(
     return logp, entropy
 
 
-def _skip_head(*, hidden_states: Tensor, **_: Any) -> Tensor:
+def _skip_head(*, hidden_states: Tensor, **_: object) -> Tensor:
     """megatron-core `output_processor` for forward passes that need no log-probs."""
     return hidden_states
 
@@ -233,7 +238,7 @@ def _skip_head(*, hidden_states: Tensor, **_: Any) -> Tensor:
 def _has_float16_wrapper(model: torch.nn.Module) -> bool:
     from megatron.core.transformer.module import Float16Module
 
-    m: Any = model
+    m: object = model
     while m is not None:
         if isinstance(m, Float16Module):
             return True
@@ -268,7 +273,9 @@ def policy_forward_step(
     return _forward(model, mb, cfg), partial(_policy_loss, mb, cfg)
 
 
-def _iterators(model: list[torch.nn.Module], mbs: Sequence[PackedMicroBatch]) -> Any:
+def _iterators(
+    model: list[torch.nn.Module], mbs: Sequence[PackedMicroBatch]
+) -> Iterator[PackedMicroBatch] | list[Iterator[PackedMicroBatch]]:
     its = [iter(mbs) for _ in model]
     return its if len(model) > 1 else its[0]
 
@@ -313,7 +320,7 @@ class UpdateOverflow(RuntimeError):
 
 def train_step(
     model: list[torch.nn.Module],
-    optimizer: Any,
+    optimizer: MegatronOptimizer,
     micro_batches: Sequence[PackedMicroBatch],
     cfg: StepConfig,
 ) -> dict[str, float]:
@@ -420,7 +427,9 @@ def forward_only(
         zero = torch.tensor(0, dtype=torch.int, device=first.device)  # megatron sums it on device
         return first.sum() * 0.0, zero, reduce(mb, output)
 
-    def step(data_iterator: Iterator[PackedMicroBatch], m: torch.nn.Module) -> Any:
+    def step(
+        data_iterator: Iterator[PackedMicroBatch], m: torch.nn.Module
+    ) -> tuple[ModelOutput, partial[tuple[Tensor, Tensor, dict[str, Any]]]]:
         mb = next(data_iterator)
         return _forward(m, mb, cfg), partial(loss, mb)
 

@@ -11,9 +11,13 @@ import importlib.util
 import sys
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.patches.base import Patch, PatchError
+
+if TYPE_CHECKING:
+    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+    from megatron.core.transformer.module import MegatronModule
 
 BRIDGE_VERSIONS = ("0.6.2",)
 _LORA_MODULE = "megatron.bridge.peft.lora_layers"
@@ -48,7 +52,7 @@ def _fake_te() -> types.ModuleType:
             return cls
 
     class _Missing(metaclass=_AnyAttr):  # TE-LoRA classes subclass these; never instantiated
-        def __init__(self, *_a: Any, **_k: Any) -> None:
+        def __init__(self, *_a: object, **_k: object) -> None:
             raise RuntimeError("Transformer Engine is not installed")
 
     te.__getattr__ = lambda name: _Missing  # type: ignore[method-assign]
@@ -116,7 +120,9 @@ def _check_ep_gather() -> None:
         )
 
 
-def _expert_names_on_ep_ranks(self: Any, module: Any, hf_param_name: Any) -> list[str]:
+def _expert_names_on_ep_ranks(
+    self: MegatronParamMapping, module: MegatronModule | None, hf_param_name: str | None
+) -> list[str]:
     """The HF name this rank's expert slot has on each EP rank, as the bridge numbers experts
     (its PP broadcast of the experts-per-rank count included, call for call)."""
     import re
@@ -134,7 +140,12 @@ def _expert_names_on_ep_ranks(self: Any, module: Any, hf_param_name: Any) -> lis
     return names
 
 
-def _gather_to_ep_rank0(self: Any, weights: Any, module: Any, hf_param_name: Any) -> dict:
+def _gather_to_ep_rank0(
+    self: MegatronParamMapping,
+    weights: Any,
+    module: MegatronModule | None,
+    hf_param_name: str | None,
+) -> dict:
     """`gather_from_ep_ranks` with a `gather` to EP rank 0 instead of an all-gather.
 
     Returns the per-expert dict on EP rank 0 and `{}` elsewhere (the bridge then yields nothing
@@ -158,7 +169,12 @@ _ep_local: dict[str, tuple[list[str], Any]] = {}
 """Inside `ep_local_experts()`: local expert name -> (its name on every EP rank, EP group)."""
 
 
-def _keep_local(self: Any, weights: Any, module: Any, hf_param_name: Any) -> dict:
+def _keep_local(
+    self: MegatronParamMapping,
+    weights: Any,
+    module: MegatronModule | None,
+    hf_param_name: str | None,
+) -> dict:
     """`gather_from_ep_ranks` without a collective: this rank's expert under its own global
     name, recorded in `_ep_local` with the names the same slot has on every EP rank (the same
     arithmetic as `_gather_to_ep_rank0`, including its cached PP broadcast), so that
@@ -169,7 +185,10 @@ def _keep_local(self: Any, weights: Any, module: Any, hf_param_name: Any) -> dic
 
 
 def gather_from_ep_ranks(
-    self: Any, megatron_weights: Any, megatron_module: Any, hf_param_name: Any
+    self: MegatronParamMapping,
+    megatron_weights: Any,
+    megatron_module: MegatronModule | None,
+    hf_param_name: str | None,
 ) -> dict:
     """Installed on `MegatronParamMapping`: the bridge's all-gather, or inside
     `ep_gather_to_rank0()` (and with EP > 1) a gather to EP rank 0, or inside

@@ -18,12 +18,15 @@ import inspect
 import sys
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_gspo.patches.base import Patch, PatchError
+
+if TYPE_CHECKING:
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
 MCORE_VERSIONS = ("0.19.2",)
 
@@ -53,7 +56,7 @@ def _apply_paged_stash() -> None:
     if importlib.util.find_spec("triton") is not None or _PAGED_STASH_OPS in sys.modules:
         return  # triton importable (torch's CUDA wheels ship it): nothing to stub
 
-    def _unavailable(*_a: Any, **_k: Any) -> None:
+    def _unavailable(*_a: object, **_k: object) -> None:
         raise RuntimeError("moe_paged_stash needs triton and a GPU")
 
     stub = types.ModuleType(_PAGED_STASH_OPS)
@@ -65,16 +68,16 @@ def _apply_paged_stash() -> None:
 # 2. torch.cuda facade (streams, events, current_device, nvtx, RNG state)
 # --------------------------------------------------------------------------------------------
 class _DummyStream:
-    def __init__(self, *_a: Any, **_k: Any) -> None:
+    def __init__(self, *_a: object, **_k: object) -> None:
         pass
 
-    def wait_stream(self, *_a: Any) -> None:
+    def wait_stream(self, *_a: object) -> None:
         pass
 
-    def wait_event(self, *_a: Any) -> None:
+    def wait_event(self, *_a: object) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> Any:
+    def record_event(self, event: _DummyEvent | None = None) -> _DummyEvent:
         return event or _DummyEvent()
 
     def synchronize(self) -> None:
@@ -85,13 +88,13 @@ class _DummyStream:
 
 
 class _DummyEvent:
-    def __init__(self, *_a: Any, **_k: Any) -> None:
+    def __init__(self, *_a: object, **_k: object) -> None:
         pass
 
-    def record(self, *_a: Any) -> None:
+    def record(self, *_a: object) -> None:
         pass
 
-    def wait(self, *_a: Any) -> None:
+    def wait(self, *_a: object) -> None:
         pass
 
     def synchronize(self) -> None:
@@ -100,7 +103,7 @@ class _DummyEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, _other: Any) -> float:
+    def elapsed_time(self, _other: object) -> float:
         return 0.0
 
 
@@ -146,7 +149,7 @@ def _apply_cuda_facade() -> None:
 # --------------------------------------------------------------------------------------------
 # 3. tensor-parallel RNG tracker on the CPU generator
 # --------------------------------------------------------------------------------------------
-def _tracker_add(self: Any, name: str, seed: int) -> None:
+def _tracker_add(self: CudaRNGStatesTracker, name: str, seed: int) -> None:
     self._is_initialized = True
     if seed in self.seeds_:
         raise Exception(f"seed {seed} already exists")
@@ -157,7 +160,7 @@ def _tracker_add(self: Any, name: str, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def _tracker_fork(self: Any, name: str = "model-parallel-rng"):  # type: ignore[no-untyped-def]
+def _tracker_fork(self: CudaRNGStatesTracker, name: str = "model-parallel-rng"):  # type: ignore[no-untyped-def]
     if name not in self.states_:
         raise Exception(f"rng state {name} is not added")
     outer = torch.get_rng_state()
@@ -197,7 +200,7 @@ def _apply_rng_tracker() -> None:
 # --------------------------------------------------------------------------------------------
 # 4. device="cuda", .cuda(), pin_memory and Tensor.type() strings, through a torch function mode
 # --------------------------------------------------------------------------------------------
-def _is_cuda(device: Any) -> bool:
+def _is_cuda(device: object) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
     return isinstance(device, str) and device.startswith("cuda")

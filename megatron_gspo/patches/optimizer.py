@@ -22,12 +22,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_gspo.patches.base import Patch, PatchError
 from megatron_gspo.patches.pipeline import MCORE_VERSIONS
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 _DISTRIB = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
 _DUMMY_INIT = "_init_optimizer_states_with_dummy_values"
@@ -35,17 +38,17 @@ _DUMMY_INIT = "_init_optimizer_states_with_dummy_values"
 _SHARED_STEP = 's["step"] = step'
 
 
-def chained(optimizer: Any) -> list[Any]:
+def chained(optimizer: MegatronOptimizer) -> list[Any]:
     """The megatron-core optimizers inside a (possibly) chained one."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _params(opt: Any) -> list[torch.Tensor]:
+def _params(opt: MegatronOptimizer) -> list[torch.Tensor]:
     """The inner torch optimizer's parameters in param-group order (stable across rebuilds)."""
     return [p for group in opt.optimizer.param_groups for p in group["params"]]
 
 
-def init_states_for_load(optimizer: Any) -> None:
+def init_states_for_load(optimizer: MegatronOptimizer) -> None:
     """Give a fresh optimizer placeholder state to load into, as megatron-core's loader does.
 
     Only the distributed optimizer has the method; the others build state in their own
@@ -76,7 +79,7 @@ STEP_LAYOUTS = {
 }
 
 
-def step_layout(inner: Any) -> str:
+def step_layout(inner: torch.optim.Optimizer) -> str:
     """PER_PARAM, PER_GROUP or NO_STEP for a supported torch-level optimizer; else a PatchError that
     names it (an optimizer whose step we do not know how to resume is refused at start)."""
     cls = type(inner)
@@ -91,13 +94,13 @@ def step_layout(inner: Any) -> str:
     return layout
 
 
-def check_resumable(optimizer: Any) -> None:
+def check_resumable(optimizer: MegatronOptimizer) -> None:
     """Refuse, before training starts, an inner optimizer the resume path does not know."""
     for opt in chained(optimizer):
         step_layout(opt.optimizer)
 
 
-def adam_steps(optimizer: Any) -> list[list[float | None]]:
+def adam_steps(optimizer: MegatronOptimizer) -> list[list[float | None]]:
     """Adam's step counts of every inner optimizer (None: no state yet): per parameter for
     torch Adam, per param group for FusedAdam (see STEP_LAYOUTS)."""
     out: list[list[float | None]] = []
@@ -125,7 +128,7 @@ def _like(old: Any, step: float) -> Any:
     return int(step) if isinstance(old, int) else step
 
 
-def restore_adam_steps(optimizer: Any, steps: list[list[float | None]]) -> None:
+def restore_adam_steps(optimizer: MegatronOptimizer, steps: list[list[float | None]]) -> None:
     """Put back what `adam_steps` saved, one value of its own per parameter (or group)."""
     for opt, opt_steps in zip(chained(optimizer), steps, strict=True):
         inner = opt.optimizer

@@ -19,12 +19,15 @@ ranks, prev and next are different peers and the order changes nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_gspo.patches.base import Patch, PatchError
+
+if TYPE_CHECKING:
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 MCORE_VERSIONS = ("0.19.2",)
 _P2P = "megatron.core.pipeline_parallel.p2p_communication"
@@ -38,7 +41,7 @@ def ordered_p2p_ops(
     recv_next: torch.Tensor | None,
     prev_rank: int,
     next_rank: int,
-    group: Any,
+    group: dist.ProcessGroup | None,
 ) -> list[dist.P2POp]:
     """P2P ops in an order that pairs correctly when `prev_rank == next_rank`."""
     ops = []
@@ -59,7 +62,7 @@ def _batched_p2p_ops(
     tensor_recv_prev: torch.Tensor | None,
     tensor_send_next: torch.Tensor | None,
     tensor_recv_next: torch.Tensor | None,
-    group: Any,
+    group: dist.ProcessGroup | None,
     prev_pipeline_rank: int,
     next_pipeline_rank: int,
 ) -> list[Any]:
@@ -76,13 +79,17 @@ def _batched_p2p_ops(
 
 
 def _communicate_shapes(
-    self: Any, tensor_send_next: Any, tensor_send_prev: Any, recv_prev: bool, recv_next: bool
+    self: P2PCommunicator,
+    tensor_send_next: torch.Tensor | None,
+    tensor_send_prev: torch.Tensor | None,
+    recv_prev: bool,
+    recv_next: bool,
 ) -> tuple[list[int], list[int]]:
     if self.config.use_ring_exchange_p2p:  # not affected: one collective call
         return _state["shapes"](self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
     device = torch.cuda.current_device()
 
-    def shape_of(t: Any) -> torch.Tensor | None:
+    def shape_of(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else torch.tensor(t.size(), device=device, dtype=torch.int64)
 
     def buffer(wanted: bool) -> torch.Tensor | None:

@@ -91,7 +91,7 @@ def _default_bridges() -> None:
         importlib.import_module(_DEFAULT_BRIDGES)
 
 
-def _architectures(config: Any) -> Any:
+def _architectures(config: object) -> list[str] | None:
     """The HF `architectures` of a config, a pretrained wrapper (`.config`) or None."""
     return getattr(getattr(config, "config", config), "architectures", None)
 
@@ -108,12 +108,16 @@ def _auto_bridge() -> type:
             listed = AutoBridge.list_supported_models.__func__
 
             @functools.wraps(init)
-            def __init__(self: Any, hf_pretrained: Any, *args: Any, **kwargs: Any) -> None:
+            def __init__(
+                self: object, hf_pretrained: object, *args: object, **kwargs: object
+            ) -> None:
                 load_model_bridges(_architectures(hf_pretrained))
                 init(self, hf_pretrained, *args, **kwargs)
 
             @functools.wraps(validate)
-            def _validate_config(cls: type, config: Any, *args: Any, **kwargs: Any) -> None:
+            def _validate_config(
+                cls: type, config: object, *args: object, **kwargs: object
+            ) -> None:
                 load_model_bridges(_architectures(config))
                 validate(cls, config, *args, **kwargs)
 

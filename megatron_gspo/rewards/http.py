@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from megatron_gspo.rewards.pool import _MAX_ERRORS_KEPT, RewardBatch
+from megatron_gspo.rewards.batch import MAX_ERRORS_KEPT, RewardBatch
 
 if TYPE_CHECKING:
     from megatron_gspo.rewards.config import RewardConfig
@@ -77,7 +77,7 @@ class HttpReward:
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward-http")
 
     def score(
-        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[str | None], responses: Sequence[str], answers: Sequence[Any]
     ) -> RewardBatch:
         """Rewards for aligned lists of prompts, responses and answers (never raises for a
         server problem: see the module docstring)."""
@@ -97,14 +97,14 @@ class HttpReward:
                 batch.timeouts += 1
             else:
                 batch.failures += 1
-            if len(batch.errors) < _MAX_ERRORS_KEPT:
+            if len(batch.errors) < MAX_ERRORS_KEPT:
                 batch.errors.append(f"sample {i}: {o.error}")
         batch.time_s = time.monotonic() - t0
         return batch
 
     __call__ = score
 
-    def _one(self, prompt: str, response: str, answer: Any) -> _Outcome:
+    def _one(self, prompt: str | None, response: str, answer: object) -> _Outcome:
         out = _Outcome()
         try:
             body = json.dumps({"prompt": prompt, "response": response, "answer": answer})

@@ -11,7 +11,6 @@ kills the worker process, is the outer bound in every case).
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 __all__ = ["math_reward", "parse_gold"]
 
@@ -23,7 +22,7 @@ def _mv_timeout() -> int | None:
     return _MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
-def parse_gold(answer: Any) -> list:
+def parse_gold(answer: object) -> list:
     """Parse a ground-truth answer: bare ("0.5", "x^2", "\\frac{1}{2}") or already delimited
     ("$...$", "\\boxed{...}"). A bare answer is tried as inline LaTeX first, then as plain text."""
     from math_verify import parse
@@ -39,7 +38,7 @@ def parse_gold(answer: Any) -> list:
     return []
 
 
-def math_reward(prompt: str, response: str, answer: Any) -> float:
+def math_reward(prompt: str, response: str, answer: object) -> float:
     """1.0 when `response` states an answer equal to `answer` (boxed answers first), else 0.0.
     Garbage, unparsable text and any internal error score 0.0."""
     try:

@@ -16,15 +16,13 @@ random policy a signal before it gets any position right: a uniformly random pol
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = ["W_DIGITS", "W_LENGTH", "W_MATCH", "pattern_reward"]
 
 _DIGITS = frozenset("0123456789")
 W_MATCH, W_DIGITS, W_LENGTH = 0.7, 0.15, 0.15
 
 
-def pattern_reward(prompt: str, response: str, answer: Any) -> float:
+def pattern_reward(prompt: str, response: str, answer: object) -> float:
     """Score one response against its answer (the repeated pattern, L characters)."""
     target = str(answer)
     text = str(response).split("</s>", 1)[0].strip()

@@ -2,7 +2,7 @@
 
 A reward function has the signature
 
-    fn(prompt: str, response: str, answer: Any) -> float
+    fn(prompt: str | None, response: str, answer: Any) -> float
 
 and is named by `reward.kind`: "math" (`math_answer.math_reward`), "toy" (`toy.toy_reward`),
 "pattern" (`pattern.pattern_reward`) or
@@ -30,9 +30,9 @@ import importlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
+from megatron_gspo.rewards.batch import MAX_ERRORS_KEPT, RewardBatch, RewardScorer
 from megatron_gspo.sandbox.pool import CallFailed, WorkerPool
 from megatron_gspo.sandbox.process import WorkerLimits
 
@@ -50,14 +50,13 @@ __all__ = [
     "worker_limits",
 ]
 
-RewardFn = Callable[[str, str, Any], float]
+RewardFn = Callable[[str | None, str, Any], float]
 
 _BUILTIN = {
     "math": "megatron_gspo.rewards.math_answer:math_reward",
     "toy": "megatron_gspo.rewards.toy:toy_reward",
     "pattern": "megatron_gspo.rewards.pattern:pattern_reward",
 }
-_MAX_ERRORS_KEPT = 8
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -80,7 +79,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     return cast(RewardFn, fn)  # its signature is the user's promise (reward.kind)
 
 
-def call_reward(fn: RewardFn, prompt: str, response: str, answer: Any) -> tuple[float, str | None]:
+def call_reward(
+    fn: RewardFn, prompt: str | None, response: str, answer: object
+) -> tuple[float, str | None]:
     """One guarded call: (reward, None) or (0.0, error message)."""
     try:
         value = fn(prompt, response, answer)
@@ -90,59 +91,6 @@ def call_reward(fn: RewardFn, prompt: str, response: str, answer: Any) -> tuple[
     if not math.isfinite(reward):
         return 0.0, f"non-finite reward {reward}"
     return reward, None
-
-
-@dataclass(kw_only=True)
-class RewardBatch:
-    """Rewards of one batch, in input order, and what went wrong."""
-
-    rewards: list[float]
-    """One reward per response (0.0 for timeouts and failures)."""
-    timeouts: int = 0
-    """Calls killed at the timeout."""
-    failures: int = 0
-    """Calls that raised, crashed their worker, or returned a non-finite / non-number."""
-    errors: list[str] = field(default_factory=list)
-    """The first few failure messages, for the log."""
-    time_s: float = 0.0
-    """Wall time of the batch."""
-    retries: int = 0
-    """Requests retried (reward.kind=http: `rewards/http.py`)."""
-
-    def report(self, what: str = "reward") -> str | None:
-        """One block for stderr when a call failed or timed out (None when all went well):
-        the counts and the first error messages, so a broken reward function is loud."""
-        if not (self.failures or self.timeouts):
-            return None
-        head = (
-            f"[{what}] {self.failures} of {len(self.rewards)} calls failed and "
-            f"{self.timeouts} timed out (scored 0); first errors:"
-        )
-        return "\n".join([head, *(f"  {e}" for e in self.errors)])
-
-    def metrics(self) -> dict[str, float]:
-        """Counters for the metrics sink."""
-        return {
-            "reward/timeouts": float(self.timeouts),
-            "reward/failures": float(self.failures),
-            "reward/retries": float(self.retries),
-            "reward/time_s": self.time_s,
-        }
-
-
-class RewardScorer(Protocol):
-    """What the rollout and the evaluation ask of a reward: `RewardPool`, or the HTTP judge
-    client (`rewards/http.py`)."""
-
-    def score(
-        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]
-    ) -> RewardBatch:
-        """Rewards for aligned lists of prompts, responses and answers."""
-        ...
-
-    def close(self) -> None:
-        """Release workers or connections."""
-        ...
 
 
 class RewardPool:
@@ -194,7 +142,7 @@ class RewardPool:
         return [] if self._pool is None else self._pool.worker_pids
 
     def score(
-        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[str | None], responses: Sequence[str], answers: Sequence[Any]
     ) -> RewardBatch:
         """Rewards for aligned lists of prompts, responses and answers."""
         if not len(prompts) == len(responses) == len(answers):
@@ -225,7 +173,7 @@ class RewardPool:
         batch.rewards[i] = reward
         if error is not None:
             batch.failures += 1
-            if len(batch.errors) < _MAX_ERRORS_KEPT:
+            if len(batch.errors) < MAX_ERRORS_KEPT:
                 batch.errors.append(f"sample {i}: {error}")
 
     @classmethod
@@ -237,7 +185,7 @@ class RewardPool:
         else:  # a timeout is counted apart from the failures
             batch.rewards[i] = 0.0
             batch.timeouts += 1
-            if len(batch.errors) < _MAX_ERRORS_KEPT:
+            if len(batch.errors) < MAX_ERRORS_KEPT:
                 batch.errors.append(f"sample {i}: {out.message}")
 
     def close(self) -> None:

@@ -20,15 +20,13 @@ average (group std about 0.03) on answers of 2-4 digits.
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = ["toy_reward"]
 
 _DIGITS = frozenset("0123456789")
 W_MATCH, W_DIGITS, W_LENGTH = 0.5, 0.25, 0.25
 
 
-def toy_reward(prompt: str, response: str, answer: Any) -> float:
+def toy_reward(prompt: str, response: str, answer: object) -> float:
     """Score one toy-task response against its answer (a digit string)."""
     target = str(answer)
     text = str(response).split("</s>", 1)[0].strip()

@@ -30,9 +30,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_gspo.rollout.scheduler import Batch, GroupScheduler, check_staleness
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.records import PromptRecord
 
 T = TypeVar("T")
 
@@ -124,7 +127,7 @@ class RolloutDriver:
         included: after a resume they are generated again)."""
         return self._on_loop(self.scheduler.state_dict)
 
-    def load_state_dict(self, state: dict[str, Any], record_type: Any) -> None:
+    def load_state_dict(self, state: dict[str, Any], record_type: type[PromptRecord]) -> None:
         def load() -> None:
             self.scheduler.queue.load_state_dict(state["queue"], record_type)
             self.scheduler.seq_cursor = int(state["seq_cursor"])

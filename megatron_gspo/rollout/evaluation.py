@@ -36,6 +36,10 @@ from megatron_gspo.config_io import require as _require
 from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, Sampler
 from megatron_gspo.engines.types import SamplingParams
 
+if TYPE_CHECKING:
+    from megatron_gspo.data.prompts import PromptDataset
+    from megatron_gspo.rollout.experience import Rollout
+
 if TYPE_CHECKING:  # annotations only; rollout/spec.py imports EvalConfig from here
     from megatron_gspo.rewards.pool import RewardScorer
     from megatron_gspo.rollout.spec import RolloutSpec
@@ -98,7 +102,7 @@ class Evaluator:
         cfg: EvalConfig,
         *,
         engine: Sampler,
-        dataset: Any,  # a PromptDataset (a chat record has prompt None: rewards see it)
+        dataset: PromptDataset,  # a chat record has prompt None: rewards see it
         rewards: RewardScorer,
         sampling: SamplingParams,
         total_steps: int,
@@ -139,6 +143,7 @@ class Evaluator:
             print("[eval] skipped: no valid response", file=sys.stderr, flush=True)
             return {"eval/failed": 1.0, "eval/time_s": time.perf_counter() - tic}
         tok = self.dataset.tokenizer
+        assert tok is not None, "build_evaluator reads the dataset with the rollout's tokenizer"
         records = [self.dataset[s.prompt_index] for s in samples]
         texts = [tok.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         scored = self.rewards.score([r.prompt for r in records], texts, [r.answer for r in records])
@@ -186,7 +191,7 @@ def summarize(
     return out
 
 
-def build_evaluator(spec: RolloutSpec, rollout: Any) -> Evaluator | None:
+def build_evaluator(spec: RolloutSpec, rollout: Rollout | None) -> Evaluator | None:
     """The evaluator of a run (its `RolloutSpec`, `rollout/spec.py`) on rank 0's rollout; None
     when evaluation is off or on other ranks."""
     if rollout is None or not spec.eval.every:

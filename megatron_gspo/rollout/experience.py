@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -21,6 +21,15 @@ from megatron_gspo.engines.types import Sample, SamplingParams
 from megatron_gspo.rollout.driver import RolloutDriver
 from megatron_gspo.rollout.scheduler import GroupFn, GroupScheduler, PromptQueue, SchedulerConfig
 from megatron_gspo.rollout.spec import RolloutSpec
+
+if TYPE_CHECKING:
+    from megatron_gspo.agents.runner import AgentRollout
+    from megatron_gspo.data.prompts import PromptDataset, PromptLoader
+    from megatron_gspo.data.records import PromptRecord
+    from megatron_gspo.data.tokenizer import Tokenizer
+    from megatron_gspo.engines.launch import ServerGroup
+    from megatron_gspo.envs.pool import EnvPool
+    from megatron_gspo.rewards.batch import RewardScorer
 
 
 @dataclass
@@ -35,15 +44,15 @@ class Rollout:
     spec: RolloutSpec
     """What it reads of the run (`Config.rollout_spec()`)."""
     engine: RolloutEngine
-    tokenizer: Any
-    loader: Any
-    rewards: Any
+    tokenizer: Tokenizer
+    loader: PromptLoader
+    rewards: RewardScorer
     next_seq_id: int = 0
-    servers: Any = None
+    servers: ServerGroup | None = None
     group_fn: GroupFn | None = None
     """Generates one group (default: one `agenerate` call); `rollout.env`: the multi-turn
     `MultiTurn.group_fn` (`make_multiturn`)."""
-    envs: Any = None
+    envs: EnvPool | AgentRollout | None = None
     """rollout.env: the `EnvPool` of the env workers (closed with the rollout)."""
     _reward_batches: list[Any] = field(default_factory=list)
     reward_errors: list[str] = field(default_factory=list)
@@ -66,7 +75,9 @@ class Rollout:
             fill_attempts=r.fill_attempts,
             max_continuation_retries=r.max_continuation_retries,
         )
-        queue = PromptQueue(self.loader, self.loader.dataset.encode)
+        # make_rollout's loader reads a PromptDataset (PromptLoader takes any sequence)
+        dataset = cast("PromptDataset", self.loader.dataset)
+        queue = PromptQueue(self.loader, dataset.encode)
         scheduler = GroupScheduler(
             self.engine, queue, self._score, sched_cfg, self.sampling(), group_fn=self.group_fn
         )
@@ -86,7 +97,9 @@ class Rollout:
             seed=self.spec.seed * 7919,
         )
 
-    def _score(self, record: Any, samples: list[Sample]) -> tuple[list[float], dict[str, float]]:
+    def _score(
+        self, record: PromptRecord, samples: list[Sample]
+    ) -> tuple[list[float], dict[str, float]]:
         """One group's rewards: an episode's env reward wins; `reward.kind` scores the rest."""
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         todo = [i for i, s in enumerate(samples) if s.env_reward is None]
@@ -245,7 +258,10 @@ def make_rollout(spec: RolloutSpec, launched: Any = None) -> Rollout:
     engine, servers = connect(
         r.launch, r.client, log_dir=Path(spec.log_dir) / "engines", launched=launched
     )
-    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or spec.hf_path)
+    # its methods are annotated with every return they can have; ours return text
+    tokenizer = cast(
+        "Tokenizer", AutoTokenizer.from_pretrained(spec.tokenizer_path or spec.hf_path)
+    )
     # Prompts that cannot fit the engine's context with the response budget (an HTTP 400 at
     # the step that samples one), or whose sequence no micro-batch holds with a whole response
     # (train.micro_batch_tokens silently exceeded; issue 40): dropped here, counted. None left
@@ -255,7 +271,10 @@ def make_rollout(spec: RolloutSpec, launched: Any = None) -> Rollout:
     loader = PromptLoader(
         dataset, spec.prompts_per_rollout, seed=spec.data.seed, shuffle=spec.data.shuffle
     )
-    group_fn, envs = make_multiturn(spec, engine, tokenizer) if r.env is not None else (None, None)
+    group_fn: GroupFn | None = None
+    envs: EnvPool | AgentRollout | None = None
+    if r.env is not None:
+        group_fn, envs = make_multiturn(spec, engine, tokenizer)
     if r.agent is not None:  # rollout.agent: the endpoint and the agent workers
         from megatron_gspo.agents.runner import make_agent_rollout
 
@@ -266,7 +285,9 @@ def make_rollout(spec: RolloutSpec, launched: Any = None) -> Rollout:
     )
 
 
-def make_multiturn(spec: RolloutSpec, engine: RolloutEngine, tokenizer: Any) -> tuple[Any, Any]:
+def make_multiturn(
+    spec: RolloutSpec, engine: RolloutEngine, tokenizer: Tokenizer
+) -> tuple[GroupFn, EnvPool]:
     """rollout.env: the env worker pool and the multi-turn `group_fn` over `engine`."""
     from megatron_gspo.config_io import ConfigError
     from megatron_gspo.data.fit import turn_stop_ids

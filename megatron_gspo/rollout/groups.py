@@ -12,9 +12,12 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_gspo.engines.types import RolloutStats, Sample
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.records import PromptRecord
 
 
 class StalenessError(RuntimeError):
@@ -52,7 +55,7 @@ class Group:
 
     uid: int
     """Unique per scheduler (identity checks: a group is returned at most once)."""
-    record: Any
+    record: PromptRecord
     prompt_ids: list[int]
     slot: int = 0
     """Position in the fill that (re)started it; seeds sampling as `prompt_index` did."""

@@ -46,6 +46,7 @@ from megatron_gspo.rollout.scheduler import TURN_CONTEXT, TurnContext
 
 if TYPE_CHECKING:
     from megatron_gspo.data.prompts import PromptRecord
+    from megatron_gspo.data.tokenizer import Tokenizer
 
 __all__ = ["MultiTurn", "ObservationCodec", "episode_metrics", "record_dict"]
 
@@ -55,7 +56,7 @@ _SENTINEL = "MGSPO7731"  # a content string no template rewrites
 class ObservationCodec:
     """Token ids of an observation turn, identical for the engine and the trainer."""
 
-    def __init__(self, tokenizer: Any, *, chat_template: bool, role: str = "tool") -> None:
+    def __init__(self, tokenizer: Tokenizer, *, chat_template: bool, role: str = "tool") -> None:
         self.tokenizer = tokenizer
         self.role = role
         self.templated = bool(chat_template and getattr(tokenizer, "chat_template", None))
@@ -116,7 +117,7 @@ class MultiTurn:
 
     engine: Sampler
     """The rollout's engines (the SGLang client): `agenerate` only."""
-    tokenizer: Any
+    tokenizer: Tokenizer
     envs: EnvPool
     codec: ObservationCodec
     max_turns: int

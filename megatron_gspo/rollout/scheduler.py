@@ -51,12 +51,13 @@ import itertools
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.config_io import ConfigError
+from megatron_gspo.data.records import PromptRecord
 from megatron_gspo.engines.protocols import Generator
 from megatron_gspo.engines.types import SEED_PROMPT_STRIDE, RolloutStats, Sample, SamplingParams
 from megatron_gspo.rollout.groups import (
@@ -68,6 +69,9 @@ from megatron_gspo.rollout.groups import (
     extend_sample,
     sample_done,
 )
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.prompts import PromptLoader
 
 __all__ = [
     "TURN_CONTEXT",
@@ -87,10 +91,10 @@ __all__ = [
     "sample_done",
 ]
 
-GroupFn = Callable[[Any, list[int], SamplingParams, int, int], Awaitable[list[Sample]]]
+GroupFn = Callable[[PromptRecord, list[int], SamplingParams, int, int], Awaitable[list[Sample]]]
 """`async group_fn(record, prompt_ids, sampling, n, prompt_index) -> list[Sample]`: one group's
 responses (default: one `engine.agenerate([prompt_ids], sampling, n=n)`)."""
-ScoreFn = Callable[[Any, list[Sample]], tuple[list[float], dict[str, float]]]
+ScoreFn = Callable[[PromptRecord, list[Sample]], tuple[list[float], dict[str, float]]]
 """`score_fn(record, samples) -> (rewards, metrics)`; blocking, run in one worker thread."""
 
 _REABORT_S = 1.0  # a fill's stop re-sends its aborts this often while requests still run
@@ -135,7 +139,7 @@ class _Fill:
     kept: list[Group] = dataclasses.field(default_factory=list)
     extra: list[Group] = dataclasses.field(default_factory=list)
     """Finished and kept-worthy, but the batch was already full."""
-    empty: list[Any] = dataclasses.field(default_factory=list)
+    empty: list[PromptRecord] = dataclasses.field(default_factory=list)
     """Records of groups left with no sample: back to the queue."""
     slots: Iterator[int] = dataclasses.field(default_factory=itertools.count)
 
@@ -143,14 +147,14 @@ class _Fill:
 class PromptQueue:
     """Prompts in order: returned ones first (front), then the loader's."""
 
-    def __init__(self, loader: Any, encode: Callable[[Any], list[int]]) -> None:
+    def __init__(self, loader: PromptLoader, encode: Callable[[PromptRecord], list[int]]) -> None:
         self.loader = loader
         self.encode = encode
-        self.front: deque[Any] = deque()
+        self.front: deque[PromptRecord] = deque()
         self.drawn = 0
         """Records taken from the loader (not counting returned ones taken again)."""
 
-    def take(self) -> Any:
+    def take(self) -> PromptRecord:
         if not self.front:
             batch = self.loader.next_batch()
             self.drawn += len(batch)
@@ -158,10 +162,10 @@ class PromptQueue:
             return self.front.popleft()
         return self.front.popleft()
 
-    def put_front(self, records: Sequence[Any]) -> None:
+    def put_front(self, records: Sequence[PromptRecord]) -> None:
         self.front.extendleft(reversed(list(records)))
 
-    def state_dict(self, owned: Sequence[Any] = ()) -> dict[str, Any]:
+    def state_dict(self, owned: Sequence[PromptRecord] = ()) -> dict[str, Any]:
         """Loader position plus every record not yet trained: `owned` (groups in flight),
         then the queue's front. Records are stored as plain dicts."""
         records = [*owned, *self.front]
@@ -170,7 +174,7 @@ class PromptQueue:
             "front": [dataclasses.asdict(r) for r in records],
         }
 
-    def load_state_dict(self, state: dict[str, Any], record_type: Any) -> None:
+    def load_state_dict(self, state: dict[str, Any], record_type: type[PromptRecord]) -> None:
         self.loader.load_state_dict(state["loader"])
         self.front = deque(record_type(**r) for r in state["front"])
 
@@ -535,7 +539,7 @@ def _add_stats(total: RolloutStats, part: RolloutStats) -> None:
     total.requests_per_engine.update(part.requests_per_engine)
 
 
-def _sum_metrics(parts: Any) -> dict[str, float]:
+def _sum_metrics(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for m in parts:
         for k, v in m.items():

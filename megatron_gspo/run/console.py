@@ -21,9 +21,9 @@ import errno
 import io
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TextIO
 
 __all__ = [
     "THIRD_PARTY_LOG",
@@ -234,11 +234,11 @@ class _ConsoleStream:
 
     _GONE = (errno.EIO, errno.EPIPE, errno.ENXIO)
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self.lost = False
 
-    def _guard(self, fn: Any, *args: Any) -> Any:
+    def _guard[R](self, fn: Callable[..., R], *args: object) -> R | None:
         if self.lost:
             return None
         try:
@@ -253,7 +253,7 @@ class _ConsoleStream:
         self._guard(self._stream.write, text)
         return len(text)
 
-    def writelines(self, lines: Any) -> None:
+    def writelines(self, lines: Iterable[str]) -> None:
         self._guard(self._stream.writelines, lines)
 
     def flush(self) -> None:

@@ -38,7 +38,10 @@ import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_gspo.config import LoggingConfig
 
 __all__ = [
     "BAR_KEYS",
@@ -277,7 +280,7 @@ class MetricsLogger:
     @classmethod
     def from_config(
         cls,
-        logging_cfg: Any,
+        logging_cfg: LoggingConfig,
         *,
         total_steps: int | None = None,
         config: Mapping[str, Any] | None = None,

@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.config_io import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_gspo.megatron.config import PolicySpec
+    from megatron_gspo.megatron.policy import Policy
 
 __all__ = ["EXIT_CODES", "EngineModelMismatch", "build_policy", "exit_code", "first_push"]
 
@@ -61,7 +65,7 @@ class EngineModelMismatch(ConfigError):
     """The rollout engines serve another model than the trainer's (bad input: exit code 2)."""
 
 
-def build_policy(cfg: Any, build: Callable[[Any], Any] | None = None) -> Any:
+def build_policy(cfg: PolicySpec, build: Callable[[PolicySpec], Policy] | None = None) -> Policy:
     """`Policy.build(cfg)` (or `build(cfg)`; `cfg`: a `PolicySpec`), with a model directory
     whose weights do not fit its config.json (a missing tensor, a tensor of another shape) as
     one ConfigError naming the directory."""

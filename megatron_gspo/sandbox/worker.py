@@ -21,57 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import resource
-import signal
 import sys
 from typing import Any, TextIO
 
-
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the trainer dies, even if a call is stuck in user code (a closed
-    stdin is only noticed between calls)."""
-    if sys.platform != "linux":
-        return
-    try:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        sys.exit(0)
-
-
-def _limit_memory(max_memory_mb: int | None) -> None:
-    if max_memory_mb is not None:
-        limit = int(max_memory_mb) * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-def _arm_cpu(max_cpu_s: float | None) -> None:
-    """Soft RLIMIT_CPU = CPU used so far + max_cpu_s (RLIMIT_CPU counts the whole process, so it
-    is re-armed before every call). The kernel sends SIGXCPU at the soft limit (kills)."""
-    if max_cpu_s is None:
-        return
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    soft = int(math.ceil(usage.ru_utime + usage.ru_stime + max_cpu_s))
-    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    if hard != resource.RLIM_INFINITY:
-        soft = min(soft, hard)
-    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
-
-
-def _memory_message(error: str, max_memory_mb: int | None) -> tuple[str, bool]:
-    if error.startswith("MemoryError"):
-        return (
-            f"MemoryError: the call went over sandbox.max_memory_mb={max_memory_mb} MB "
-            "(the worker is replaced)",
-            True,
-        )
-    return error, False
+from megatron_gspo.sandbox.limits import arm_cpu, die_with_parent, limit_memory, memory_message
 
 
 def _reward_loop(spec: str, out: TextIO, args: argparse.Namespace) -> None:
@@ -91,11 +45,11 @@ def _reward_loop(spec: str, out: TextIO, args: argparse.Namespace) -> None:
     out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     for line in sys.stdin:
         req = json.loads(line)
-        _arm_cpu(args.max_cpu_s)
+        arm_cpu(args.max_cpu_s)
         reward, error = call_reward(fn, req["prompt"], req["response"], req["answer"])
         restart = False
         if error is not None:
-            error, restart = _memory_message(error, args.max_memory_mb)
+            error, restart = memory_message(error, args.max_memory_mb)
         reply = {"id": req["id"], "reward": reward, "error": error, "restart": restart}
         out.write(json.dumps(reply) + "\n")
         out.flush()
@@ -115,11 +69,11 @@ def _env_loop(spec: str, out: TextIO, args: argparse.Namespace) -> None:
     episodes: dict[Any, Any] = {}
     for line in sys.stdin:
         req = json.loads(line)
-        _arm_cpu(args.max_cpu_s)
+        arm_cpu(args.max_cpu_s)
         reply = env_call(cls, episodes, req)
         restart = False
         if reply.get("error"):
-            reply["error"], restart = _memory_message(reply["error"], args.max_memory_mb)
+            reply["error"], restart = memory_message(reply["error"], args.max_memory_mb)
         reply["restart"] = restart
         out.write(json.dumps(reply) + "\n")
         out.flush()
@@ -134,12 +88,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-memory-mb", type=int, default=None)
     p.add_argument("--max-cpu-s", type=float, default=None)
     args = p.parse_args(argv)
-    _die_with_parent()
+    die_with_parent()
     # Keep the protocol on a private copy of fd 1 and point fd 1 / sys.stdout at stderr.
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    _limit_memory(args.max_memory_mb)  # before the user module is imported
+    limit_memory(args.max_memory_mb)  # before the user module is imported
     if args.kind == "agent":  # rollout.agent: megatron_gspo/agents/worker.py
         from megatron_gspo.agents.worker import agent_loop
 

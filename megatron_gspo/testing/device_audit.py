@@ -40,7 +40,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as tdist
@@ -50,6 +50,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron_gspo import dist
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 SIMULATED = torch.device("cuda", 0)
 
@@ -96,7 +99,7 @@ _PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NOT_A_CALL_SITE = {__file__, os.path.join(_PROJECT, "patches", "cpu_runtime.py")}
 
 
-def _is_cuda(d: Any) -> bool:
+def _is_cuda(d: object) -> bool:
     if isinstance(d, torch.device):
         return d.type == "cuda"
     if isinstance(d, str):
@@ -138,7 +141,9 @@ class DeviceAudit(TorchFunctionMode):
         with torch._C.DisableTorchFunction():
             return t.untyped_storage() in self._marked
 
-    def place_on_device(self, model: list[torch.nn.Module], optimizer: Any = None) -> None:
+    def place_on_device(
+        self, model: list[torch.nn.Module], optimizer: MegatronOptimizer | None = None
+    ) -> None:
         """Mark the model's state as living on the simulated device (megatron-core's GPU build
         puts it there; see the module docstring)."""
         for chunk in model:
@@ -174,7 +179,9 @@ class DeviceAudit(TorchFunctionMode):
                         if isinstance(t, torch.Tensor) and t.dim() > 0:
                             self.mark(t)
 
-    def watch(self, model: list[torch.nn.Module], optimizer: Any = None) -> None:
+    def watch(
+        self, model: list[torch.nn.Module], optimizer: MegatronOptimizer | None = None
+    ) -> None:
         """`place_on_device`, then check the inputs of every forward call of these chunks."""
         self.place_on_device(model, optimizer)
         for chunk in model:
@@ -211,7 +218,9 @@ class DeviceAudit(TorchFunctionMode):
             if isinstance(t, torch.Tensor) and self.on_device(t):
                 self.violation(f"torch.distributed.{name} pickles a device tensor", str(t.shape))
 
-    def check_model_inputs(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    def check_model_inputs(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         self.counts["model_calls"] += 1
         params = [p for p in module.parameters()][:1]
         want = self.on_device(params[0]) if params else True

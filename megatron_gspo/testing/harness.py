@@ -14,6 +14,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from megatron_gspo.dist import free_port
 _PRELOAD = ["megatron_gspo.testing.preload"]
 
 
-def _context() -> Any:
+def _context() -> ForkServerContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -75,7 +76,7 @@ def _worker(
 
 
 def spawn_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 900.0
+    fn: Callable[..., Any], world_size: int, *args: object, timeout: float = 900.0
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return per-rank results.
 

@@ -4,17 +4,20 @@ from a Megatron model or from a safetensors directory, and the FP8 blocks' relat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_gspo.weights.convert import hf_tensors
 from megatron_gspo.weights.fp8 import BLOCK, _blocks, dequantise_blockwise
 
+if TYPE_CHECKING:
+    from megatron.bridge import AutoBridge
+
 __all__ = ["block_relative_error", "hf_state", "load_hf_state"]
 
 
-def hf_state(bridge: Any, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+def hf_state(bridge: AutoBridge, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """The full HF-named state in memory on EVERY rank (tests, small models): the same stream
     as `export_hf`, with the bridge's expert all-gather so that each rank receives it all."""
     return {

@@ -27,7 +27,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,6 +52,9 @@ from megatron_gspo.run.console import (
 )
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.stream import hf_tensors
+
+if TYPE_CHECKING:
+    from megatron.bridge import AutoBridge
 
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 
@@ -130,7 +133,11 @@ def _prepare_output(out_dir: Path, force: bool, writes: tuple[str, ...], src: Pa
 
 
 def write_source_info(
-    out_dir: Path, hf_dir: str | Path, bridge: Any, model: list[torch.nn.Module], layout: Layout
+    out_dir: Path,
+    hf_dir: str | Path,
+    bridge: AutoBridge,
+    model: list[torch.nn.Module],
+    layout: Layout,
 ) -> dict[str, Any]:
     """Rank 0 writes `hf_config/` (config, tokenizer and generation files of `hf_dir`) and
     `mgspo_conversion.json` into a Megatron checkpoint directory, which is all
@@ -191,7 +198,7 @@ def config_bridge(config_dir: str | Path) -> Any:
 
 
 def build_for_layout(
-    bridge: Any, layout: Layout, dtype: torch.dtype | None
+    bridge: AutoBridge, layout: Layout, dtype: torch.dtype | None
 ) -> list[torch.nn.Module]:
     """Parallel state + model chunks (no weights loaded) for `layout`."""
     check_layout(layout, hf_io.hf_config_of(bridge))
@@ -200,7 +207,7 @@ def build_for_layout(
         return build_model(make_provider(bridge, layout, dtype=dtype))
 
 
-def check_hf_tensors(bridge: Any, model: list[torch.nn.Module], hf_dir: Path) -> None:
+def check_hf_tensors(bridge: AutoBridge, model: list[torch.nn.Module], hf_dir: Path) -> None:
     """Raise `ConversionError` naming the HF tensors this layout needs but `hf_dir` lacks.
 
     The bridge itself skips a mapping whose HF tensor is absent and leaves that parameter at
@@ -318,7 +325,7 @@ def megatron_to_hf(
 
 
 def export_hf(
-    bridge: Any,
+    bridge: AutoBridge,
     model: list[torch.nn.Module],
     out_dir: str | Path,
     *,

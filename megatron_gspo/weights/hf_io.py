@@ -9,9 +9,12 @@ import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.bridge import AutoBridge
 
 INDEX_NAME = "model.safetensors.index.json"
 # Everything a HF directory carries besides weights and config: tokenizer, chat template,
@@ -94,13 +97,13 @@ def copy_side_files(src_dir: str | Path | None, out_dir: str | Path) -> list[str
     return copied
 
 
-def hf_config_of(bridge: Any) -> Any:
+def hf_config_of(bridge: AutoBridge) -> Any:
     """The `PretrainedConfig` of an `AutoBridge` (built from a checkpoint or from a config)."""
     hf = bridge.hf_pretrained
     return getattr(hf, "config", hf)
 
 
-def hf_source_dir(bridge: Any) -> Path | None:
+def hf_source_dir(bridge: AutoBridge) -> Path | None:
     """The local directory an `AutoBridge` was loaded from, if it was a local path."""
     hf = getattr(bridge, "hf_pretrained", None)
     path = getattr(hf, "model_name_or_path", None) or getattr(hf, "_model_name_or_path", None)

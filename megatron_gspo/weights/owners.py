@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from megatron_gspo.engines.weight_shards import EngineChecksums
 from megatron_gspo.weights.config import WeightSyncConfig
 from megatron_gspo.weights.stream import StreamStats
 from megatron_gspo.weights.transports import DistributedTransport, TensorTransport, Transport
+
+if TYPE_CHECKING:
+    from megatron.bridge import AutoBridge
 
 
 def node_index() -> int:
@@ -128,7 +131,7 @@ class SenderGrid:
 
 
 def owned_tensors(
-    bridge: Any,
+    bridge: AutoBridge,
     model: list[torch.nn.Module],
     grid: SenderGrid,
     *,

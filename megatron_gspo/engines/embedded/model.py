@@ -19,11 +19,14 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_gspo.engines.wire import overall_checksum, tensor_checksum
+
+if TYPE_CHECKING:
+    from sglang.srt.sampling.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-6
 _TOP_K_ALL = 1 << 30
@@ -93,7 +96,7 @@ class HFPolicy:
     def generate(
         self,
         input_ids: Sequence[int],
-        sp: Any,
+        sp: SamplingParams,
         *,
         should_abort: Callable[[], bool] = lambda: False,
         wait_if_paused: Callable[[], bool] = lambda: False,
@@ -164,7 +167,9 @@ class HFPolicy:
             if len(out_ids) >= max_new:
                 return done({"type": "length", "length": max_new})
 
-    def _sample(self, logits_v: torch.Tensor, sp: Any, gen: torch.Generator) -> tuple[int, float]:
+    def _sample(
+        self, logits_v: torch.Tensor, sp: SamplingParams, gen: torch.Generator
+    ) -> tuple[int, float]:
         temperature = float(sp.temperature)
         top_k = int(sp.top_k) if sp.top_k not in (None, -1) else _TOP_K_ALL
         if top_k == 1 or temperature < _SAMPLING_EPS:

@@ -67,5 +67,5 @@ class _Armed:
     def __enter__(self) -> None:
         self.cap._target = self.target
 
-    def __exit__(self, *_exc: Any) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.cap._target = None

@@ -30,7 +30,7 @@ import types
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,21 @@ from megatron_gspo.engines.routed_experts import RoutedExperts
 from megatron_gspo.engines.weight_layout import unfuse_all
 from megatron_gspo.engines.weight_shards import EngineLayout
 from megatron_gspo.engines.wire import deserialize_named_tensors
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from sglang.srt.managers import io_struct as io
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs
+    from starlette.types import Receive, Scope, Send
+
+    # the requests that load weights and may name their weight version
+    type _WeightUpdate = (
+        io.UpdateWeightsFromTensorReqInput
+        | io.UpdateWeightsFromDistributedReqInput
+        | io.UpdateWeightFromDiskReqInput
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +74,7 @@ class EmbeddedTokenizerManager:
     """Implements the slice of SGLang's `TokenizerManager` that its HTTP routes call."""
 
     def __init__(
-        self, policy: HFPolicy, server_args: Any, *, weight_version: str = "default"
+        self, policy: HFPolicy, server_args: ServerArgs, *, weight_version: str = "default"
     ) -> None:
         from sglang.srt.managers.tokenizer_manager import ServerStatus
 
@@ -108,7 +123,7 @@ class EmbeddedTokenizerManager:
     def is_healthy(self) -> bool:
         return True
 
-    def create_abort_task(self, obj: Any) -> None:
+    def create_abort_task(self, obj: io.GenerateReqInput) -> None:
         return None
 
     async def get_internal_state(self) -> list[dict[str, Any]]:
@@ -151,7 +166,7 @@ class EmbeddedTokenizerManager:
                 cond.notify_all()
 
     # ---- generation ----------------------------------------------------------------------
-    async def generate_request(self, obj: Any, request: Any = None):
+    async def generate_request(self, obj: io.GenerateReqInput, request: Request | None = None):
         """Async generator yielding one dict (single request) or one list (batch)."""
         from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -205,7 +220,9 @@ class EmbeddedTokenizerManager:
         self.num_requests_served += 1
         yield outs[0] if obj.is_single else outs
 
-    def _run_one(self, rid: str, ids: list[int], sp: Any, routes: bool) -> dict[str, Any]:
+    def _run_one(
+        self, rid: str, ids: list[int], sp: SamplingParams, routes: bool
+    ) -> dict[str, Any]:
         tic = time.time()
         state = self.rid_to_state[rid]
         res = self.policy.generate(
@@ -255,14 +272,14 @@ class EmbeddedTokenizerManager:
             if abort_all or (rid and state.rid.startswith(rid)):
                 state.aborted = True
 
-    async def pause_generation(self, obj: Any) -> None:
+    async def pause_generation(self, obj: io.PauseGenerationReqInput) -> None:
         if obj.mode == "abort":
             self.abort_request(abort_all=True)
         self._pause_mode = obj.mode
         self._paused = True
         self._pause_event.clear()
 
-    async def continue_generation(self, obj: Any) -> None:
+    async def continue_generation(self, obj: io.ContinueGenerationReqInput) -> None:
         self._paused = False
         self._pause_event.set()
         cond = self._condition()
@@ -281,7 +298,7 @@ class EmbeddedTokenizerManager:
         return FlushCacheReqOutput(success=True)
 
     # ---- weights ---------------------------------------------------------------------------
-    def _after_update(self, obj: Any, message: str) -> tuple[bool, str]:
+    def _after_update(self, obj: _WeightUpdate, message: str) -> tuple[bool, str]:
         if obj.weight_version is not None:
             self.weight_version = obj.weight_version
             message += f" Weight version updated to {obj.weight_version}."
@@ -293,7 +310,9 @@ class EmbeddedTokenizerManager:
             )
         return True, message
 
-    async def begin_weight_update(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+    async def begin_weight_update(
+        self, obj: io.BeginWeightUpdateReqInput, request: Request | None = None
+    ) -> tuple[bool, str]:
         if self._session_open:
             return False, (
                 "a weight-update session is already open; call end_weight_update() first"
@@ -301,13 +320,17 @@ class EmbeddedTokenizerManager:
         self._session_open = True
         return True, "Success"
 
-    async def end_weight_update(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+    async def end_weight_update(
+        self, obj: io.EndWeightUpdateReqInput, request: Request | None = None
+    ) -> tuple[bool, str]:
         if not self._session_open:
             return False, "no weight-update session is open; call begin_weight_update() first"
         self._session_open = False
         return True, "Success"
 
-    async def update_weights_from_tensor(self, obj: Any, request: Any = None):
+    async def update_weights_from_tensor(
+        self, obj: io.UpdateWeightsFromTensorReqInput, request: Request | None = None
+    ):
         if obj.abort_all_requests:
             self.abort_request(abort_all=True)
         if not self._session_open:
@@ -332,7 +355,9 @@ class EmbeddedTokenizerManager:
             return False, f"Failed to update weights: {e}"
         return self._after_update(obj, "Success")
 
-    async def init_weights_update_group(self, obj: Any, request: Any = None):
+    async def init_weights_update_group(
+        self, obj: io.InitWeightsUpdateGroupReqInput, request: Request | None = None
+    ):
         from sglang.srt.utils import init_custom_process_group
 
         def join():
@@ -350,14 +375,18 @@ class EmbeddedTokenizerManager:
             return False, f"Failed to initialize custom process group: {e}."
         return True, "Succeeded to initialize custom process group."
 
-    async def destroy_weights_update_group(self, obj: Any, request: Any = None):
+    async def destroy_weights_update_group(
+        self, obj: io.DestroyWeightsUpdateGroupReqInput, request: Request | None = None
+    ):
         pg = self._groups.pop(obj.group_name, None)
         if pg is None:
             return False, f"Group {obj.group_name} not in {list(self._groups)}."
         torch.distributed.destroy_process_group(pg)
         return True, "Succeeded to destroy custom process group."
 
-    async def update_weights_from_distributed(self, obj: Any, request: Any = None):
+    async def update_weights_from_distributed(
+        self, obj: io.UpdateWeightsFromDistributedReqInput, request: Request | None = None
+    ):
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         if obj.abort_all_requests:
@@ -394,7 +423,9 @@ class EmbeddedTokenizerManager:
             return False, f"Failed to receive weights: {e}"
         return self._after_update(obj, "Succeeded to update parameter online.")
 
-    async def update_weights_from_disk(self, obj: Any, request: Any = None):
+    async def update_weights_from_disk(
+        self, obj: io.UpdateWeightFromDiskReqInput, request: Request | None = None
+    ):
         if obj.abort_all_requests:
             self.abort_request(abort_all=True)
         try:
@@ -405,13 +436,15 @@ class EmbeddedTokenizerManager:
         ok, message = self._after_update(obj, "Succeeded to update model weights.")
         return ok, message, 0
 
-    async def update_weight_version(self, obj: Any) -> None:
+    async def update_weight_version(self, obj: io.UpdateWeightVersionReqInput) -> None:
         self.weight_version = obj.new_version
 
-    async def get_weights_by_name(self, obj: Any, request: Any = None):
+    async def get_weights_by_name(
+        self, obj: io.GetWeightsByNameReqInput, request: Request | None = None
+    ):
         return self.policy.get_weights_by_name(obj.name, obj.truncate_size)
 
-    async def check_weights(self, obj: Any, request: Any = None):
+    async def check_weights(self, obj: io.CheckWeightsReqInput, request: Request | None = None):
         import hashlib
 
         if obj.action != "checksum":
@@ -425,12 +458,16 @@ class EmbeddedTokenizerManager:
         engine_sum = hashlib.sha256(info["per_gpu_checksum"].encode()).hexdigest()
         return True, "Success", [info], engine_sum
 
-    async def release_memory_occupation(self, obj: Any, request: Any = None) -> None:
+    async def release_memory_occupation(
+        self, obj: io.ReleaseMemoryOccupationReqInput, request: Request | None = None
+    ) -> None:
         if self.rid_to_state:
             raise RuntimeError("release_memory_occupation requires an idle server")
         self._released |= set(obj.tags or ["weights", "kv_cache", "cuda_graph"])
 
-    async def resume_memory_occupation(self, obj: Any, request: Any = None) -> None:
+    async def resume_memory_occupation(
+        self, obj: io.ResumeMemoryOccupationReqInput, request: Request | None = None
+    ) -> None:
         self._released -= set(obj.tags or ["weights", "kv_cache", "cuda_graph"])
 
 
@@ -440,7 +477,7 @@ class _DispatchingTokenizerManager:
     def __getattr__(self, name: str) -> Any:
         return getattr(_CURRENT_TM.get(), name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         setattr(_CURRENT_TM.get(), name, value)
 
 
@@ -448,7 +485,7 @@ _INSTALL_LOCK = threading.Lock()
 _INSTALLED: dict[str, Any] = {}
 
 
-def _install_sglang_app(model_path: str) -> Any:
+def _install_sglang_app(model_path: str) -> FastAPI:
     """Publish SGLang's server config and global state once per process; return its app."""
     with _INSTALL_LOCK:
         if "app" in _INSTALLED:
@@ -471,7 +508,7 @@ def _install_sglang_app(model_path: str) -> Any:
         return http_server.app
 
 
-def _authorized(app: Any, scope: dict[str, Any], api_key: str) -> bool:
+def _authorized(app: FastAPI, scope: Scope, api_key: str) -> bool:
     """SGLang's decision for this request (its `add_api_key_middleware` logic), per server:
     the app is shared by every in-process server, so the key cannot be app middleware."""
     from sglang.srt.utils.auth import _get_auth_level_from_app_and_scope, decide_request_auth
@@ -488,7 +525,7 @@ def _authorized(app: Any, scope: dict[str, Any], api_key: str) -> bool:
     return decision.allowed
 
 
-async def _unauthorized(scope: Any, receive: Any, send: Any) -> None:
+async def _unauthorized(scope: Scope, receive: Receive, send: Send) -> None:
     """SGLang's 401 body (its middleware sends the same JSON)."""
     from starlette.responses import JSONResponse
 
@@ -536,7 +573,7 @@ class EmbeddedServer:
                 _CURRENT_TM.reset(token)
 
         self._asgi = asgi
-        self._server: Any = None  # a uvicorn.Server once started (uvicorn loads lazily)
+        self._server: uvicorn.Server | None = None  # once started (uvicorn loads lazily)
         self._thread: threading.Thread | None = None
 
     def _config(self):
