@@ -15,7 +15,7 @@ import torch
 
 from megatron_gspo.engines import wire as proto
 from megatron_gspo.engines.protocols import WeightReceiver, weight_update_session
-from megatron_gspo.engines.weight_layout import engine_layout, rank_tensors
+from megatron_gspo.engines.weight_layout import engine_layout, rank_pieces
 from megatron_gspo.engines.weight_shards import EngineLayout
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class WeightCalls:
 
     def _update_weights_direct(
         self,
-        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        named_tensors: Sequence[tuple[str, Any]],
         layout: EngineLayout,
         *,
         weight_version: str | None,
@@ -92,13 +92,19 @@ class WeightCalls:
         payloads: dict[int, tuple[list[str], Any]] = {}  # per TP size: engines share a copy
         targets = self.pool.require_targets()
         bodies = {}
+        # Host payload buffers reused across calls, per TP size (this call waits for every
+        # engine's answer before returning, so the next call may overwrite them).
+        held: dict[int, dict[int, torch.Tensor]] = self.__dict__.setdefault("_direct_bufs", {})
         for url, tp in zip(self.config.engine_urls, self.engine_tp_sizes(), strict=True):
             if url not in targets:
                 continue
             if tp not in payloads:
                 lay = engine_layout(layout, tp)
-                per_rank = [rank_tensors(named_tensors, r, lay) for r in range(tp)]
-                payloads[tp] = proto.direct_payloads(per_rank)
+                # Each rank's buffer is written once, straight from the sender's tensors.
+                per_rank = [rank_pieces(named_tensors, r, lay) for r in range(tp)]
+                payloads[tp] = proto.direct_payloads_from_pieces(
+                    per_rank, held.setdefault(tp, {})
+                )
             bodies[url] = {
                 "serialized_named_tensors": payloads[tp][0],
                 "load_format": "direct",

@@ -193,6 +193,10 @@ class EngineChecksums:
         (`engines.weight_layout`), accounted as its HF-named members (views)."""
         from megatron_gspo.engines.weight_fused import is_fused_name, unfuse
 
+        if hasattr(tensor, "members"):  # weight_layout.FusedParts: its members as sent
+            for member, part in tensor.members():
+                self.add(member, part)
+            return
         if is_fused_name(name):
             model = next(iter(self.layouts.values()))  # every layout has the model's heads
             for member, part in unfuse(name, tensor, model):
@@ -228,6 +232,8 @@ class EngineChecksums:
         """`add` every tensor of a bucket, in order: from one host copy of it (`host_views`)
         unless only engines on CUDA are checked (then where it is, hashed on the GPU)."""
         on_gpu = self.device == "cuda" and "hf" not in self.namings
+        # SGLang's layout sent as members (weight_layout.FusedParts): hashed as its members.
+        named = [m for n, t in named for m in (t.members() if hasattr(t, "members") else [(n, t)])]
         for name, tensor in named if on_gpu else host_views(named):
             self.add(name, tensor)
 

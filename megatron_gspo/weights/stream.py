@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.engines.weight_layout import fused_stream
+from megatron_gspo.engines.weight_layout import FusedParts, fused_stream
 from megatron_gspo.weights import fp8
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -158,6 +158,10 @@ def convert_for_send(
     device tensor (no host sync; `iter_buckets` reads a bucket's worth at once); without
     `ratios` it is checked here (one host read per weight).
     """
+    if isinstance(tensor, FusedParts):  # SGLang's layout: cast while written to the payload
+        if use_fp8:
+            raise ValueError(f"{name}: SGLang's own layout is not sent as FP8")
+        return [(name, tensor.cast(dtype))]
     if not use_fp8:
         return [(name, tensor if dtype is None else tensor.to(dtype))]
     if not fp8.is_quantised_name(name, tensor):
@@ -286,9 +290,9 @@ def model_buckets(
 ) -> Iterator[Bucket]:
     """`iter_buckets(hf_tensors(...))`: buckets on the sender rank, nothing elsewhere.
 
-    layout: "hf" (HF-named tensors) or "engine": SGLang's whole fused tensors, one per fused
-    parameter (`engines.weight_layout.fused_stream`; `num_experts` per MoE layer lets a
-    layer's stacked experts leave as soon as the last arrives).
+    layout: "hf" (HF-named tensors) or "engine": SGLang's fused parameters, one item per fused
+    parameter, its members unassembled (`engines.weight_layout.FusedParts`; `num_experts` per
+    MoE layer lets a layer's stacked experts leave as soon as the last arrives).
     Every rank must exhaust this iterator (the bridge's gathers are collectives).
     """
     if experts_to_first and sender_rank != 0:
@@ -306,8 +310,11 @@ def model_buckets(
         if kwargs.get("stats") is None:
             kwargs["stats"] = StreamStats()
         # `tensors_seen` stays what the bridge exported to this rank (HF tensors), not the
-        # fewer fused tensors.
-        tensors = fused_stream(_counted(tensors, kwargs["stats"]), num_experts=num_experts)
+        # fewer fused tensors. Lazy: a fused parameter stays its members until the transport
+        # writes each engine rank's payload (one pass over the bytes, `weight_layout`).
+        tensors = fused_stream(
+            _counted(tensors, kwargs["stats"]), num_experts=num_experts, lazy=True
+        )
         kwargs["count_seen"] = False
     yield from iter_buckets(
         tensors,
