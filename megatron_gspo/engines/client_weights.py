@@ -15,7 +15,12 @@ import torch
 
 from megatron_gspo.engines import wire as proto
 from megatron_gspo.engines.protocols import WeightReceiver, weight_update_session
-from megatron_gspo.engines.weight_layout import engine_layout, rank_pieces
+from megatron_gspo.engines.weight_layout import (
+    Sendable,
+    engine_layout,
+    rank_pieces,
+    tensors_only,
+)
 from megatron_gspo.engines.weight_shards import EngineLayout
 
 if TYPE_CHECKING:
@@ -50,7 +55,7 @@ class WeightCalls:
 
     def update_weights_from_tensor(
         self,
-        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        named_tensors: Sequence[tuple[str, Sendable]],
         *,
         weight_version: str | None = None,
         flush_cache: bool = True,
@@ -63,7 +68,7 @@ class WeightCalls:
             return
         # One flattened copy for all engines, one payload per TP rank of each engine (SGLang's
         # rank r reads entry r: an engine given fewer entries than ranks fails its update).
-        bucket = proto.flatten_bucket(named_tensors)
+        bucket = proto.flatten_bucket(tensors_only(named_tensors))
         bodies = {
             url: {
                 "serialized_named_tensors": proto.bucket_payloads(bucket, tp),
@@ -81,7 +86,7 @@ class WeightCalls:
 
     def _update_weights_direct(
         self,
-        named_tensors: Sequence[tuple[str, Any]],
+        named_tensors: Sequence[tuple[str, Sendable]],
         layout: EngineLayout,
         *,
         weight_version: str | None,

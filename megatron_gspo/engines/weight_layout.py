@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 import torch
 
@@ -131,6 +130,21 @@ class FusedParts:
         return _assemble(self.name, [t for _, t in self.members()])
 
 
+Sendable = torch.Tensor | FusedParts
+"""What a bucket holds in SGLang's layout: a whole tensor or a fused parameter's members."""
+
+
+def tensors_only(named: Sequence[tuple[str, Sendable]]) -> list[tuple[str, torch.Tensor]]:
+    """`named` as plain tensors, for the paths that send HF names only (a `FusedParts` there
+    is a bug upstream: raise, naming it)."""
+    out = []
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: SGLang's fused layout reached a path that sends HF names")
+        out.append((name, t))
+    return out
+
+
 def _fused_shape(name: str, shapes: Sequence[torch.Size]) -> tuple[int, ...]:
     """The shape of the fused tensor of members of `shapes` (in order): w13 stacks
     `[gate_e; up_e]` per expert, w2 stacks `down_e`, the rest concatenate along dim 0."""
@@ -160,7 +174,9 @@ class RankPiece:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-def rank_piece(name: str, item: Any, rank: int, lay: EngineLayout) -> RankPiece | None:
+def rank_piece(
+    name: str, item: torch.Tensor | FusedParts, rank: int, lay: EngineLayout
+) -> RankPiece | None:
     """What TP rank `rank` of an engine of layout `lay` loads of SGLang parameter `name`
     (`item`: the whole tensor or its `FusedParts`), as views of the sender's tensors: the
     same bytes as `rank_tensor`, never assembled here (None: nothing of it on that rank)."""
@@ -182,7 +198,7 @@ def rank_piece(name: str, item: Any, rank: int, lay: EngineLayout) -> RankPiece 
 
 
 def rank_pieces(
-    named: Iterable[tuple[str, Any]], rank: int, lay: EngineLayout
+    named: Iterable[tuple[str, Sendable]], rank: int, lay: EngineLayout
 ) -> list[RankPiece]:
     """`rank_piece` over a bucket: what rank `rank` loads, in order."""
     out = []
@@ -220,7 +236,7 @@ class Fuser:
             return [(e, 0) for e in range(n)] if n else None
         return [(0, 0), (0, 1)]  # gate_up_proj
 
-    def add(self, name: str, t: torch.Tensor) -> list[tuple[str, Any]]:
+    def add(self, name: str, t: torch.Tensor) -> list[tuple[str, Sendable]]:
         """Account one HF tensor; returns the tensors now complete (SGLang names)."""
         slot = sglang_slot(name)
         if slot is None:
@@ -235,7 +251,7 @@ class Fuser:
             return []
         return [self._close(group, keys)]
 
-    def _close(self, group: str, keys: list[tuple[int, int]]) -> tuple[str, Any]:
+    def _close(self, group: str, keys: list[tuple[int, int]]) -> tuple[str, Sendable]:
         parts = self._parts.pop(group)
         if sorted(parts) != keys:
             raise ValueError(f"{group}: members {sorted(parts)} arrived, expected {keys}")
@@ -245,7 +261,7 @@ class Fuser:
             return group, FusedParts(group, list(zip(names, ordered, strict=True)))
         return group, _assemble(group, ordered)
 
-    def close(self) -> list[tuple[str, Any]]:
+    def close(self) -> list[tuple[str, Sendable]]:
         """The groups still open (experts of unknown count: as many as arrived, no gaps);
         raises when a group misses a member (q and v but no k)."""
         out = []
@@ -261,7 +277,7 @@ class Fuser:
 
 def fused_stream(
     named: Iterable[tuple[str, torch.Tensor]], *, num_experts: int = 0, lazy: bool = False
-) -> Iterator[tuple[str, Any]]:
+) -> Iterator[tuple[str, Sendable]]:
     """An HF-named stream as SGLang's whole fused tensors, each as soon as it is complete
     (lazy: as `FusedParts`, the members uncopied; names SGLang does not fuse stay tensors)."""
     fuser = Fuser(num_experts, lazy=lazy)
@@ -287,9 +303,9 @@ def rank_tensor(
         return None
     local_experts = lay.num_experts // lay.ep_size if lay.num_experts else 0
     fused = list(fused_stream(kept, num_experts=local_experts))
-    if len(fused) != 1 or fused[0][0] != name:
+    if len(fused) != 1 or fused[0][0] != name or not isinstance(fused[0][1], torch.Tensor):
         raise ValueError(f"{name}: rank {rank}'s parts fused into {[n for n, _ in fused]}")
-    return fused[0]
+    return name, fused[0][1]
 
 
 def engine_layout(model: EngineLayout, tp_size: int) -> EngineLayout:
@@ -314,6 +330,8 @@ __all__ = [
     "LAYOUTS",
     "FusedParts",
     "RankPiece",
+    "Sendable",
+    "tensors_only",
     "rank_piece",
     "rank_pieces",
     "engine_layout",

@@ -234,10 +234,17 @@ def bucket_payloads(bucket: Any, tp_size: int) -> list[str]:
 class DirectPiece(Protocol):
     """One tensor of a rank's `direct` payload (`engines.weight_layout.RankPiece`)."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    sources: list[torch.Tensor]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def sources(self) -> list[torch.Tensor]: ...
 
     @property
     def nbytes(self) -> int: ...

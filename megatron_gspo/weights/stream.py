@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.engines.weight_layout import FusedParts, fused_stream
+from megatron_gspo.engines.weight_layout import FusedParts, Sendable, fused_stream
 from megatron_gspo.weights import fp8
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -45,11 +45,12 @@ DEFAULT_BUCKET_BYTES = 512 * 1024**2
 class Bucket:
     """HF-named tensors to send together (one flattened buffer on the wire)."""
 
-    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    tensors: list[tuple[str, Sendable]] = field(default_factory=list)
+    """Tensors, or in SGLang's layout fused parameters as their members (`FusedParts`)."""
     nbytes: int = 0
     index: int = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: Sendable) -> None:
         self.tensors.append((name, tensor))
         self.nbytes += tensor.numel() * tensor.element_size()
 
@@ -144,14 +145,14 @@ def hf_tensors(
 
 def convert_for_send(
     name: str,
-    tensor: torch.Tensor,
+    tensor: Sendable,
     *,
     dtype: torch.dtype | None,
     use_fp8: bool,
     fp8_check: bool,
     stats: StreamStats,
     ratios: list[tuple[str, torch.Tensor]] | None = None,
-) -> list[tuple[str, torch.Tensor]]:
+) -> list[tuple[str, Sendable]]:
     """Cast to the rollout dtype, or quantise a decoder linear weight to block FP8 + scale.
 
     fp8_check: the worst e4m3 error ratio of the weight is appended to `ratios` as a 0-d
@@ -193,7 +194,7 @@ def _checked(ratios: list[tuple[str, torch.Tensor]], stats: StreamStats) -> bool
 
 
 def iter_buckets(
-    tensors: Iterator[tuple[str, torch.Tensor]],
+    tensors: Iterator[tuple[str, Sendable]],
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     keep: bool = True,
@@ -299,13 +300,14 @@ def model_buckets(
         # Global rank 0 is rank 0 of every group it belongs to; another rank may not be.
         raise ValueError("experts_to_first needs sender_rank=0 (or experts_to_first=False)")
     keep = is_sender(sender_rank)
-    tensors = hf_tensors(
+    exported = hf_tensors(
         bridge,
         model,
         cpu=cpu,
         experts_to_first=experts_to_first,
         expert_batch_bytes=expert_batch_bytes,
     )
+    tensors: Iterator[tuple[str, Sendable]] = exported
     if layout == "engine" and keep:  # the other ranks only drain the collectives
         if kwargs.get("stats") is None:
             kwargs["stats"] = StreamStats()
@@ -313,7 +315,7 @@ def model_buckets(
         # fewer fused tensors. Lazy: a fused parameter stays its members until the transport
         # writes each engine rank's payload (one pass over the bytes, `weight_layout`).
         tensors = fused_stream(
-            _counted(tensors, kwargs["stats"]), num_experts=num_experts, lazy=True
+            _counted(exported, kwargs["stats"]), num_experts=num_experts, lazy=True
         )
         kwargs["count_seen"] = False
     yield from iter_buckets(
