@@ -94,31 +94,34 @@ class WeightCalls:
     ) -> None:
         """SGLang-named whole tensors, each engine rank sent its own part
         (`load_format="direct"`: the engine copies each into the parameter of that name)."""
-        payloads: dict[int, tuple[list[str], Any]] = {}  # per TP size: engines share a copy
         targets = self.pool.require_targets()
-        bodies = {}
+        by_tp: dict[int, list[str]] = {}
+        for url, tp in zip(self.config.engine_urls, self.engine_tp_sizes(), strict=True):
+            if url in targets:
+                by_tp.setdefault(tp, []).append(url)
         # Host payload buffers reused across calls, per TP size (this call waits for every
         # engine's answer before returning, so the next call may overwrite them).
         held: dict[int, dict[int, torch.Tensor]] = self.__dict__.setdefault("_direct_bufs", {})
-        for url, tp in zip(self.config.engine_urls, self.engine_tp_sizes(), strict=True):
-            if url not in targets:
-                continue
-            if tp not in payloads:
-                lay = engine_layout(layout, tp)
-                # Each rank's buffer is written once, straight from the sender's tensors.
-                per_rank = [rank_pieces(named_tensors, r, lay) for r in range(tp)]
-                payloads[tp] = proto.direct_payloads_from_pieces(
-                    per_rank, held.setdefault(tp, {})
-                )
-            bodies[url] = {
-                "serialized_named_tensors": payloads[tp][0],
-                "load_format": "direct",
-                "flush_cache": flush_cache,
-                "weight_version": weight_version,
-            }
-        # The payloads are handles onto the flattened copies: kept until every engine answered.
+        keep, bodies = [], {}
+        for tp, urls in by_tp.items():
+            lay = engine_layout(layout, tp)
+            # Each rank's buffer is written once, straight from the sender's tensors, and
+            # shared by the engines of this TP size (each its own serialisation of it).
+            per_rank = [rank_pieces(named_tensors, r, lay) for r in range(tp)]
+            payloads, bufs = proto.direct_payloads_for_engines(
+                per_rank, len(urls), held.setdefault(tp, {})
+            )
+            keep.append(bufs)
+            for url, payload in zip(urls, payloads, strict=True):
+                bodies[url] = {
+                    "serialized_named_tensors": payload,
+                    "load_format": "direct",
+                    "flush_cache": flush_cache,
+                    "weight_version": weight_version,
+                }
+        # The payloads are handles onto the buffers: kept until every engine answered.
         self._in_thread("/update_weights_from_tensor", bodies).result()
-        del payloads
+        del keep
 
     def init_weights_update_group(
         self,

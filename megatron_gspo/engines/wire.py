@@ -271,6 +271,16 @@ def direct_payloads_from_pieces(
     per_rank: Sequence[Sequence[DirectPiece]],
     buffers: dict[int, torch.Tensor] | None = None,
 ) -> tuple[list[str], list[torch.Tensor]]:
+    """`direct_payloads_for_engines` for one engine."""
+    payloads, keep = direct_payloads_for_engines(per_rank, 1, buffers)
+    return payloads[0], keep
+
+
+def direct_payloads_for_engines(
+    per_rank: Sequence[Sequence[DirectPiece]],
+    engines: int,
+    buffers: dict[int, torch.Tensor] | None = None,
+) -> tuple[list[list[str]], list[torch.Tensor]]:
     """`serialized_named_tensors` for `load_format="direct"`: entry r is rank r's own
     `[(sglang_name, tensor), ...]` list (SGLang's rank r decodes entry r only and copies each
     tensor into the parameter of that name).
@@ -278,15 +288,19 @@ def direct_payloads_from_pieces(
     Each rank's tensors are views of ONE buffer (`payload_buffer`: one shared-memory segment or
     CUDA-IPC handle per rank, not one per tensor), and each piece's sources are copied (cast to
     its dtype) straight into their place in it: the only pass over the bytes on the sender.
-    Returns (payloads, keep): keep `keep` alive until the HTTP call returns (the payloads are
-    handles onto it).
+    Returns (payloads, keep): `payloads[i]` for engine i of `engines` sharing the buffers,
+    each its own serialisation (a shared-memory segment is reference-counted per
+    serialisation: one payload opened by two engines drops the count to zero and unlinks the
+    segment while the sender still holds it); keep `keep` alive until the HTTP calls return
+    (the payloads are handles onto it).
 
     buffers: host buffers to reuse, by rank, kept by the caller across calls (a fresh
     shared-memory segment costs a page fault per 4 KiB on first write: measured 5.8x the
     time of writing a warm one). Only for callers that wait for the engines' answer before
     the next call (the engine has copied the payload out by then)."""
     serializer, _ = _sglang_weight_sync()
-    payloads, keep = [], []
+    payloads: list[list[str]] = [[] for _ in range(engines)]
+    keep = []
     for rank, pieces in enumerate(per_rank):
         offsets, total = [], 0
         for piece in pieces:
@@ -310,7 +324,8 @@ def direct_payloads_from_pieces(
             if pos != out.numel():
                 raise ValueError(f"{piece.name}: sources hold {pos} elements, shape {piece.shape}")
             views.append((piece.name, out.view(piece.shape)))
-        payloads.append(serializer.serialize(views, output_str=True))
+        for one in payloads:
+            one.append(serializer.serialize(views, output_str=True))
         keep.append(flat)
     return payloads, keep
 

@@ -139,3 +139,46 @@ def test_direct_payload_is_one_segment_per_rank_and_decodes_bitwise() -> None:
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
         assert len({t.untyped_storage().data_ptr() for _, t in got}) == 1
     del keep
+
+
+def _decode_in_another_process(payloads: list[str]) -> list[float]:
+    """Each payload opened and dropped in turn by a fresh process, as engines do (torch's own
+    rebuild of the shared-memory handles; the sum of each decoded tensor)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, json, base64, pickle, torch\n"
+        "out = []\n"
+        "for p in json.load(sys.stdin):\n"
+        "    named = pickle.loads(base64.b64decode(p))\n"
+        "    out.append(sum(float(t.double().sum()) for _, t in named))\n"
+        "    del named\n"
+        "print(json.dumps(out))\n"
+    )
+    import json
+
+    res = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(payloads), capture_output=True,
+        text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-800:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_reused_buffers_survive_several_engines_across_calls() -> None:
+    """Engines of one TP size share each rank's buffer, each with its own serialisation; the
+    buffer is reused by the next call (next bucket). One serialisation opened by two engines
+    let the second drop the segment's count to zero: the next call's engines found no segment
+    ("unable to open shared memory object")."""
+    from megatron_gspo.engines.wire import direct_payloads_for_engines
+
+    held: dict[int, torch.Tensor] = {}
+    items = _fused()
+    want = sum(float(t.double().sum()) for _, t in items)
+    for call in range(2):
+        per_rank = [rank_pieces(items, 0, _layout(1, 1))]
+        payloads, keep = direct_payloads_for_engines(per_rank, 2, held)
+        got = _decode_in_another_process([p[0] for p in payloads])
+        assert got == pytest.approx([want, want]), call
+        del keep
