@@ -423,11 +423,15 @@ def resolve(cfg: Config) -> Config:
     - rollout.launch.model_path empty: model.hf_path (the engines start from the same model)
     - weights.dtype null: what the engines hold (`_send_dtype`)
     - weights.disk_dir null with weights.transport=disk: <logging.dir>/weights
+    - weights.layout=auto: hf for embedded engines of rollout.launch.tp_size > 1 (they hold
+      whole HF tensors and read rank 0's payload, not SGLang's per-rank cut)
     """
     launch = cfg.rollout.launch
     weights: dict[str, Any] = {"dtype": _send_dtype(cfg)}
     if launch is not None:
         weights["engine_ep_size"] = launch.ep_size
+        if cfg.rollout.embedded and launch.tp_size > 1 and cfg.weights.layout == "auto":
+            weights["layout"] = "hf"
         device = sglang_rules.checksum_device(launch)
         if cfg.weights.engine_device == "auto" and device is not None:
             weights["engine_device"] = device

@@ -116,6 +116,11 @@ def test_resolve_fills_the_derived_values_into_a_new_config() -> None:
     loaded = _cfg("model.dtype=bf16", "rollout.launch.ep_size=2", "weights.transport=disk",
                   "logging.dir=/runs/x")  # fmt: skip
     assert loaded == out  # load_config applies it
+    # SGLang's own layout is auto's choice for the tensor transport, but an embedded engine
+    # of TP 2 holds whole HF tensors: auto is hf for it (engine layout otherwise)
+    for tp, layout in ((1, "engine"), (2, "hf")):
+        got = resolve(_cfg(f"rollout.launch.tp_size={tp}")).weights
+        assert got.resolved_layout == layout, tp
 
 
 def test_routes_come_in_a_new_config(tmp_path: Path) -> None:

@@ -588,8 +588,9 @@ class SGLangClient(WeightCalls):
         return {u: s == 200 for u, (s, _) in res.items()}
 
     def close(self) -> None:
-        """Release the client's worker threads."""
+        """Release the client's worker threads and its held weight-payload buffers."""
         self._executor.shutdown(wait=False)
+        self.__dict__.pop("_direct_bufs", None)
 
 
 def requests_per_engine(results: Sequence[RolloutResult]) -> Counter:

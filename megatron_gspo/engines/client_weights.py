@@ -15,7 +15,12 @@ import torch
 
 from megatron_gspo.engines import wire as proto
 from megatron_gspo.engines.protocols import WeightReceiver, weight_update_session
-from megatron_gspo.engines.weight_layout import engine_layout, rank_tensors
+from megatron_gspo.engines.weight_layout import (
+    Sendable,
+    engine_layout,
+    rank_pieces,
+    tensors_only,
+)
 from megatron_gspo.engines.weight_shards import EngineLayout
 
 if TYPE_CHECKING:
@@ -52,7 +57,7 @@ class WeightCalls:
 
     def update_weights_from_tensor(
         self,
-        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        named_tensors: Sequence[tuple[str, Sendable]],
         *,
         weight_version: str | None = None,
         flush_cache: bool = True,
@@ -65,7 +70,7 @@ class WeightCalls:
             return
         # One flattened copy for all engines, one payload per TP rank of each engine (SGLang's
         # rank r reads entry r: an engine given fewer entries than ranks fails its update).
-        bucket = proto.flatten_bucket(named_tensors)
+        bucket = proto.flatten_bucket(tensors_only(named_tensors))
         bodies = {
             url: {
                 "serialized_named_tensors": proto.bucket_payloads(bucket, tp),
@@ -83,7 +88,7 @@ class WeightCalls:
 
     def _update_weights_direct(
         self,
-        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        named_tensors: Sequence[tuple[str, Sendable]],
         layout: EngineLayout,
         *,
         weight_version: str | None,
@@ -91,25 +96,34 @@ class WeightCalls:
     ) -> None:
         """SGLang-named whole tensors, each engine rank sent its own part
         (`load_format="direct"`: the engine copies each into the parameter of that name)."""
-        payloads: dict[int, tuple[list[str], Any]] = {}  # per TP size: engines share a copy
         targets = self.pool.require_targets()
-        bodies = {}
+        by_tp: dict[int, list[str]] = {}
         for url, tp in zip(self.config.engine_urls, self.engine_tp_sizes(), strict=True):
-            if url not in targets:
-                continue
-            if tp not in payloads:
-                lay = engine_layout(layout, tp)
-                per_rank = [rank_tensors(named_tensors, r, lay) for r in range(tp)]
-                payloads[tp] = proto.direct_payloads(per_rank)
-            bodies[url] = {
-                "serialized_named_tensors": payloads[tp][0],
-                "load_format": "direct",
-                "flush_cache": flush_cache,
-                "weight_version": weight_version,
-            }
-        # The payloads are handles onto the flattened copies: kept until every engine answered.
+            if url in targets:
+                by_tp.setdefault(tp, []).append(url)
+        # Host payload buffers reused across calls, per TP size (this call waits for every
+        # engine's answer before returning, so the next call may overwrite them).
+        held: dict[int, dict[int, torch.Tensor]] = self.__dict__.setdefault("_direct_bufs", {})
+        keep, bodies = [], {}
+        for tp, urls in by_tp.items():
+            lay = engine_layout(layout, tp)
+            # Each rank's buffer is written once, straight from the sender's tensors, and
+            # shared by the engines of this TP size (each its own serialisation of it).
+            per_rank = [rank_pieces(named_tensors, r, lay) for r in range(tp)]
+            payloads, bufs = proto.direct_payloads_for_engines(
+                per_rank, len(urls), held.setdefault(tp, {})
+            )
+            keep.append(bufs)
+            for url, payload in zip(urls, payloads, strict=True):
+                bodies[url] = {
+                    "serialized_named_tensors": payload,
+                    "load_format": "direct",
+                    "flush_cache": flush_cache,
+                    "weight_version": weight_version,
+                }
+        # The payloads are handles onto the buffers: kept until every engine answered.
         self._in_thread("/update_weights_from_tensor", bodies).result()
-        del payloads
+        del keep
 
     def init_weights_update_group(
         self,

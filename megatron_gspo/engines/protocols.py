@@ -28,6 +28,8 @@ from megatron_gspo.engines.types import RolloutResult, SamplingParams
 if TYPE_CHECKING:  # annotations only: the engines' API loads without torch (the planner)
     import torch
 
+    from megatron_gspo.engines.weight_layout import Sendable
+
 
 class EngineError(RuntimeError):
     """A rollout engine refused a request (HTTP 4xx) or stayed unreachable after retries."""
@@ -120,7 +122,7 @@ class WeightReceiver(Protocol):
 
     def update_weights_from_tensor(
         self,
-        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        named_tensors: Sequence[tuple[str, Sendable]],
         *,
         weight_version: str | None = None,
         flush_cache: bool = True,
@@ -128,9 +130,9 @@ class WeightReceiver(Protocol):
     ) -> None:
         """Push tensors to every engine (same node only). Without `layout`: HF-named tensors
         in one flattened bucket, mapped by the engine's `load_weights`. With `layout` (an
-        `engines.weight_shards.EngineLayout` of the model): SGLang's whole fused tensors
-        (`engines.weight_layout`), each engine rank sent its own part, loaded by name
-        (`load_format="direct"`).
+        `engines.weight_shards.EngineLayout` of the model): SGLang's fused parameters, whole
+        tensors or their members (`engines.weight_layout.FusedParts`), each engine rank sent
+        its own part, loaded by name (`load_format="direct"`).
 
         `weight_version=None` leaves the version alone (set it per session instead).
         """

@@ -5,14 +5,16 @@ sent) and `weight_layout.py` (what is sent) both use, so neither imports the oth
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+if TYPE_CHECKING:
+    from megatron_gspo.engines.weight_layout import Sendable
     from megatron_gspo.engines.weight_shards import EngineLayout
 
-__all__ = ["is_fused_name", "unfuse"]
+__all__ = ["is_fused_name", "tensors_only", "unfuse"]
 
 _QKV = re.compile(r"^(?P<p>.*\.self_attn)\.qkv_proj\.(?P<leaf>weight|bias)$")
 _GATE_UP = re.compile(r"^(?P<p>.*\.mlp)\.gate_up_proj\.(?P<leaf>weight|bias)$")
@@ -58,3 +60,14 @@ def _half(name: str, t: torch.Tensor, dim: int) -> int:
     if t.shape[dim] % 2:
         raise ValueError(f"{name}: dim {dim} of {tuple(t.shape)} is not gate + up")
     return t.shape[dim] // 2
+
+
+def tensors_only(named: Sequence[tuple[str, Sendable]]) -> list[tuple[str, torch.Tensor]]:
+    """`named` as plain tensors, for the paths that send HF names only (a `FusedParts` there
+    is a bug upstream: raise, naming it)."""
+    out = []
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: SGLang's fused layout reached a path that sends HF names")
+        out.append((name, t))
+    return out

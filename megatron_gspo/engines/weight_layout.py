@@ -18,20 +18,27 @@ Hq / Hkv query / kv heads, d head dim.
     <mlp>.experts.w13_weight       [E, 2I, H]      = stack_e(cat(gate_e, up_e))
     <mlp>.experts.w2_weight        [E, H, I]       = stack_e(down_e)
 
-The sender fuses the HF-named stream into these whole tensors (`Fuser`: one tensor per fused
-parameter, a layer's experts stacked once), and the receiver side cuts each into the part an
+The sender groups the HF-named stream by these parameters (`Fuser`: one item per fused
+parameter, a layer's experts together), and the receiver side cuts each into the part an
 engine rank holds (`rank_tensors`); `unfuse` gives the HF-named views back (the checksums
 and the embedded engine, which holds HF names).
+
+One pass over the bytes (`FusedParts`, `rank_pieces`): the sender's stream does not assemble
+a fused tensor; it keeps the members as exported, and each engine rank's payload buffer (one
+shared-memory segment or CUDA buffer per rank and bucket, `wire.direct_payloads_from_pieces`)
+is written once, each member's rank shard copied (and cast) straight to its place in it. A
+fused tensor's bytes are its members' bytes back to back in SGLang's order, and so are a
+rank's (its shards of the members, in the same order), which is what makes that possible.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from megatron_gspo.engines.weight_fused import is_fused_name, unfuse
+from megatron_gspo.engines.weight_fused import is_fused_name, tensors_only, unfuse
 from megatron_gspo.engines.weight_names import sglang_slot
 from megatron_gspo.engines.weight_shards import EngineLayout, engine_shard
 
@@ -63,6 +70,134 @@ def _assemble(sglang_name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _member_names(group: str, keys: list[tuple[int, int]]) -> list[str]:
+    """The HF names of a fused parameter's members in `keys` order (`sglang_slot`'s inverse)."""
+    if group.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
+        stem, leaf = group.rsplit(".qkv_proj.", 1)
+        return [f"{stem}.{m}_proj.{leaf}" for m in "qkv"]
+    if group.endswith((".gate_up_proj.weight", ".gate_up_proj.bias")):
+        stem, leaf = group.rsplit(".gate_up_proj.", 1)
+        return [f"{stem}.gate_proj.{leaf}", f"{stem}.up_proj.{leaf}"]
+    stem = group.rsplit(".", 1)[0]  # <mlp>.experts
+    if group.endswith(".w2_weight"):
+        return [f"{stem}.{e}.down_proj.weight" for e, _ in keys]
+    return [f"{stem}.{e}.{('gate', 'up')[i]}_proj.weight" for e, i in keys]
+
+
+class FusedParts:
+    """One SGLang fused parameter as its HF-named members, not assembled (`Fuser(lazy=True)`).
+
+    Stands where the whole tensor would in a bucket (`numel`, `element_size`, `dtype` of what
+    is sent); `cast` only records the send dtype: the members are cast while they are copied
+    into each engine rank's payload buffer (`rank_pieces`), so the bytes are moved once.
+    `members()` gives them as sent (cast), `whole()` the assembled tensor (tests, checks).
+    """
+
+    __slots__ = ("name", "parts", "dtype", "shape")
+
+    def __init__(
+        self,
+        name: str,
+        parts: list[tuple[str, torch.Tensor]],
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if not parts or any(t.dtype != parts[0][1].dtype for _, t in parts):
+            raise ValueError(f"{name}: members differ in dtype or are missing")
+        self.name, self.parts = name, parts
+        self.dtype: torch.dtype = dtype or parts[0][1].dtype
+        self.shape = _fused_shape(name, [t.shape for _, t in parts])
+
+    def numel(self) -> int:
+        return sum(t.numel() for _, t in self.parts)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0][1].device
+
+    def cast(self, dtype: torch.dtype | None) -> FusedParts:
+        """The same members, sent as `dtype` (None: as they are)."""
+        return self if dtype is None else FusedParts(self.name, self.parts, dtype)
+
+    def members(self) -> list[tuple[str, torch.Tensor]]:
+        """The HF-named members as sent (cast to `dtype`; no copy when they already are)."""
+        return [(n, t.to(self.dtype)) for n, t in self.parts]
+
+    def whole(self) -> torch.Tensor:
+        """The assembled fused tensor (a copy)."""
+        return _assemble(self.name, [t for _, t in self.members()])
+
+
+Sendable = torch.Tensor | FusedParts
+"""What a bucket holds in SGLang's layout: a whole tensor or a fused parameter's members."""
+
+
+def _fused_shape(name: str, shapes: Sequence[torch.Size]) -> tuple[int, ...]:
+    """The shape of the fused tensor of members of `shapes` (in order): w13 stacks
+    `[gate_e; up_e]` per expert, w2 stacks `down_e`, the rest concatenate along dim 0."""
+    first = tuple(shapes[0])
+    if name.endswith(".w13_weight"):
+        return (len(shapes) // 2, 2 * first[0], *first[1:])
+    if name.endswith(".w2_weight"):
+        return (len(shapes), *first)
+    return (sum(s[0] for s in shapes), *first[1:])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankPiece:
+    """One tensor of an engine rank's `direct` payload: its SGLang name, shape and dtype, and
+    the tensors whose bytes, back to back in order (each cast to `dtype`), make it up."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sources: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def rank_piece(
+    name: str, item: torch.Tensor | FusedParts, rank: int, lay: EngineLayout
+) -> RankPiece | None:
+    """What TP rank `rank` of an engine of layout `lay` loads of SGLang parameter `name`
+    (`item`: the whole tensor or its `FusedParts`), as views of the sender's tensors: the
+    same bytes as `rank_tensor`, never assembled here (None: nothing of it on that rank)."""
+    if isinstance(item, FusedParts):
+        members, dtype = item.parts, item.dtype
+    else:
+        members, dtype = unfuse(name, item, lay), item.dtype
+    if not is_fused_name(name):
+        one = engine_shard(name, members[0][1], rank, lay)
+        return None if one is None else RankPiece(name, tuple(one[1].shape), dtype, [one[1]])
+    if lay.tp_size == 1 and lay.ep_size == 1:
+        shards = [t for _, t in members]
+    else:
+        cut = (engine_shard(n, m, rank, lay) for n, m in members)
+        shards = [p[1] for p in cut if p is not None]
+    if not shards:
+        return None
+    return RankPiece(name, _fused_shape(name, [s.shape for s in shards]), dtype, shards)
+
+
+def rank_pieces(
+    named: Iterable[tuple[str, Sendable]], rank: int, lay: EngineLayout
+) -> list[RankPiece]:
+    """`rank_piece` over a bucket: what rank `rank` loads, in order."""
+    out = []
+    for name, item in named:
+        piece = rank_piece(name, item, rank, lay)
+        if piece is not None:
+            out.append(piece)
+    return out
+
+
 class Fuser:
     """Turn an HF-named tensor stream into SGLang's whole fused tensors (`add`, `close`).
 
@@ -72,9 +207,12 @@ class Fuser:
     back in SGLang's order, so a fused tensor equals what SGLang assembles from HF names.
     """
 
-    def __init__(self, num_experts: int = 0) -> None:
-        """num_experts: experts per MoE layer (0: unknown; experts are then held to `close`)."""
+    def __init__(self, num_experts: int = 0, *, lazy: bool = False) -> None:
+        """num_experts: experts per MoE layer (0: unknown; experts are then held to `close`).
+        lazy: a completed group comes out as its members (`FusedParts`, no copy) instead of
+        one assembled tensor."""
         self.num_experts = num_experts
+        self.lazy = lazy
         self._parts: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
 
     def _members(self, group: str) -> list[tuple[int, int]] | None:
@@ -87,7 +225,7 @@ class Fuser:
             return [(e, 0) for e in range(n)] if n else None
         return [(0, 0), (0, 1)]  # gate_up_proj
 
-    def add(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def add(self, name: str, t: torch.Tensor) -> list[tuple[str, Sendable]]:
         """Account one HF tensor; returns the tensors now complete (SGLang names)."""
         slot = sglang_slot(name)
         if slot is None:
@@ -102,13 +240,17 @@ class Fuser:
             return []
         return [self._close(group, keys)]
 
-    def _close(self, group: str, keys: list[tuple[int, int]]) -> tuple[str, torch.Tensor]:
+    def _close(self, group: str, keys: list[tuple[int, int]]) -> tuple[str, Sendable]:
         parts = self._parts.pop(group)
         if sorted(parts) != keys:
             raise ValueError(f"{group}: members {sorted(parts)} arrived, expected {keys}")
-        return group, _assemble(group, [parts[k] for k in keys])
+        ordered = [parts[k] for k in keys]
+        if self.lazy:
+            names = _member_names(group, keys)
+            return group, FusedParts(group, list(zip(names, ordered, strict=True)))
+        return group, _assemble(group, ordered)
 
-    def close(self) -> list[tuple[str, torch.Tensor]]:
+    def close(self) -> list[tuple[str, Sendable]]:
         """The groups still open (experts of unknown count: as many as arrived, no gaps);
         raises when a group misses a member (q and v but no k)."""
         out = []
@@ -123,10 +265,11 @@ class Fuser:
 
 
 def fused_stream(
-    named: Iterable[tuple[str, torch.Tensor]], *, num_experts: int = 0
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """An HF-named stream as SGLang's whole fused tensors, each as soon as it is complete."""
-    fuser = Fuser(num_experts)
+    named: Iterable[tuple[str, torch.Tensor]], *, num_experts: int = 0, lazy: bool = False
+) -> Iterator[tuple[str, Sendable]]:
+    """An HF-named stream as SGLang's whole fused tensors, each as soon as it is complete
+    (lazy: as `FusedParts`, the members uncopied; names SGLang does not fuse stay tensors)."""
+    fuser = Fuser(num_experts, lazy=lazy)
     for name, t in named:
         yield from fuser.add(name, t)
     yield from fuser.close()
@@ -149,9 +292,9 @@ def rank_tensor(
         return None
     local_experts = lay.num_experts // lay.ep_size if lay.num_experts else 0
     fused = list(fused_stream(kept, num_experts=local_experts))
-    if len(fused) != 1 or fused[0][0] != name:
+    if len(fused) != 1 or fused[0][0] != name or not isinstance(fused[0][1], torch.Tensor):
         raise ValueError(f"{name}: rank {rank}'s parts fused into {[n for n, _ in fused]}")
-    return fused[0]
+    return name, fused[0][1]
 
 
 def engine_layout(model: EngineLayout, tp_size: int) -> EngineLayout:
@@ -174,6 +317,12 @@ def rank_tensors(
 
 __all__ = [
     "LAYOUTS",
+    "FusedParts",
+    "RankPiece",
+    "Sendable",
+    "tensors_only",
+    "rank_piece",
+    "rank_pieces",
     "engine_layout",
     "Fuser",
     "fused_stream",

@@ -29,8 +29,9 @@ dequantising is the same tensor (`topology` refuses layouts where it is not).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +39,9 @@ from megatron_gspo.engines import fp8_blocks as fp8_lib
 from megatron_gspo.engines.weight_group import host_views
 from megatron_gspo.engines.weight_names import SGLangChecksums
 from megatron_gspo.engines.wire import fp8_checksummed_weight
+
+if TYPE_CHECKING:
+    from megatron_gspo.engines.weight_layout import Sendable
 
 VOCAB_PADDING = 64
 """SGLang's DEFAULT_VOCAB_PADDING_SIZE (srt/layers/vocab_parallel_embedding.py)."""
@@ -193,6 +197,10 @@ class EngineChecksums:
         (`engines.weight_layout`), accounted as its HF-named members (views)."""
         from megatron_gspo.engines.weight_fused import is_fused_name, unfuse
 
+        if hasattr(tensor, "members"):  # weight_layout.FusedParts: its members as sent
+            for member, part in tensor.members():
+                self.add(member, part)
+            return
         if is_fused_name(name):
             model = next(iter(self.layouts.values()))  # every layout has the model's heads
             for member, part in unfuse(name, tensor, model):
@@ -224,11 +232,17 @@ class EngineChecksums:
                     same = shard[0] == name and shard[1] is tensor
                     acc.add(shard[0], shard[1], hf_digest=digest if same else None)
 
-    def add_bucket(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def add_bucket(self, named: Sequence[tuple[str, Sendable]]) -> None:
         """`add` every tensor of a bucket, in order: from one host copy of it (`host_views`)
         unless only engines on CUDA are checked (then where it is, hashed on the GPU)."""
         on_gpu = self.device == "cuda" and "hf" not in self.namings
-        for name, tensor in named if on_gpu else host_views(named):
+        from megatron_gspo.engines.weight_fused import tensors_only
+
+        # SGLang's layout sent as members (weight_layout.FusedParts): hashed as its members.
+        flat = tensors_only(
+            [m for n, t in named for m in (t.members() if hasattr(t, "members") else [(n, t)])]
+        )
+        for name, tensor in flat if on_gpu else host_views(flat):
             self.add(name, tensor)
 
     @property

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.engines.weight_layout import fused_stream
+from megatron_gspo.engines.weight_layout import FusedParts, Sendable, fused_stream
 from megatron_gspo.weights import fp8
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -45,11 +45,12 @@ DEFAULT_BUCKET_BYTES = 512 * 1024**2
 class Bucket:
     """HF-named tensors to send together (one flattened buffer on the wire)."""
 
-    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    tensors: list[tuple[str, Sendable]] = field(default_factory=list)
+    """Tensors, or in SGLang's layout fused parameters as their members (`FusedParts`)."""
     nbytes: int = 0
     index: int = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: Sendable) -> None:
         self.tensors.append((name, tensor))
         self.nbytes += tensor.numel() * tensor.element_size()
 
@@ -144,20 +145,24 @@ def hf_tensors(
 
 def convert_for_send(
     name: str,
-    tensor: torch.Tensor,
+    tensor: Sendable,
     *,
     dtype: torch.dtype | None,
     use_fp8: bool,
     fp8_check: bool,
     stats: StreamStats,
     ratios: list[tuple[str, torch.Tensor]] | None = None,
-) -> list[tuple[str, torch.Tensor]]:
+) -> list[tuple[str, Sendable]]:
     """Cast to the rollout dtype, or quantise a decoder linear weight to block FP8 + scale.
 
     fp8_check: the worst e4m3 error ratio of the weight is appended to `ratios` as a 0-d
     device tensor (no host sync; `iter_buckets` reads a bucket's worth at once); without
     `ratios` it is checked here (one host read per weight).
     """
+    if isinstance(tensor, FusedParts):  # SGLang's layout: cast while written to the payload
+        if use_fp8:
+            raise ValueError(f"{name}: SGLang's own layout is not sent as FP8")
+        return [(name, tensor.cast(dtype))]
     if not use_fp8:
         return [(name, tensor if dtype is None else tensor.to(dtype))]
     if not fp8.is_quantised_name(name, tensor):
@@ -189,7 +194,7 @@ def _checked(ratios: list[tuple[str, torch.Tensor]], stats: StreamStats) -> bool
 
 
 def iter_buckets(
-    tensors: Iterator[tuple[str, torch.Tensor]],
+    tensors: Iterator[tuple[str, Sendable]],
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     keep: bool = True,
@@ -286,28 +291,32 @@ def model_buckets(
 ) -> Iterator[Bucket]:
     """`iter_buckets(hf_tensors(...))`: buckets on the sender rank, nothing elsewhere.
 
-    layout: "hf" (HF-named tensors) or "engine": SGLang's whole fused tensors, one per fused
-    parameter (`engines.weight_layout.fused_stream`; `num_experts` per MoE layer lets a
-    layer's stacked experts leave as soon as the last arrives).
+    layout: "hf" (HF-named tensors) or "engine": SGLang's fused parameters, one item per fused
+    parameter, its members unassembled (`engines.weight_layout.FusedParts`; `num_experts` per
+    MoE layer lets a layer's stacked experts leave as soon as the last arrives).
     Every rank must exhaust this iterator (the bridge's gathers are collectives).
     """
     if experts_to_first and sender_rank != 0:
         # Global rank 0 is rank 0 of every group it belongs to; another rank may not be.
         raise ValueError("experts_to_first needs sender_rank=0 (or experts_to_first=False)")
     keep = is_sender(sender_rank)
-    tensors = hf_tensors(
+    exported = hf_tensors(
         bridge,
         model,
         cpu=cpu,
         experts_to_first=experts_to_first,
         expert_batch_bytes=expert_batch_bytes,
     )
+    tensors: Iterator[tuple[str, Sendable]] = exported
     if layout == "engine" and keep:  # the other ranks only drain the collectives
         if kwargs.get("stats") is None:
             kwargs["stats"] = StreamStats()
         # `tensors_seen` stays what the bridge exported to this rank (HF tensors), not the
-        # fewer fused tensors.
-        tensors = fused_stream(_counted(tensors, kwargs["stats"]), num_experts=num_experts)
+        # fewer fused tensors. Lazy: a fused parameter stays its members until the transport
+        # writes each engine rank's payload (one pass over the bytes, `weight_layout`).
+        tensors = fused_stream(
+            _counted(exported, kwargs["stats"]), num_experts=num_experts, lazy=True
+        )
         kwargs["count_seen"] = False
     yield from iter_buckets(
         tensors,

@@ -33,6 +33,7 @@ from megatron_gspo import dist
 from megatron_gspo.dist import free_port, routable_address
 from megatron_gspo.engines.protocols import WeightReceiver
 from megatron_gspo.engines.weight_group import flatten_for_broadcast
+from megatron_gspo.engines.weight_layout import tensors_only
 from megatron_gspo.engines.weight_shards import EngineLayout
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.stream import Bucket
@@ -214,7 +215,7 @@ class DistributedTransport(Transport):
         dtypes = [t.dtype for _, t in bucket.tensors]
         shapes = [list(t.shape) for _, t in bucket.tensors]
         device = "cuda" if self.backend == "nccl" else "cpu"
-        flat = flatten_for_broadcast(list(bucket.tensors)).to(device)
+        flat = flatten_for_broadcast(tensors_only(bucket.tensors)).to(device)
         for engine, pg, group_name in zip(self.engines, self.groups, self.group_names, strict=True):
             done = engine.update_weights_from_distributed(
                 names,
@@ -279,7 +280,7 @@ class DiskTransport(Transport):
 
     def send(self, bucket: Bucket, *, version: str, last: bool) -> None:
         assert self._writer is not None, "begin() first"
-        self._writer.write(bucket.tensors)
+        self._writer.write(tensors_only(bucket.tensors))
 
     def finish(self, version: str) -> None:
         assert self._writer is not None, "begin() first"

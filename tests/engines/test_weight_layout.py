@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from megatron_gspo.engines.weight_layout import (
+    FusedParts,
     Fuser,
     fused_stream,
     is_fused_name,
+    rank_pieces,
     rank_tensors,
     unfuse_all,
 )
@@ -59,6 +61,43 @@ def test_each_rank_gets_what_sglangs_loaders_would_hold() -> None:
             assert got == _reference(_T, tp, ep, rank, False), (tp, ep, rank)
 
 
+def _lazy_fp32() -> list[tuple[str, object]]:
+    """The sender's stream in SGLang's layout: fused parameters as their members (fp32 copies
+    of the bf16 reference, to be cast to bf16 while written), the rest bf16 tensors."""
+    lazy = fused_stream([(n, t.float()) for n, t in _T.items()], num_experts=E, lazy=True)
+    out: list[tuple[str, object]] = []
+    for n, t in lazy:
+        assert isinstance(t, FusedParts) == is_fused_name(n), n
+        out.append((n, t.cast(torch.bfloat16) if isinstance(t, FusedParts) else t.bfloat16()))
+    return out
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["members", "whole"])
+def test_rank_payloads_written_in_one_pass_hold_what_sglangs_loaders_would(lazy: bool) -> None:
+    """Each rank's `direct` payload, written straight from the sender's tensors (members cast
+    while copied, no fused tensor assembled), decodes as SGLang's rank decodes it (its own
+    unpickler) to the parameters its loaders build from HF names (TP 1, 2, 4; EP 2), as views
+    of one shared-memory buffer per rank that was already shared when written (serialising
+    copies nothing) and is reused by the next call."""
+    from megatron_gspo.engines.wire import deserialize_named_tensors, direct_payloads_from_pieces
+
+    items = _lazy_fp32() if lazy else _fused()
+    for tp, ep in CASES:
+        held: dict[int, torch.Tensor] = {}
+        per_rank = [rank_pieces(items, r, _layout(tp, ep)) for r in range(tp)]
+        for call in range(2):
+            payloads, keep = direct_payloads_from_pieces(per_rank, held)
+            assert all(k.is_shared() and k is held[r] for r, k in enumerate(keep))
+            for rank, payload in enumerate(payloads):
+                got = deserialize_named_tensors(payload, "direct")
+                assert len({t.untyped_storage().data_ptr() for _, t in got}) == 1
+                sums = {n: tensor_checksum(t) for n, t in got}
+                assert sums == _reference(_T, tp, ep, rank, False), (tp, ep, rank, call)
+            if call == 0:
+                for k in keep:
+                    k.zero_()  # the reused buffers must be written again, in full
+
+
 def test_checksums_of_fused_tensors_equal_those_of_their_hf_members() -> None:
     """The sender's verification accounts a fused tensor as its HF members: the same
     per-rank and HF-named checksums as an HF-named push."""
@@ -68,8 +107,10 @@ def test_checksums_of_fused_tensors_equal_those_of_their_hf_members() -> None:
             by_hf.add(n, t)
         for n, t in _fused():
             by_fused.add(n, t)
-        assert by_fused.hf == by_hf.hf
-        assert by_fused.ranks(tp) == by_hf.ranks(tp)
+        by_members = EngineChecksums([_layout(tp, ep)])
+        by_members.add_bucket(_lazy_fp32())  # members hashed as sent (cast to bf16)
+        assert by_fused.hf == by_hf.hf == by_members.hf
+        assert by_fused.ranks(tp) == by_hf.ranks(tp) == by_members.ranks(tp)
 
 
 def test_a_missing_member_is_refused() -> None:
@@ -98,3 +139,46 @@ def test_direct_payload_is_one_segment_per_rank_and_decodes_bitwise() -> None:
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
         assert len({t.untyped_storage().data_ptr() for _, t in got}) == 1
     del keep
+
+
+def _decode_in_another_process(payloads: list[str]) -> list[float]:
+    """Each payload opened and dropped in turn by a fresh process, as engines do (torch's own
+    rebuild of the shared-memory handles; the sum of each decoded tensor)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, json, base64, pickle, torch\n"
+        "out = []\n"
+        "for p in json.load(sys.stdin):\n"
+        "    named = pickle.loads(base64.b64decode(p))\n"
+        "    out.append(sum(float(t.double().sum()) for _, t in named))\n"
+        "    del named\n"
+        "print(json.dumps(out))\n"
+    )
+    import json
+
+    res = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(payloads), capture_output=True,
+        text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-800:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_reused_buffers_survive_several_engines_across_calls() -> None:
+    """Engines of one TP size share each rank's buffer, each with its own serialisation; the
+    buffer is reused by the next call (next bucket). One serialisation opened by two engines
+    let the second drop the segment's count to zero: the next call's engines found no segment
+    ("unable to open shared memory object")."""
+    from megatron_gspo.engines.wire import direct_payloads_for_engines
+
+    held: dict[int, torch.Tensor] = {}
+    items = _fused()
+    want = sum(float(t.double().sum()) for _, t in items)
+    for call in range(2):
+        per_rank = [rank_pieces(items, 0, _layout(1, 1))]
+        payloads, keep = direct_payloads_for_engines(per_rank, 2, held)
+        got = _decode_in_another_process([p[0] for p in payloads])
+        assert got == pytest.approx([want, want]), call
+        del keep

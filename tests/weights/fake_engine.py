@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from megatron_gspo.engines.protocols import weight_update_session
-from megatron_gspo.engines.weight_layout import unfuse_all
+from megatron_gspo.engines.weight_layout import engine_layout, rank_pieces, unfuse_all
 from megatron_gspo.engines.wire import (
     deserialize_named_tensors,
-    direct_payloads,
+    direct_payloads_from_pieces,
     overall_checksum,
     serialize_flattened_bucket,
     tensor_checksum,
@@ -114,7 +114,8 @@ class FakeEngine:
     ):
         self._need_session("update_weights_from_tensor")
         if layout is not None:  # SGLang's fused names, as one rank decodes them; held as HF
-            payloads, _keep = direct_payloads([list(named_tensors)])
+            pieces = rank_pieces(named_tensors, 0, engine_layout(layout, 1))
+            payloads, _keep = direct_payloads_from_pieces([pieces])
             decoded = deserialize_named_tensors(payloads[0], "direct")
             self._store(list(unfuse_all(decoded, layout)))
             self._set_version(weight_version)

@@ -340,6 +340,12 @@ class EmbeddedTokenizerManager:
             )
         if obj.load_format not in (None, "direct", "flattened_bucket"):
             return False, f"embedded engine does not support load_format={obj.load_format!r}"
+        if obj.load_format == "direct" and len(obj.serialized_named_tensors) > 1:
+            # Entry 0 of a per-rank cut is rank 0's shard only; this engine holds whole tensors.
+            return False, (
+                f"embedded engine got {len(obj.serialized_named_tensors)} per-rank payloads in "
+                "SGLang's own layout but holds whole HF tensors; set weights.layout=hf"
+            )
         # One engine = TP rank 0: deserialise our own rank's payload only, as SGLang does.
         payload = obj.serialized_named_tensors[0]
 
