@@ -94,8 +94,7 @@ def test_expert_gathers_are_batched(results: list[dict], layout: str) -> None:
         assert results[rank][layout]["tensor_per_tensor_gathers"]["ep_gathers"] == 12
         assert 0 < results[rank][layout]["tensor"]["ep_gathers"] < 12
     assert results[0][layout]["tensor"]["ep_gathers"] <= batched["buckets"]
-    assert per_tensor["tensors"] == HF_TENSORS  # weights.layout auto: HF names
-    assert batched["tensors"] == SGLANG_TENSORS  # weights.layout=engine
+    assert per_tensor["tensors"] == batched["tensors"] == SGLANG_TENSORS  # auto: engine
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
