@@ -370,14 +370,7 @@ class WeightSync:
                 self._tx.finish(version)
                 t1 = time.perf_counter()
                 stats.add_seconds("finish", t1 - t0)
-                if sent_sums is not None:
-                    self._verify(sent_sums)
-                    report.verified = True
-                    stats.add_seconds("verify", time.perf_counter() - t1)
-                if cfg.check_version:
-                    self._check_version(version)
-                for engine in self.engines:
-                    engine.commit_sync(version)
+                self._conclude(version, sent_sums, report, stats)
             except BaseException as e:  # noqa: BLE001
                 error = e
         if self.sender and error is not None and self.transport is not None:
@@ -486,14 +479,8 @@ class WeightSync:
                 _end_session(self.engines, version)
                 t2 = time.perf_counter()
                 stats.add_seconds("finish", t2 - t1)
-                if verify:
-                    self._verify(owners_lib.merged_checksums(o[1] for o in senders))
-                    report.verified = True
-                    stats.add_seconds("verify", time.perf_counter() - t2)
-                if cfg.check_version:
-                    self._check_version(version)
-                for engine in self.engines:
-                    engine.commit_sync(version)
+                merged = owners_lib.merged_checksums(o[1] for o in senders) if verify else None
+                self._conclude(version, merged, report, stats)
             except BaseException as e:  # noqa: BLE001
                 error = e
         if self.sender and error is not None and began:
@@ -538,6 +525,25 @@ class WeightSync:
                 )
             return "hf"  # auto: without the model's shape, HF names
         return layout
+
+    def _conclude(
+        self,
+        version: str,
+        sums: EngineChecksums | owners_lib.SentChecksums | None,
+        report: SyncReport,
+        stats: StreamStats,
+    ) -> None:
+        """After the last bucket, on the sender: verify what was sent (`sums`, None: not this
+        push), check the version the engines report, commit it on every engine."""
+        t = time.perf_counter()
+        if sums is not None:
+            self._verify(sums)
+            report.verified = True
+            stats.add_seconds("verify", time.perf_counter() - t)
+        if self.config.check_version:
+            self._check_version(version)
+        for engine in self.engines:
+            engine.commit_sync(version)
 
     def _verify(self, sent: EngineChecksums | owners_lib.SentChecksums) -> None:
         self._namings = verify_engines(self.engines, sent, verify_names=self.config.verify_names)
