@@ -375,13 +375,28 @@ class ServerGroup:
         while pending:
             for p in [*self.engines, *([self.router] if self.router else [])]:
                 if p.poll() is not None:
-                    raise RuntimeError(f"rollout process {p.args[:4]} exited with {p.returncode}")  # type: ignore[index,str-bytes-safe]
+                    raise RuntimeError(
+                        f"rollout process {p.args[:4]} exited with {p.returncode}"  # type: ignore[index,str-bytes-safe]
+                        + self._log_tail(p)
+                    )
             pending = [u for u in pending if _get(u + route, timeout=30) != 200]
             if not pending:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rollout servers not healthy: {pending}")
             time.sleep(0.5)
+
+    def _log_tail(self, p: subprocess.Popen, lines: int = 15) -> str:
+        """The last lines of `p`'s log (why it died: a taken port, a bad checkpoint), or ''."""
+        if not self.cfg.log_dir:
+            return ""
+        name = "router" if p is self.router else f"engine{self.engines.index(p)}"
+        path = Path(self.cfg.log_dir) / f"{name}.log"
+        try:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"; the end of {path}:\n" + "\n".join(tail)
 
     def kill_engine(self, i: int) -> None:
         """SIGKILL engine `i` and its children (tests: an engine dying mid-batch)."""

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from megatron_gspo.config_io import ConfigError
-from megatron_gspo.dist import free_port
+from megatron_gspo.dist import free_port, free_ports
 from megatron_gspo.engines.client import ClientConfig, SGLangClient
 from megatron_gspo.engines.launch import LaunchConfig, ServerGroup
 from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft
@@ -132,7 +132,10 @@ def group(ckpt_a, tmp_path_factory):
         model_path=ckpt_a,
         backend="embedded",
         num_engines=2,
-        base_port=free_port(),
+        # Engine i listens on base + i: reserve both, below the ephemeral range (32768-60999)
+        # that outgoing connections take local ports from. free_port() held only the first, and
+        # CI once lost the second: the engine exited 3, uvicorn's bind failure.
+        base_port=free_ports("127.0.0.1", 2, 20000 + os.getpid() % 12000),
         max_restarts=1,
         startup_timeout_s=240,
         log_dir=str(tmp_path_factory.mktemp("engine_logs")),

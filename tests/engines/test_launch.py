@@ -230,3 +230,21 @@ def test_a_server_started_from_a_passing_thread_outlives_that_thread():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_engine_that_dies_at_startup_says_why(tmp_path):
+    """The error carries the end of the engine's log: CI once saw only 'exited with 3'
+    (uvicorn's bind failure) and could not tell a taken port from a bad checkpoint."""
+    import subprocess
+
+    cfg = LaunchConfig(model_path=str(tmp_path), backend="embedded", log_dir=str(tmp_path))
+    g = ServerGroup(cfg)
+    script = "import sys; print('one'); print('[Errno 98] address already in use'); sys.exit(3)"
+    with open(tmp_path / "engine0.log", "wb") as log:
+        g.engines.append(subprocess.Popen([sys.executable, "-c", script], stdout=log))
+    g.engines[0].wait()
+    with pytest.raises(RuntimeError) as e:
+        g.wait_healthy(cfg.engine_urls, timeout_s=5)
+    msg = str(e.value)
+    assert "exited with 3" in msg and msg.endswith("[Errno 98] address already in use")
+    assert str(tmp_path / "engine0.log") in msg
