@@ -5,8 +5,10 @@ once, then ~1 s; every fixture stops what it started), the toy tokenizer."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Generator
+from types import FrameType
 
 import pytest
 import torch
@@ -157,10 +159,24 @@ def _describe(t: threading.Thread) -> str:
     return f"{t.name} ({name}{', daemon' if t.daemon else ''})"
 
 
+def _idle_pool_worker(frame: FrameType | None) -> bool:
+    """A concurrent.futures worker waiting for work (an executor's idle thread: a session
+    fixture's pool grows on its first use in a test, and idle it touches nothing)."""
+    while frame is not None and frame.f_code.co_filename.endswith(("queue.py", "threading.py")):
+        frame = frame.f_back
+    return (
+        frame is not None
+        and frame.f_code.co_name == "_worker"
+        and frame.f_code.co_filename.endswith(os.path.join("concurrent", "futures", "thread.py"))
+    )
+
+
 def _confirm_suspects() -> None:
-    """Threads a finished test left that are still alive now, a later test on: left running."""
+    """Threads a finished test left that are still alive now, a later test on, and not idle
+    pool workers: left running."""
+    frames = sys._current_frames()
     for nodeid, t in _suspects:
-        if t.is_alive():
+        if t.is_alive() and not _idle_pool_worker(frames.get(t.ident or 0)):
             _left_running.setdefault(nodeid, []).append(_describe(t))
     _suspects.clear()
 
