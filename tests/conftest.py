@@ -176,6 +176,8 @@ def _confirm_suspects() -> None:
     pool workers: left running."""
     frames = sys._current_frames()
     for nodeid, t in _suspects:
+        if type(t).__name__ == "TMonitor":  # tqdm's one monitor, for every bar of the process
+            continue
         if t.is_alive() and not _idle_pool_worker(frames.get(t.ident or 0)):
             _left_running.setdefault(nodeid, []).append(_describe(t))
     _suspects.clear()
