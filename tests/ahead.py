@@ -13,7 +13,11 @@ in-process stream had ended, 1606 s: they then ran beside the rehearsals and the
 which keep the 2 cores busier than the early tests do.
 
 A registered function runs on a thread beside other tests: it must touch no process state
-(environment, cwd, stdout, torch settings) and start subprocesses only, capturing their output.
+(environment, cwd, stdout, torch settings, and no imports: an import creates loggers, and pytest
+walks logging's logger dict without its lock at the start of every test phase, so a logger made
+here meanwhile fails that test with "dictionary changed size during iteration"; seen twice with
+`import sglang` in tests/gpu/test_device_check.py) and start subprocesses only, capturing their
+output (tests/test_ahead.py checks that no registered function imports).
 Its failure is raised in the fixture that asks for its result, so the test that needs it fails
 with the launch's own message.
 """

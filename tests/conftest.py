@@ -5,6 +5,10 @@ once, then ~1 s; every fixture stops what it started), the toy tokenizer."""
 from __future__ import annotations
 
 import os
+import sys
+import threading
+from collections.abc import Generator
+from types import FrameType
 
 import pytest
 import torch
@@ -136,3 +140,71 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def launches_ahead(request: pytest.FixtureRequest) -> Ahead:
     """The session's launches started ahead (tests/ahead.py): `.result(name)`."""
     return request.config.stash[_AHEAD]
+
+
+# Threads a test body starts and leaves running into later tests. A leftover thread that still
+# touches process state (os.environ, sys.modules, a fixture's dict) breaks whichever test runs
+# beside it, far from its cause (once: "dictionary changed size during iteration" in the setup
+# of a pure-math test). Threads started in a test's call phase that are still alive when a
+# LATER test starts (not just finishing their shutdown) are listed at the end of the run, with
+# the test that started them; threads of fixtures (started in setup) are the fixtures' own.
+_STARTED_IN_CALL = pytest.StashKey[list[threading.Thread]]()
+_suspects: list[tuple[str, threading.Thread]] = []
+_left_running: dict[str, list[str]] = {}
+
+
+def _describe(t: threading.Thread) -> str:
+    target = getattr(t, "_target", None)
+    name = getattr(target, "__qualname__", "") or type(t).__name__
+    return f"{t.name} ({name}{', daemon' if t.daemon else ''})"
+
+
+def _idle_pool_worker(frame: FrameType | None) -> bool:
+    """A concurrent.futures worker waiting for work (an executor's idle thread: a session
+    fixture's pool grows on its first use in a test, and idle it touches nothing)."""
+    while frame is not None and frame.f_code.co_filename.endswith(("queue.py", "threading.py")):
+        frame = frame.f_back
+    return (
+        frame is not None
+        and frame.f_code.co_name == "_worker"
+        and frame.f_code.co_filename.endswith(os.path.join("concurrent", "futures", "thread.py"))
+    )
+
+
+def _confirm_suspects() -> None:
+    """Threads a finished test left that are still alive now, a later test on, and not idle
+    pool workers: left running."""
+    frames = sys._current_frames()
+    for nodeid, t in _suspects:
+        if type(t).__name__ == "TMonitor":  # tqdm's one monitor, for every bar of the process
+            continue
+        if t.is_alive() and not _idle_pool_worker(frames.get(t.ident or 0)):
+            _left_running.setdefault(nodeid, []).append(_describe(t))
+    _suspects.clear()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    _confirm_suspects()
+    before = set(threading.enumerate())
+    try:
+        return (yield)
+    finally:
+        item.stash[_STARTED_IN_CALL] = [t for t in threading.enumerate() if t not in before]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object]:
+    try:
+        return (yield)
+    finally:
+        started = item.stash.get(_STARTED_IN_CALL, [])
+        _suspects.extend((item.nodeid, t) for t in started if t.is_alive())
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    _confirm_suspects()
+    if _left_running:
+        terminalreporter.section("threads left running by tests (see tests/conftest.py)")
+        for nodeid, threads in _left_running.items():
+            terminalreporter.line(f"{nodeid}: {', '.join(threads)}")

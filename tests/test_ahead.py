@@ -4,6 +4,7 @@ raised to the asking test."""
 
 from __future__ import annotations
 
+import ast
 import threading
 import time
 from pathlib import Path
@@ -91,3 +92,27 @@ def test_a_queued_launch_is_run_by_the_fixture_that_asks(tmp_path_factory) -> No
     finally:
         gate.set()
         launches.close()
+
+
+def _is_ahead(decorator: ast.expr) -> bool:
+    return isinstance(decorator, ast.Call) and getattr(decorator.func, "id", "") == "ahead"
+
+
+def test_no_launch_ahead_imports_on_its_thread() -> None:
+    """tests/ahead.py's rule, checked where it can be by reading: a function registered with
+    `@ahead` runs beside the tests, so it imports nothing (an import makes loggers while pytest
+    walks logging's logger dict: "dictionary changed size during iteration" in the tests then
+    running). Imports belong at the file's top, done at collection on the main thread."""
+    found, offending = [], []
+    for f in sorted(HERE.parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if not isinstance(node, ast.FunctionDef) or not any(
+                _is_ahead(d) for d in node.decorator_list
+            ):
+                continue
+            found.append(f"{f.relative_to(HERE.parent)}:{node.name}")
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import | ast.ImportFrom):
+                    offending.append(f"{found[-1]}: line {inner.lineno} imports")
+    assert len(found) >= 7, found  # the end-to-end files and the device check are read
+    assert not offending, offending

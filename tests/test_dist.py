@@ -5,7 +5,6 @@ by torch's 10-minute default. Two spawned gloo ranks, the real `dist.init_distri
 from __future__ import annotations
 
 import ast
-import multiprocessing as mp
 import os
 import socket
 import time
@@ -16,8 +15,12 @@ import pytest
 
 from megatron_gspo import dist
 from megatron_gspo.config import ConfigError, load_config
+from megatron_gspo.testing.harness import rank_context
 
-GENERATE_S = 5.0  # how long rank 0 "generates" before it broadcasts the rollout
+# The short timeout also bounds gloo's rendezvous (init_process_group), where rank 1 waits
+# for rank 0 to publish its address: 1 s failed there on a busy machine, so 5 s (the test
+# still proves the configured bound, not the default, against a far longer "rollout").
+SHORT_TIMEOUT_S = 5.0
 
 
 def _config(timeout_s: float) -> Any:
@@ -44,7 +47,7 @@ def _wait_listening(port: int, timeout_s: float = 60.0) -> None:
             time.sleep(0.05)
 
 
-def _rank(rank: int, port: int, timeout_s: float, results: Any) -> None:
+def _rank(rank: int, port: int, timeout_s: float, generate_s: float, results: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
     )
@@ -57,7 +60,7 @@ def _rank(rank: int, port: int, timeout_s: float, results: Any) -> None:
     start = time.monotonic()
     try:
         if rank == 0:
-            time.sleep(GENERATE_S)
+            time.sleep(generate_s)  # "generates" the rollout, then broadcasts it
             dist.broadcast("rollout")
             results.put((rank, "sent", time.monotonic() - start))
         else:
@@ -70,15 +73,22 @@ def _rank(rank: int, port: int, timeout_s: float, results: Any) -> None:
     os._exit(0)  # no destroy_process_group: after a timeout the peer may be gone
 
 
-def _run(timeout_s: float) -> dict[int, tuple[str, float]]:
-    ctx = mp.get_context("spawn")
+def _run(timeout_s: float, generate_s: float) -> dict[int, tuple[str, float]]:
+    # forked from the session's forkserver that imported torch once (each spawned rank paid
+    # ~2 CPU-s of imports); each rank still builds its own process group from the environment
+    ctx = rank_context()
     results = ctx.Queue()
     port = dist.free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, timeout_s, results)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, port, timeout_s, generate_s, results))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     out: dict[int, tuple[str, float]] = {}
-    deadline = time.monotonic() + 60
+    # a bound for a hung launch, not a timing check: two spawned interpreters import torch,
+    # which takes minutes at a load of 40 on 2 cores
+    deadline = time.monotonic() + 600
     while len(out) < 2 and time.monotonic() < deadline:
         try:
             rank, what, took = results.get(timeout=1)
@@ -96,16 +106,20 @@ def _run(timeout_s: float) -> dict[int, tuple[str, float]]:
 
 
 def test_waiting_rank_times_out_at_the_configured_timeout() -> None:
-    out = _run(timeout_s=1.0)
+    generate_s = 600.0  # rank 0 is killed once rank 1 has given up
+    out = _run(timeout_s=SHORT_TIMEOUT_S, generate_s=generate_s)
+    assert 1 in out, out  # rank 1 reported (not lost in the rendezvous)
     what, took = out[1]
     assert what.startswith("error") and "timed out" in what.lower(), what
-    assert 0.9 < took < GENERATE_S - 1, took  # the configured 1 s, not the rollout's 5 s
+    # the configured 5 s, not the rollout's 600 s (nor torch's default 10 minutes)
+    assert SHORT_TIMEOUT_S - 0.1 < took < 120, took
 
 
 def test_a_long_enough_timeout_lets_the_rank_wait_for_the_rollout() -> None:
-    out = _run(timeout_s=30.0)
-    assert out[1][0] == "received rollout" and out[1][1] >= GENERATE_S - 0.5
-    assert out[0][0] == "sent"
+    generate_s = 2.0
+    out = _run(timeout_s=120.0, generate_s=generate_s)
+    assert out[1][0] == "received rollout" and out[1][1] >= generate_s - 0.5, out
+    assert out[0][0] == "sent", out
 
 
 def test_timeout_is_checked_and_wired() -> None:

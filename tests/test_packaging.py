@@ -10,6 +10,8 @@ The scripts run from the checkout with PYTHONPATH set, which hides a missing `__
 from __future__ import annotations
 
 import configparser
+import functools
+import json
 import os
 import shutil
 import subprocess
@@ -113,11 +115,50 @@ def test_every_file_of_the_package_is_installed(installed: dict[str, Path]) -> N
     assert not missing, f"not in the installed wheel: {missing}"
 
 
-IMPORT_ALL = f"""
-import importlib, pkgutil, sys, traceback
+def _console_script(site: Path, name: str) -> str:
+    (ep_file,) = site.glob(f"{PKG}-*.dist-info/entry_points.txt")
+    eps = configparser.ConfigParser()
+    eps.read(ep_file)
+    return eps["console_scripts"][name]
+
+
+# Every check of the installed wheel in ONE interpreter (each costs the torch + megatron import,
+# 3-11 CPU-s a process on 2 cores; six processes were 28 CPU-s of the quick tier). The order
+# keeps the first user path fresh: `python -m megatron_gspo.train --help` runs first (runpy, as
+# `-m` does, before anything else of the package is imported), then the console scripts as
+# pip's launcher calls them, then pip's launcher file itself, then the walk that imports every
+# module. Each check's exit code and output are reported as one JSON line.
+RUN_ALL = f"""
+import contextlib, importlib, io, json, pkgutil, runpy, sys, traceback
 from pathlib import Path
-site, root = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
+site, root, checks = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve(), sys.argv[3:]
 assert not any(Path(p or '.').resolve() == root for p in sys.path), sys.path
+report = {{}}
+def run(name, argv0, argv, fn):
+    buf = io.StringIO()
+    sys.argv = [argv0, *argv]
+    code = 0
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            code = fn()
+        except SystemExit as e:
+            code = e.code
+        except BaseException:
+            buf.write(traceback.format_exc())
+            code = 1
+    report[name] = {{"code": code if isinstance(code, int) else (0 if code is None else 1),
+                    "out": buf.getvalue()}}
+def entry(target):
+    module, func = target.split(':')
+    return lambda: getattr(importlib.import_module(module), func)()
+run('-m train', '-m', ['--help'],
+    lambda: runpy.run_module('{PKG}.train', run_name='__main__', alter_sys=True))
+for check in checks:  # NAME=module:function (a console script) or a launcher file's path
+    name, _, target = check.partition('=')
+    if target:
+        run(name, name, ['--help'], entry(target))
+    else:
+        run(name, name, ['--help'], lambda: runpy.run_path(name, run_name='__main__'))
 import {PKG}
 assert Path({PKG}.__file__).resolve().is_relative_to(site), {PKG}.__file__
 failed, names = [], []
@@ -130,57 +171,65 @@ for m in pkgutil.walk_packages({PKG}.__path__, '{PKG}.', onerror=onerror):
         assert Path(mod.__file__).resolve().is_relative_to(site), mod.__file__
     except BaseException:
         failed.append((m.name, traceback.format_exc()))
-for name, tb in failed:
-    print('FAILED', name, tb, sep='\\n')
-print('imported', len(names), 'modules:', ' '.join(names))
-sys.exit(1 if failed else 0)
+out = [f'FAILED\\n{{name}}\\n{{tb}}' for name, tb in failed]
+out.append(f"imported {{len(names)}} modules: {{' '.join(names)}}")
+report['import all'] = {{"code": 1 if failed else 0, "out": '\\n'.join(out)}}
+sys.__stdout__.write('\\nREPORT ' + json.dumps(report) + '\\n')
 """
+CONSOLE_SCRIPTS = (
+    "megatron-gspo-train",
+    "megatron-gspo-convert-to-hf",
+    "megatron-gspo-convert-from-hf",
+)
 
 
-def test_every_module_imports_from_the_installed_wheel(installed: dict[str, Path]) -> None:
-    out = _run(installed, [sys.executable, "-c", IMPORT_ALL, str(installed["site"]), str(ROOT)])
+@pytest.fixture(scope="module")
+def wheel_runs(installed: dict[str, Path]) -> dict[str, dict]:
+    """{check: {"code", "out"}} of RUN_ALL in one interpreter that sees only the install."""
+    site = installed["site"]
+    checks = [f"{n}={_console_script(site, n)}" for n in CONSOLE_SCRIPTS]
+    script = site / "bin" / "megatron-gspo-train"
+    if script.is_file():  # the launcher pip wrote (its shebang is this interpreter)
+        checks.append(str(script))
+    out = _run(installed, [sys.executable, "-c", RUN_ALL, str(site), str(ROOT), *checks])
+    line = next((x for x in out.splitlines() if x.startswith("REPORT ")), None)
+    assert line is not None, f"the wheel's checks ended without a report:\n{out[-6000:]}"
+    return json.loads(line.removeprefix("REPORT "))
+
+
+def _check(runs: dict[str, dict], name: str) -> str:
+    got = runs[name]
+    assert got["code"] == 0, f"{name} --help exited {got['code']}:\n{got['out'][-6000:]}"
+    return got["out"]
+
+
+def test_every_module_imports_from_the_installed_wheel(wheel_runs: dict[str, dict]) -> None:
+    out = wheel_runs["import all"]
+    assert out["code"] == 0, out["out"][-6000:]
     # the walk found the subpackages (not only the top level)
     for name in (f"{PKG}.train", f"{PKG}.megatron.model", f"{PKG}.weights.convert"):
-        assert f" {name} " in f"{out.strip()} ", out[-3000:]
+        assert f" {name} " in f"{out['out'].strip()} ", out["out"][-3000:]
 
 
-def _console_script(site: Path, name: str) -> str:
-    (ep_file,) = site.glob(f"{PKG}-*.dist-info/entry_points.txt")
-    eps = configparser.ConfigParser()
-    eps.read(ep_file)
-    return eps["console_scripts"][name]
-
-
-def test_console_entry_point_help(installed: dict[str, Path]) -> None:
+def test_console_entry_point_help(wheel_runs: dict[str, dict], installed: dict[str, Path]) -> None:
     """`megatron-gspo-train --help` through the wheel's entry point, as pip's launcher calls it."""
-    target = _console_script(installed["site"], "megatron-gspo-train")
-    module, func = target.split(":")
-    launcher = (
-        f"import sys; sys.argv[0] = 'megatron-gspo-train'; "
-        f"from {module} import {func}; sys.exit({func}())"
-    )
-    out = _run(installed, [sys.executable, "-c", launcher, "--help"], timeout=120)
+    out = _check(wheel_runs, "megatron-gspo-train")
     assert "usage: megatron-gspo-train" in out and "--config" in out, out[-3000:]
     script = installed["site"] / "bin" / "megatron-gspo-train"
-    if script.is_file():  # the launcher pip wrote (its shebang is this interpreter)
-        out = _run(installed, [sys.executable, str(script), "--help"], timeout=120)
-        assert "--config" in out, out[-3000:]
+    if script.is_file():  # the launcher pip wrote
+        assert "--config" in _check(wheel_runs, str(script))
 
 
-def test_python_m_train_help(installed: dict[str, Path]) -> None:
-    out = _run(installed, [sys.executable, "-m", f"{PKG}.train", "--help"], timeout=120)
+def test_python_m_train_help(wheel_runs: dict[str, dict]) -> None:
+    out = _check(wheel_runs, "-m train")
     assert "--config" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("name", ["megatron-gspo-convert-to-hf", "megatron-gspo-convert-from-hf"])
-def test_conversion_console_scripts_help(installed: dict[str, Path], name: str) -> None:
+def test_conversion_console_scripts_help(wheel_runs: dict[str, dict], name: str) -> None:
     """The conversion tools ship in the wheel as console scripts (issue 25: the README's
     `python tools/...` needed the checkout on PYTHONPATH, and nothing was installed)."""
-    target = _console_script(installed["site"], name)
-    module, func = target.split(":")
-    launcher = f"import sys; sys.argv[0] = {name!r}; from {module} import {func}; "
-    launcher += f"sys.exit({func}())"
-    out = _run(installed, [sys.executable, "-c", launcher, "--help"], timeout=120)
+    out = _check(wheel_runs, name)
     assert f"usage: {name}" in out and "-o" in out, out[-3000:]
 
 
@@ -239,13 +288,22 @@ def _imports() -> dict[str, set[str]]:
     return found
 
 
+@functools.cache
+def _packages_distributions() -> dict[str, list[str]]:
+    """importlib.metadata.packages_distributions(), read once: it scans every installed
+    distribution's file list (0.5 CPU-s a call; once per imported module was 15 CPU-s)."""
+    import importlib.metadata as md
+
+    return md.packages_distributions()
+
+
 def _distribution_of(module: str) -> str | None:
     """The installed distribution whose files hold `module` (a namespace package such as
     `megatron` is shared by megatron-core and megatron-bridge: the submodule decides)."""
     import importlib.metadata as md
 
     top = module.partition(".")[0]
-    candidates = md.packages_distributions().get(top, [])
+    candidates = _packages_distributions().get(top, [])
     if len(candidates) <= 1:
         return candidates[0] if candidates else None
     path = module.replace(".", "/")

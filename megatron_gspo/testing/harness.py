@@ -36,6 +36,12 @@ def _context() -> ForkServerContext:
     return ctx
 
 
+def rank_context() -> ForkServerContext:
+    """The multiprocessing context the ranks fork from (torch and megatron imported once per
+    session), for tests that start their own processes and queues."""
+    return _context()
+
+
 def _worker(
     rank: int,
     world: int,

@@ -9,6 +9,7 @@ holds the fused head to the fp32-logit head (defect 7).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -66,14 +67,21 @@ def _run(tmp: Path, name: str, *args: str, block_sglang: bool = False) -> dict[s
     return {"code": proc.returncode, "json": json.loads(out.read_text()), "stdout": proc.stdout}
 
 
+# Where the trainer venv's sglang is, found here at collection (main thread) without importing
+# it: the launch below runs on the ahead thread, where an import (SGLang's pulls in transformers,
+# torchao, diffusers: dozens of new loggers) raced pytest's walk over logging's logger dict at
+# the start of every test phase ("dictionary changed size during iteration" in the first tests'
+# setup and teardown, tests/ahead.py).
+_SGLANG = importlib.util.find_spec("sglang")
+
+
 @ahead("device_check")
 def _launch(tmp: Path) -> dict[str, dict[str, Any]]:
     """The whole check with the trainer venv's sglang, and its hash section from SGLang's
     source files alone (what a GPU machine without the sglang package runs)."""
-    import sglang
-
+    assert _SGLANG is not None and _SGLANG.origin, "sglang is not installed in this venv"
     src = tmp / "sglang-src"
-    pkg = Path(sglang.__file__).parent.parent
+    pkg = Path(_SGLANG.origin).parent.parent
     for f in SGLANG_FILES:
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         (src / f).write_bytes((pkg / f).read_bytes())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -27,6 +26,8 @@ class Judge(BaseHTTPRequestHandler):
 
     attempts: Counter = Counter()
     auth: list[str | None] = []
+    release = threading.Event()
+    """Set when the test ends: a "slow" answer waits for it (past any client timeout)."""
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -36,7 +37,7 @@ class Judge(BaseHTTPRequestHandler):
         if response == "busy" and Judge.attempts[response] == 1:
             return self._send(503, b"overloaded")
         if response == "slow":
-            time.sleep(0.6)
+            Judge.release.wait(60)  # answers only after the client gave up (the test ended)
         if response == "garbage":
             return self._send(200, b"<html>not json</html>")
         reward = toy_reward(body["prompt"], response, body["answer"])
@@ -59,21 +60,27 @@ class Judge(BaseHTTPRequestHandler):
 def judge():
     Judge.attempts.clear()
     Judge.auth.clear()
+    Judge.release.clear()
     server = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
-    server.daemon_threads = True
+    # server_close() joins the handler threads: a "slow" handler must not outlive the test
+    # (it would count an attempt into the next test's Judge.attempts)
+    server.daemon_threads = False
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}/score", server
+    Judge.release.set()
     server.shutdown()
     server.server_close()
-    thread.join(timeout=5)
+    thread.join(timeout=60)
 
 
 def test_rewards_equal_the_judge_function_and_faults_are_counted(judge, monkeypatch):
     url, _ = judge
     monkeypatch.setenv("JUDGE_KEY", "s3cret")
+    # 2 s: every prompt but "slow" must be answered within it on a loaded machine (0.3 s was
+    # the whole budget of an in-process round trip at a load of 20-40 on 2 cores)
     cfg = RewardConfig(
-        kind="http", url=url, timeout_s=0.3, retries=1, num_workers=3, api_key_env="JUDGE_KEY"
+        kind="http", url=url, timeout_s=2.0, retries=1, num_workers=3, api_key_env="JUDGE_KEY"
     )
     responses = ["12", "1", "busy", "7", "slow", "garbage", "123"]
     answers = ["12", "12", "12", "7", "12", "12", "12"]

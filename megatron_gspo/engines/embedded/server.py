@@ -589,8 +589,10 @@ class EmbeddedServer:
             self._asgi, host="127.0.0.1", port=self.port, lifespan="off", log_level="warning"
         )
 
-    def start(self, timeout_s: float = 30.0) -> EmbeddedServer:
-        """Serve in a daemon thread; returns once the port accepts connections."""
+    def start(self, timeout_s: float = 120.0) -> EmbeddedServer:
+        """Serve in a daemon thread; returns once the port accepts connections (`timeout_s`
+        bounds a hang, not the start-up: uvicorn's start shares this process's share of a
+        loaded machine)."""
         import uvicorn
 
         self._server = uvicorn.Server(self._config())
@@ -604,11 +606,12 @@ class EmbeddedServer:
         return self
 
     def stop(self) -> None:
-        """Stop serving and join the thread."""
+        """Stop serving and join the thread (a server thread left running would serve into
+        whatever runs next in this process)."""
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=120)
         self.tm._pool.shutdown(wait=False, cancel_futures=True)
 
     def serve_forever(self) -> None:
