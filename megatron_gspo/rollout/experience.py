@@ -64,16 +64,8 @@ class Rollout:
 
     def _driver(self) -> RolloutDriver:
         r, spec = self.spec.rollout, self.spec
-        sched_cfg = SchedulerConfig(
-            prompts=spec.prompts_per_rollout,
-            group_size=spec.group_size,
-            max_new_tokens=r.max_new_tokens,
-            oversample=r.oversample,
-            drop_equal_reward_groups=r.drop_equal_reward_groups,
-            partial_tokens=r.partial_tokens,
-            max_staleness=r.max_staleness,
-            fill_attempts=r.fill_attempts,
-            max_continuation_retries=r.max_continuation_retries,
+        sched_cfg = SchedulerConfig.from_rollout(
+            r, prompts=spec.prompts_per_rollout, group_size=spec.group_size
         )
         # make_rollout's loader reads a PromptDataset (PromptLoader takes any sequence)
         dataset = cast("PromptDataset", self.loader.dataset)
