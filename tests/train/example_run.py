@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from megatron_gspo.dist import free_port
+from megatron_gspo.testing.jobs import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
@@ -36,19 +35,7 @@ def train_example(
         "logging.progress": "false",
         **(sets or {}),
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),  # concurrent runs must not collide
-        "-m",
-        "megatron_gspo.train",
-        "--config",
-        str(ROOT / "examples" / f"{example}.yaml"),
-    ]
+    cmd = torchrun_command(ROOT / "examples" / f"{example}.yaml")
     for key, value in keys.items():
         cmd += ["--set", f"{key}={value}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
