@@ -32,6 +32,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from megatron_gspo.testing.jobs import torchrun_command  # noqa: E402
+
 ROWS = [
     ("flip rate", "moe/routing_flip_rate"),
     ("clip", "policy/clip_frac"),
@@ -43,18 +48,7 @@ ROWS = [
 
 def run(algorithm: str, steps: int, config: str, out: Path, extra: list[str]) -> list[dict]:
     log_dir = out / algorithm
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(29700 + len(algorithm)),
-        "-m",
-        "megatron_gspo.train",
-        "--config",
-        config,
+    cmd = torchrun_command(config, port=29700 + len(algorithm)) + [
         "--set",
         f"loss.kind={algorithm}",
         "--set",

@@ -30,6 +30,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from megatron_gspo.testing.jobs import torchrun_command  # noqa: E402
+
 MODES = {
     "sync": [],
     "async": ["rollout.async_rollout=true"],
@@ -46,18 +51,7 @@ MODES = {
 
 def run(name: str, sets: list[str], steps: int, config: str, out: Path, port: int) -> list[dict]:
     log_dir = out / name.replace(" ", "_").replace("+", "_")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(port),
-        "-m",
-        "megatron_gspo.train",
-        "--config",
-        config,
+    cmd = torchrun_command(config, port=port) + [
         "--set",
         f"train.steps={steps}",
         "--set",

@@ -363,10 +363,7 @@ class Config:
         """What the policy (`megatron/policy.py`) reads of this run."""
         launch = self.rollout.launch
         return PolicySpec(
-            model=self.model,
-            optim=self.optim,
-            parallel=self.parallel,
-            loss=self.loss,
+            **self._sections_of(PolicySpec),
             seed=self.train.seed,
             optimizer_steps=self.train.steps * self.rl.mini_batches_per_rollout,
             mini_batches=self.rl.mini_batches_per_rollout,
@@ -384,11 +381,7 @@ class Config:
     def rollout_spec(self) -> RolloutSpec:
         """What rank 0's rollout (`rollout/experience.py`) reads of this run."""
         return RolloutSpec(
-            rollout=self.rollout,
-            data=self.data,
-            reward=self.reward,
-            sandbox=self.sandbox,
-            eval=self.eval,
+            **self._sections_of(RolloutSpec),
             hf_path=self.model.hf_path,
             tokenizer_path=self.model.tokenizer_path,
             group_size=self.rl.group_size,
@@ -401,6 +394,12 @@ class Config:
             micro_batch_tokens=self.train.micro_batch_tokens,
             log_dir=self.logging.dir,
         )
+
+    def _sections_of(self, spec: type) -> dict[str, Any]:
+        """The whole sections a wing's spec takes: its fields named as a section of this
+        config (the spec's field list is the one list)."""
+        names = {f.name for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(spec) if f.name in names}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML/JSON-serialisable); `config_from_dict` inverts it."""

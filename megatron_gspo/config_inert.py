@@ -41,89 +41,81 @@ class Inert:
     """Whether `key` takes effect in a whole `Config`."""
 
 
-def _sgd(c: Config) -> bool:
-    return bool(c.optim.optimizer == "sgd")
-
-
-def _adam(c: Config) -> bool:
-    return bool(c.optim.optimizer == "adam")
-
-
-def _kl(c: Config) -> bool:
-    return bool(c.loss.kl_coef > 0)
-
-
-def _env(c: Config) -> bool:
-    return c.rollout.env is not None
-
-
-def _agent(c: Config) -> bool:
-    return c.rollout.agent is not None
-
-
-def _http(c: Config) -> bool:
-    return bool(c.reward.kind == "http")
-
-
-def _ckpt(c: Config) -> bool:
-    return c.checkpoint.dir is not None
-
-
-def _eval(c: Config) -> bool:
-    return bool(c.eval.every > 0)
-
-
-INERT: tuple[Inert, ...] = (
-    Inert("optim.sgd_momentum", "optim.optimizer=sgd", _sgd),
-    Inert("optim.adam_beta1", "optim.optimizer=adam", _adam),
-    Inert("optim.adam_beta2", "optim.optimizer=adam", _adam),
-    Inert("optim.adam_eps", "optim.optimizer=adam", _adam),
-    Inert(
-        "optim.min_lr",
+# One row per switch: what turns the keys on (as the message says it), that condition on a whole
+# `Config`, and the keys it switches off.
+_SWITCHES: tuple[tuple[str, Callable[[Config], bool], tuple[str, ...]], ...] = (
+    ("optim.optimizer=sgd", lambda c: c.optim.optimizer == "sgd", ("optim.sgd_momentum",)),
+    (
+        "optim.optimizer=adam",
+        lambda c: c.optim.optimizer == "adam",
+        ("optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps"),
+    ),
+    (
         "optim.lr_schedule=linear or cosine (constant never decays)",
         lambda c: c.optim.lr_schedule != "constant",
+        ("optim.min_lr",),
     ),
-    Inert("loss.kl_estimator", "loss.kl_coef > 0", _kl),
-    Inert("loss.kl_in_reward", "loss.kl_coef > 0", _kl),
-    Inert("loss.ref_offload", "loss.kl_coef > 0 (no reference model without it)", _kl),
-    Inert("loss.tis_cap", "loss.tis_mode is not none", lambda c: c.loss.tis_mode != "none"),
-    Inert(
-        "reward.overlong_penalty",
+    ("loss.kl_coef > 0", lambda c: c.loss.kl_coef > 0, ("loss.kl_estimator", "loss.kl_in_reward")),
+    (
+        "loss.kl_coef > 0 (no reference model without it)",
+        lambda c: c.loss.kl_coef > 0,
+        ("loss.ref_offload",),
+    ),
+    ("loss.tis_mode is not none", lambda c: c.loss.tis_mode != "none", ("loss.tis_cap",)),
+    (
         "reward.overlong_buffer > 0",
         lambda c: c.reward.overlong_buffer > 0,
+        ("reward.overlong_penalty",),
     ),
-    Inert("reward.retries", "reward.kind=http", _http),
-    Inert("reward.api_key_env", "reward.kind=http", _http),
-    Inert("checkpoint.save_every", "checkpoint.dir is set", _ckpt),
-    Inert("checkpoint.keep_last", "checkpoint.dir is set", _ckpt),
-    Inert("checkpoint.export_hf_at_end", "checkpoint.dir is set (it writes <dir>/hf_final)", _ckpt),
-    Inert("eval.samples_per_prompt", "eval.every > 0", _eval),
-    Inert("eval.temperature", "eval.every > 0", _eval),
-    Inert("eval.max_new_tokens", "eval.every > 0", _eval),
-    Inert("eval.pass_threshold", "eval.every > 0", _eval),
-    Inert(
-        "rollout.max_staleness",
+    (
+        "reward.kind=http",
+        lambda c: c.reward.kind == "http",
+        ("reward.retries", "reward.api_key_env"),
+    ),
+    (
+        "checkpoint.dir is set",
+        lambda c: c.checkpoint.dir is not None,
+        ("checkpoint.save_every", "checkpoint.keep_last"),
+    ),
+    (
+        "checkpoint.dir is set (it writes <dir>/hf_final)",
+        lambda c: c.checkpoint.dir is not None,
+        ("checkpoint.export_hf_at_end",),
+    ),
+    (
+        "eval.every > 0",
+        lambda c: c.eval.every > 0,
+        ("eval.samples_per_prompt", "eval.temperature", "eval.max_new_tokens",
+         "eval.pass_threshold"),
+    ),
+    (
         "rollout.async_rollout=true or rollout.partial_tokens is set (else no token lags)",
         lambda c: c.rollout.async_rollout or c.rollout.partial_tokens is not None,
+        ("rollout.max_staleness",),
     ),
-    Inert(
-        "rollout.max_continuation_retries",
+    (
         "rollout.partial_tokens is set",
         lambda c: c.rollout.partial_tokens is not None,
+        ("rollout.max_continuation_retries",),
     ),
-    Inert("rollout.max_turns", "rollout.env is set", _env),
-    Inert("rollout.max_total_tokens", "rollout.env is set", _env),
-    Inert("rollout.turn_stop", "rollout.env is set", _env),
-    Inert("rollout.env_workers", "rollout.env is set", _env),
-    Inert("rollout.env_timeout_s", "rollout.env is set", _env),
-    Inert("rollout.agent_workers", "rollout.agent is set", _agent),
-    Inert("rollout.agent_timeout_s", "rollout.agent is set", _agent),
-    Inert(
-        "weights.disk_keep",
-        "weights.transport=disk",
-        lambda c: c.weights.transport == "disk",
+    (
+        "rollout.env is set",
+        lambda c: c.rollout.env is not None,
+        ("rollout.max_turns", "rollout.max_total_tokens", "rollout.turn_stop",
+         "rollout.env_workers", "rollout.env_timeout_s"),
     ),
+    (
+        "rollout.agent is set",
+        lambda c: c.rollout.agent is not None,
+        ("rollout.agent_workers", "rollout.agent_timeout_s"),
+    ),
+    ("weights.transport=disk", lambda c: c.weights.transport == "disk", ("weights.disk_keep",)),
 )
+
+INERT: tuple[Inert, ...] = tuple(
+    Inert(key, unless, active) for unless, active, keys in _SWITCHES for key in keys
+)
+"""Every key another key switches off, one row each (`_SWITCHES` unfolded)."""
 
 
 def key_value(cfg: Config, key: str) -> Any:

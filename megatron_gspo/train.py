@@ -34,7 +34,7 @@ from megatron_gspo.run.console import (
     third_party_stdio,
 )
 from megatron_gspo.run.metrics_log import MetricsLogger
-from megatron_gspo.run.preflight import check_resume, preflight
+from megatron_gspo.run.preflight import check_optimizer, check_resume, preflight
 from megatron_gspo.run.run_dir import RunLock, clear_previous_run
 from megatron_gspo.run.stop import StopSignals
 from megatron_gspo.run.user_errors import build_policy, exit_code, first_push
@@ -45,6 +45,7 @@ from megatron_gspo.weights.sync import WeightSync
 if TYPE_CHECKING:  # imported in main(), after third-party output is routed to the log file
     from collections.abc import Callable
 
+    from megatron_gspo.data.tokenizer import Tokenizer
     from megatron_gspo.engines.nodes import LaunchedEngines, PendingEngines
     from megatron_gspo.megatron.policy import Policy
     from megatron_gspo.rollout.evaluation import Evaluator
@@ -71,10 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.dump:
         print(dump_config(cfg), end="")
         return
-    changed = _check_input(cfg, overwrite=args.overwrite)
+    changed, tokenizer = _check_input(cfg, overwrite=args.overwrite)
     stop, lock = _start_process(cfg)
     cfg = with_routes(cfg)
-    run = _Parts()
+    run = _Parts(tokenizer=tokenizer)
     try:  # whatever fails, engines and reward workers are shut down
         _train(cfg, run, stop, overwrite=args.overwrite, changed=changed)
     finally:
@@ -84,16 +85,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _check_input(cfg: Config, *, overwrite: bool) -> list[str]:
+def _check_input(cfg: Config, *, overwrite: bool) -> tuple[list[str], Tokenizer]:
     """Every rank, before anything is started or written: a bad input ends all ranks alike.
-    Returns the keys a resume changes (refused ones raised in preflight)."""
-    preflight(
+    Returns the keys a resume changes (refused ones raised in preflight) and the tokenizer
+    preflight loaded (rank 0's rollout takes it rather than loading it again)."""
+    tokenizer = preflight(
         cfg,
         resume=cfg.checkpoint.resume,
         overwrite=overwrite,
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
     )
-    return check_resume(cfg) if cfg.checkpoint.resume else []
+    return (check_resume(cfg) if cfg.checkpoint.resume else []), tokenizer
 
 
 def _start_process(cfg: Config) -> tuple[StopSignals, RunLock | None]:
@@ -135,6 +137,8 @@ def with_routes(cfg: Config) -> Config:
 class _Parts:
     """What a run has started, closed in order whatever fails."""
 
+    tokenizer: Tokenizer | None = None
+    """The run's tokenizer, as preflight loaded it (handed to the rollout)."""
     pending: PendingEngines | None = None
     """Engines starting (`engines.nodes.begin_node_engines`), not yet waited for."""
     launched: LaunchedEngines | None = None
@@ -187,14 +191,10 @@ def _build_policy(cfg: Config) -> Policy:
     engine serves."""
     with third_party_stdio(cfg.logging.dir):
         policy = build_policy(cfg.policy_spec())  # weights that do not fit config.json: one line
-    if cfg.checkpoint.dir:
-        from megatron_gspo.patches import PatchError
-        from megatron_gspo.patches.optimizer import check_resumable
+    from megatron_gspo.patches.optimizer import optimizer_classes
 
-        try:
-            check_resumable(policy.optimizer)
-        except PatchError as e:
-            raise ConfigError(str(e)) from None
+    # preflight decided this from the optimizer megatron-core would pick; the built one decides
+    check_optimizer(cfg, resume=cfg.checkpoint.resume, built=optimizer_classes(policy.optimizer))
     return policy
 
 
@@ -209,7 +209,8 @@ def _start_rollout(cfg: Config, run: _Parts) -> None:
             run.pending = run.pending or _begin_engines(cfg)
             run.launched = run.pending.wait()
             run.pending = None
-        run.rollout = make_rollout(spec, run.launched) if dist.rank() == 0 else None
+        if dist.rank() == 0:
+            run.rollout = make_rollout(spec, run.launched, tokenizer=run.tokenizer)
         run.evaluator = build_evaluator(spec, run.rollout)  # None when off and off rank 0
 
 

@@ -20,6 +20,7 @@ import yaml
 
 from megatron_gspo.config import Config, ConfigError, load_config, parse_cli
 from megatron_gspo.data.prompts import PromptDataset, load_prompt_jsonl
+from megatron_gspo.data.toy import save_toy_tokenizer
 from megatron_gspo.run.metrics_log import MetricsLogger, read_metrics
 from megatron_gspo.run.preflight import preflight
 
@@ -40,6 +41,7 @@ def _base(tmp: Path) -> dict:
     (model / "config.json").write_text(json.dumps(HF_CONFIG))
     # a valid safetensors file holding no tensor (preflight reads every weight file's header)
     (model / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
+    save_toy_tokenizer(model)  # preflight loads the run's tokenizer (and refuses none)
     data = tmp / "data.jsonl"
     data.write_text('{"prompt": "12", "answer": "12"}\n{"prompt": "3", "answer": "3"}\n')
     return {

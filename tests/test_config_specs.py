@@ -140,3 +140,31 @@ def test_routes_come_in_a_new_config(tmp_path: Path) -> None:
     assert out.rollout.client.return_routed_experts
     assert out.rollout.client.num_experts_per_tok == 2
     assert with_routes(_cfg()) == _cfg()  # off: the same run
+
+
+def test_the_scheduler_takes_its_fields_from_the_rollout_section() -> None:
+    """`SchedulerConfig.from_rollout`: each field from the `rollout:` key of its name (one field
+    list, the scheduler's), `prompts` and `group_size` as given."""
+    from megatron_gspo.rollout.groups import SchedulerConfig
+
+    cfg = _cfg(
+        "rollout.max_new_tokens=77",
+        "rollout.oversample=1.5",
+        "rollout.drop_equal_reward_groups=true",
+        "rollout.partial_tokens=9",
+        "rollout.max_staleness=2",
+        "rollout.fill_attempts=5",
+        "rollout.max_continuation_retries=6",
+    )
+    got = SchedulerConfig.from_rollout(cfg.rollout, prompts=6, group_size=3)
+    assert got == SchedulerConfig(
+        prompts=6,
+        group_size=3,
+        max_new_tokens=77,
+        oversample=1.5,
+        drop_equal_reward_groups=True,
+        partial_tokens=9,
+        max_staleness=2,
+        fill_attempts=5,
+        max_continuation_retries=6,
+    )

@@ -30,10 +30,11 @@ from typing import Any
 
 import pytest
 
-from megatron_gspo.checkpoint.files import RUN_CONFIG
+from megatron_gspo.checkpoint.files import OPTIMIZER_FILE, RUN_CONFIG
 from megatron_gspo.checkpoint.resume import FIXED_ON_RESUME
 from megatron_gspo.config import Config, config_from_dict
 from megatron_gspo.config_io import ConfigError
+from megatron_gspo.patches.optimizer import planned_optimizer
 from megatron_gspo.run import preflight as preflight_module
 from megatron_gspo.run.preflight import preflight
 from megatron_gspo.run.user_errors import exit_code
@@ -193,6 +194,14 @@ FILE_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         lambda m: (m / "tokenizer.json").write_text("{"),
         "cannot be read as JSON",
     ),
+    # was: preflight passed, rank 0's rollout failed in AutoTokenizer's traceback after the
+    # engines had started
+    "tokenizer-missing": (
+        lambda m: [(m / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")],
+        "no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model / vocab.json "
+        "absent), the rollout reads prompts and responses with it; add them, or set "
+        "model.tokenizer_path",
+    ),
     "config-missing": (lambda m: (m / "config.json").unlink(), "config.json: missing"),
     "config-not-json": (lambda m: (m / "config.json").write_text("{"), "not valid JSON"),
     "no-weights": (lambda m: (m / W).unlink(), "no *.safetensors or *.bin weights"),
@@ -310,7 +319,14 @@ def test_the_untouched_toy_passes(tmp_path: Path, toy: Path) -> None:
     """Each case below differs from this valid start by its one damage."""
     _prepare(tmp_path, toy)
     cfg = _config(tmp_path, toy, {})
-    preflight(cfg, resume=False, overwrite=False, world_size=1)
+    tokenizer = preflight(cfg, resume=False, overwrite=False, world_size=1)
+    # the run's tokenizer, loaded once here and handed on to the rollout (`make_rollout`)
+    from transformers import AutoTokenizer
+
+    text = "rev 3812="
+    assert tokenizer(text)["input_ids"] == AutoTokenizer.from_pretrained(
+        str(tmp_path / "model")
+    )(text)["input_ids"]
     _checkpoint(tmp_path, cfg)
     preflight(_config(tmp_path, toy, {}), resume=True, overwrite=False, world_size=1)
 
@@ -336,6 +352,15 @@ def test_budgets_no_prompt_fits(tmp_path: Path, toy: Path, case: str) -> None:
     _prepare(tmp_path, toy)
     over, expected = FIT_CASES[case]
     _refused(tmp_path, _config(tmp_path, toy, over), False, expected)
+
+
+def test_tokenizer_path_without_a_tokenizer(tmp_path: Path, toy: Path) -> None:
+    """model.tokenizer_path naming a directory without tokenizer files (was: preflight passed)."""
+    _prepare(tmp_path, toy)
+    (tmp_path / "tok").mkdir()
+    cfg = _config(tmp_path, toy, {"model.tokenizer_path": str(tmp_path / "tok")})
+    msg = _refused(tmp_path, cfg, False, f"{tmp_path / 'tok'}: no tokenizer")
+    assert msg.endswith("; change model.tokenizer_path"), msg
 
 
 def test_missing_prompt_file(tmp_path: Path, toy: Path) -> None:
@@ -391,6 +416,26 @@ def test_resume_with_fewer_steps_than_the_checkpoint(tmp_path: Path, toy: Path) 
     _refused(tmp_path, cfg, True, "train.steps=3 is below the step of the checkpoint")
 
 
+def test_resume_of_another_optimizers_state(tmp_path: Path, toy: Path) -> None:
+    """A checkpoint whose Adam steps were kept per param group (Transformer Engine's FusedAdam,
+    a GPU run) resumed where megatron-core builds torch's AdamW (per parameter), and the other
+    way round (was: accepted here; only the load, once the model and optimizer were built, met
+    the saved steps, which `restore_adam_steps` pairs strictly with the parameters or groups:
+    read from the code, not run, as no Transformer Engine installs here)."""
+    _prepare(tmp_path, toy)
+    cfg = _config(tmp_path, toy, {})
+    _checkpoint(tmp_path, cfg)
+    te = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
+    here = planned_optimizer("adam")
+    saved = "torch.optim.adamw.AdamW" if here == te else te
+    step = tmp_path / "ckpt" / "step_000002"
+    (step / OPTIMIZER_FILE).write_text(json.dumps({"classes": [saved, saved]}))
+    msg = _refused(tmp_path, cfg, True, f"{step}: its optimizer state was written by {saved}")
+    assert f"this run builds {here}" in msg
+    (step / OPTIMIZER_FILE).write_text(json.dumps({"classes": [here, here]}))
+    preflight(cfg, resume=True, overwrite=False, world_size=1)  # the same optimizer resumes
+
+
 def test_no_room_for_a_checkpoint(tmp_path: Path, toy: Path, monkeypatch) -> None:
     _prepare(tmp_path, toy)
     usage = shutil.disk_usage(tmp_path)
@@ -415,7 +460,7 @@ def test_latest_naming_nothing(tmp_path: Path, toy: Path) -> None:
 
 
 def test_there_are_at_least_50_cases() -> None:
-    n = len(FILE_CASES) + len(PROMPT_CASES) + 1 + len(EMPTY_KEYS) + len(RESUME_CHANGES) + 4
+    n = len(FILE_CASES) + len(PROMPT_CASES) + 2 + len(EMPTY_KEYS) + len(RESUME_CHANGES) + 5
     n += len(FIT_CASES)
     assert n >= 50, n
 

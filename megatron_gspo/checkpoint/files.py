@@ -11,7 +11,7 @@ circle for these names.
 
 from __future__ import annotations
 
-__all__ = ["FRESH_OPTIMIZER", "HF_CONFIG_DIR", "META_FILE", "RUN_CONFIG"]
+__all__ = ["FRESH_OPTIMIZER", "HF_CONFIG_DIR", "META_FILE", "OPTIMIZER_FILE", "RUN_CONFIG"]
 
 HF_CONFIG_DIR = "hf_config"
 """The model's `config.json`, tokenizer and generation files, copied from `model.hf_path`: all
@@ -28,3 +28,9 @@ directory; a resume compares it (`checkpoint.resume.resume_config_changes`)."""
 FRESH_OPTIMIZER = "optimizer_fresh"
 """Marks a checkpoint written before any optimizer step: the model alone is its state (no
 optimizer state, no `adam_steps_rank*.pt`); `megatron/checkpoint.py` writes and reads it."""
+
+OPTIMIZER_FILE = "optimizer.json"
+"""`{"classes": [...]}`: the inner optimizer classes whose state the checkpoint holds (one per
+chained optimizer, `patches.optimizer.optimizer_classes`); a resume compares them with the
+optimizer it will build before any model is built (`run/preflight.check_optimizer`). Absent
+from checkpoints written before it and from `FRESH_OPTIMIZER` ones (no optimizer state)."""

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megatron_gspo.checkpoint.files import HF_CONFIG_DIR, META_FILE, RUN_CONFIG
+from megatron_gspo.checkpoint.files import HF_CONFIG_DIR, META_FILE, OPTIMIZER_FILE, RUN_CONFIG
 from megatron_gspo.config_io import ConfigError, require
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "check_checkpoint_dir_writable",
     "check_resume_model",
     "resume_config_changes",
+    "saved_optimizer_classes",
 ]
 
 # The optimizer state in the checkpoint belongs to these: Adam moments do not load into SGD,
@@ -152,3 +153,16 @@ def resume_config_changes(checkpoint: Path, current: dict[str, Any]) -> list[str
             "resume, or start a new run",
         )
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed]
+
+
+def saved_optimizer_classes(checkpoint: Path) -> list[str] | None:
+    """The inner optimizer classes whose state `checkpoint` holds (`OPTIMIZER_FILE`); None
+    where it does not say (written before the file existed, no optimizer step taken yet, or
+    damaged: `verify` names a damaged file)."""
+    try:
+        classes = json.loads((checkpoint / OPTIMIZER_FILE).read_text())["classes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        return None
+    return classes

@@ -16,13 +16,14 @@ registered patch `mcore-adam-step-resume` (megatron_gspo/patches/optimizer.py).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_gspo.checkpoint.files import FRESH_OPTIMIZER
-from megatron_gspo.patches.optimizer import chained, resume_hooks
+from megatron_gspo.checkpoint.files import FRESH_OPTIMIZER, OPTIMIZER_FILE
+from megatron_gspo.patches.optimizer import chained, optimizer_classes, resume_hooks
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -128,6 +129,9 @@ def save_model_and_optimizer(
         return
     dist_checkpointing.save(_sharded_state(model, optimizer, False), str(directory))
     torch.save(hooks.adam_steps(optimizer), Path(directory) / f"adam_steps_rank{rank}.pt")
+    if rank == 0:  # which optimizer's state this is: a resume checks it before building one
+        classes = {"classes": optimizer_classes(optimizer)}
+        (Path(directory) / OPTIMIZER_FILE).write_text(json.dumps(classes) + "\n")
 
 
 def _saved_param_groups(state: Any) -> list[dict[str, Any]]:

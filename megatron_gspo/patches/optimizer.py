@@ -19,6 +19,7 @@ Two gaps in megatron-core's own load path, filled by `megatron_gspo.megatron.che
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,8 +83,68 @@ STEP_LAYOUTS = {
 def step_layout(inner: torch.optim.Optimizer) -> str:
     """PER_PARAM, PER_GROUP or NO_STEP for a supported torch-level optimizer; else a PatchError that
     names it (an optimizer whose step we do not know how to resume is refused at start)."""
+    return _layout(class_name(inner))
+
+
+def class_name(inner: torch.optim.Optimizer) -> str:
+    """`module.QualName` of a torch-level optimizer, as `STEP_LAYOUTS` keys it."""
     cls = type(inner)
-    name = f"{cls.__module__}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# What megatron-core 0.19's optimizer/__init__.py builds, chosen when it is imported:
+# Transformer Engine's fused optimizers, else Apex's, else torch's (AdamW: decoupled decay).
+_BUILT = (
+    ("transformer_engine", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam",
+     "transformer_engine.pytorch.optimizers.fused_sgd.FusedSGD"),
+    ("apex", "apex.optimizers.fused_adam.FusedAdam", "apex.optimizers.fused_sgd.FusedSGD"),
+    ("torch", "torch.optim.adamw.AdamW", "torch.optim.sgd.SGD"),
+)
+
+
+def planned_optimizer(optimizer: str) -> str:
+    """The inner optimizer class megatron-core builds for `optim.optimizer` ("adam" or "sgd")
+    in this interpreter: its import-time choice (TE, else Apex, else torch), decided from which
+    of those packages is installed, importing none of them (preflight, before any model)."""
+    for package, adam, sgd in _BUILT:
+        if package == "torch" or importlib.util.find_spec(package) is not None:
+            return adam if optimizer == "adam" else sgd
+    raise AssertionError("unreachable: torch is the last choice")
+
+
+def optimizer_classes(optimizer: MegatronOptimizer) -> list[str]:
+    """The class name of each inner optimizer of a built (possibly chained) one: what a
+    checkpoint records (`checkpoint.files.OPTIMIZER_FILE`) and `check_resumable` takes."""
+    return [class_name(opt.optimizer) for opt in chained(optimizer)]
+
+
+def check_resumable(names: list[str], saved: list[str] | None = None, where: str = "") -> None:
+    """A PatchError (one line) for an inner optimizer whose state the resume path does not
+    know, or, with `saved` (the classes the state of the checkpoint `where` was written by),
+    one that keeps Adam's step elsewhere than they did: the saved steps would not fit it.
+    `names`: `optimizer_classes` of the built optimizer, or `[planned_optimizer(...)]` before
+    it is built (preflight)."""
+    now = {_layout(name) for name in names}
+    if saved is None:
+        return
+    was = {STEP_LAYOUTS.get(name, "unknown") for name in saved}
+    if was != now:
+        raise PatchError(
+            f"{where}: its optimizer state was written by {', '.join(sorted(set(saved)))} "
+            f"(Adam's step kept {_kept(was)}), this run builds {', '.join(sorted(set(names)))} "
+            f"({_kept(now)}): megatron-core takes Transformer Engine's, else Apex's, else "
+            "torch's optimizer, by what is installed; resume where the checkpoint was written "
+            "(the same optim.optimizer and packages), or start a new run from a conversion of "
+            "the checkpoint (tools/convert_megatron_to_hf.py)"
+        )
+
+
+def _kept(layouts: set[str]) -> str:
+    where = {PER_PARAM: "per parameter", PER_GROUP: "per param group", NO_STEP: "nowhere: SGD"}
+    return " and ".join(sorted(where.get(x, x) for x in layouts))
+
+
+def _layout(name: str) -> str:
     layout = STEP_LAYOUTS.get(name)
     if layout is None:
         raise PatchError(
@@ -92,12 +153,6 @@ def step_layout(inner: torch.optim.Optimizer) -> str:
             "set optim.optimizer=adam, or checkpoint.dir=null to train without checkpoints"
         )
     return layout
-
-
-def check_resumable(optimizer: MegatronOptimizer) -> None:
-    """Refuse, before training starts, an inner optimizer the resume path does not know."""
-    for opt in chained(optimizer):
-        step_layout(opt.optimizer)
 
 
 def adam_steps(optimizer: MegatronOptimizer) -> list[list[float | None]]:

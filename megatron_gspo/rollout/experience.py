@@ -64,16 +64,8 @@ class Rollout:
 
     def _driver(self) -> RolloutDriver:
         r, spec = self.spec.rollout, self.spec
-        sched_cfg = SchedulerConfig(
-            prompts=spec.prompts_per_rollout,
-            group_size=spec.group_size,
-            max_new_tokens=r.max_new_tokens,
-            oversample=r.oversample,
-            drop_equal_reward_groups=r.drop_equal_reward_groups,
-            partial_tokens=r.partial_tokens,
-            max_staleness=r.max_staleness,
-            fill_attempts=r.fill_attempts,
-            max_continuation_retries=r.max_continuation_retries,
+        sched_cfg = SchedulerConfig.from_rollout(
+            r, prompts=spec.prompts_per_rollout, group_size=spec.group_size
         )
         # make_rollout's loader reads a PromptDataset (PromptLoader takes any sequence)
         dataset = cast("PromptDataset", self.loader.dataset)
@@ -243,13 +235,14 @@ class Rollout:
             self.servers.shutdown()
 
 
-def make_rollout(spec: RolloutSpec, launched: Any = None) -> Rollout:
+def make_rollout(
+    spec: RolloutSpec, launched: Any = None, tokenizer: Tokenizer | None = None
+) -> Rollout:
     """Rank 0: connect to the engines (`launched`: those `engines.nodes.start_node_engines`
     started on every node; None with `rollout.launch` set: start them here, a one-process
-    job), load prompts, tokenizer and rewards."""
-    from transformers import AutoTokenizer
-
-    from megatron_gspo.data.fit import prompt_limits
+    job), load prompts and rewards. `tokenizer`: the run's, as preflight loaded it (None: load
+    it here)."""
+    from megatron_gspo.data.fit import load_run_tokenizer, prompt_limits
     from megatron_gspo.data.prompts import PromptDataset, PromptLoader
     from megatron_gspo.engines.connect import connect
     from megatron_gspo.rewards.pool import build_reward_pool
@@ -258,10 +251,8 @@ def make_rollout(spec: RolloutSpec, launched: Any = None) -> Rollout:
     engine, servers = connect(
         r.launch, r.client, log_dir=Path(spec.log_dir) / "engines", launched=launched
     )
-    # its methods are annotated with every return they can have; ours return text
-    tokenizer = cast(
-        "Tokenizer", AutoTokenizer.from_pretrained(spec.tokenizer_path or spec.hf_path)
-    )
+    if tokenizer is None:
+        tokenizer = load_run_tokenizer(spec.hf_path, spec.tokenizer_path)
     # Prompts that cannot fit the engine's context with the response budget (an HTTP 400 at
     # the step that samples one), or whose sequence no micro-batch holds with a whole response
     # (train.micro_batch_tokens silently exceeded; issue 40): dropped here, counted. None left

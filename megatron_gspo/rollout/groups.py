@@ -12,12 +12,13 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from megatron_gspo.engines.types import RolloutStats, Sample
 
 if TYPE_CHECKING:
     from megatron_gspo.data.records import PromptRecord
+    from megatron_gspo.rollout.config import RolloutConfig
 
 
 class StalenessError(RuntimeError):
@@ -37,6 +38,16 @@ class SchedulerConfig:
     max_staleness: int = 1
     fill_attempts: int = 4
     max_continuation_retries: int = 3
+
+    @classmethod
+    def from_rollout(cls, rollout: RolloutConfig, *, prompts: int, group_size: int) -> Self:
+        """The run's scheduler config: `prompts` and `group_size` (the rl: section's), every
+        other field from the `rollout:` key of the same name (one list: this class's)."""
+        given = ("prompts", "group_size")
+        rest = {
+            f.name: getattr(rollout, f.name) for f in dataclasses.fields(cls) if f.name not in given
+        }
+        return cls(prompts=prompts, group_size=group_size, **rest)
 
     @property
     def width(self) -> int:

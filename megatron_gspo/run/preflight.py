@@ -17,12 +17,13 @@ import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.checkpoint.resume import (
     check_checkpoint_dir_writable,
     check_resume_model,
     resume_config_changes,
+    saved_optimizer_classes,
 )
 from megatron_gspo.checkpoint.store import check_resume_layout, latest_checkpoint
 from megatron_gspo.config import Config
@@ -33,16 +34,20 @@ from megatron_gspo.engines.sglang_rules import check_engine_interpreter
 from megatron_gspo.plan.model_files import check_model_files, estimate_checkpoint_bytes
 from megatron_gspo.run.run_dir import check_run_paths, previous_run_files
 
-__all__ = ["check_resume", "check_run_dir", "preflight", "read_hf_config"]
+if TYPE_CHECKING:
+    from megatron_gspo.data.tokenizer import Tokenizer
+
+__all__ = ["check_optimizer", "check_resume", "check_run_dir", "preflight", "read_hf_config"]
 
 
-def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) -> None:
+def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) -> Tokenizer:
     """Every input check that needs no megatron-core: run directory, model directory (its weight
     files as the loaders read them: `model_files`), room for a checkpoint, dtype for
-    the device, the layout against `world_size`, the prompt files and the reward module. Raises
-    `ConfigError` (one line naming the file, line or key). Nothing is written or deleted here:
-    `--overwrite` clears the previous run only once the new one has started
-    (`run_dir.clear_previous_run`, called by `train.main`)."""
+    the device, the layout against `world_size`, the tokenizer, the prompt files and the reward
+    module. Raises `ConfigError` (one line naming the file, line or key). Nothing is written or
+    deleted here: `--overwrite` clears the previous run only once the new one has started
+    (`run_dir.clear_previous_run`, called by `train.main`). Returns the run's tokenizer,
+    loaded once here for the prompt checks, for the rollout to take (`make_rollout`)."""
     check_run_paths(cfg)
     check_run_dir(cfg, resume=resume, overwrite=overwrite)
     hf_config = read_hf_config(cfg.model.hf_path, "model.hf_path")
@@ -57,6 +62,7 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
     if resume:
         check_resume_layout(cfg.checkpoint.dir, cfg.parallel, world_size)
         check_resume(cfg)
+    check_optimizer(cfg, resume=resume)
     for path, key in ((cfg.data.train_path, "data.train_path"), (cfg.eval.path, "eval.path")):
         if path is not None:  # the held-out set (eval.path) is read like the training set
             load_prompt_records(
@@ -67,12 +73,14 @@ def preflight(cfg: Config, *, resume: bool, overwrite: bool, world_size: int) ->
                 answer_key=cfg.data.answer_key,
                 key=key,
             )
-    check_prompts_fit(cfg)  # with the tokenizer: what the rollout would refuse after start-up
+    # with the tokenizer: what the rollout would refuse after start-up
+    tokenizer = check_prompts_fit(cfg)
     _check_reward(cfg.reward.kind)
     if cfg.rollout.env is not None:
         _check_module(cfg.rollout.env, "rollout.env")
     _check_engine_python(cfg)
     _check_topology(cfg, world_size)
+    return tokenizer
 
 
 def check_resume(cfg: Config) -> list[str]:
@@ -90,6 +98,28 @@ def check_resume(cfg: Config) -> list[str]:
         " another checkpoint.dir",
     )
     return resume_config_changes(path, cfg.to_dict())
+
+
+def check_optimizer(cfg: Config, *, resume: bool, built: list[str] | None = None) -> None:
+    """With `checkpoint.dir`: the inner optimizer this run builds is one whose state the
+    checkpoints save and resume (`patches.optimizer.STEP_LAYOUTS`), and with `resume` it keeps
+    Adam's step where the checkpoint's did (its `OPTIMIZER_FILE`). Before any model is built
+    the optimizer is the one megatron-core will pick for `optim.optimizer` among the installed
+    packages (`planned_optimizer`; was: checked only once the model and optimizer had been
+    built, and a checkpoint of another optimizer was met only by its load); after, `built`
+    (`optimizer_classes` of the real one) checks the same again."""
+    from megatron_gspo.patches import PatchError
+    from megatron_gspo.patches.optimizer import check_resumable, planned_optimizer
+
+    if not cfg.checkpoint.dir:
+        return
+    saved, where = None, ""
+    if resume and (path := latest_checkpoint(cfg.checkpoint.dir)) is not None:
+        saved, where = saved_optimizer_classes(path), str(path)
+    try:
+        check_resumable(built or [planned_optimizer(cfg.optim.optimizer)], saved, where)
+    except PatchError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _checkpoint_step(path: Path) -> int | None:

@@ -5,12 +5,14 @@ bf16 cases the optimizer's params are the fp32 main params, not the model's bf16
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_gspo.algo import PolicyLossConfig
+from megatron_gspo.checkpoint.files import OPTIMIZER_FILE
 from megatron_gspo.config import OptimConfig
 from megatron_gspo.megatron import step as mstep
 from megatron_gspo.megatron.checkpoint import load_model_and_optimizer, save_model_and_optimizer
@@ -26,6 +28,7 @@ from megatron_gspo.megatron.model import (
     quiet_megatron,
 )
 from megatron_gspo.megatron.packing import TrainSequence
+from megatron_gspo.patches.optimizer import optimizer_classes
 from megatron_gspo.testing.weights import hf_state
 from tests.megatron.policy_ranks import make_sequences
 
@@ -111,6 +114,8 @@ def run_case(bridge: Any, rank: int, ckpt: str, case: dict[str, Any]) -> dict[st
     straight = hf_state(bridge, model)
     straight_state = _optimizer_state(opt)
     precision = _precision(model, opt)
+    # which optimizer's state it is (a resume compares it before building one)
+    written = json.loads((Path(ckpt) / OPTIMIZER_FILE).read_text())["classes"]
 
     model, opt = _build(bridge, layout, distopt, dtype)
     load_model_and_optimizer(model, opt, Path(ckpt))
@@ -126,6 +131,8 @@ def run_case(bridge: Any, rank: int, ckpt: str, case: dict[str, Any]) -> dict[st
         "straight_state": straight_state,
         "resumed_state": _optimizer_state(opt),
         "precision": precision,
+        "optimizer_file": written,
+        "optimizer_classes": optimizer_classes(opt),
     }
 
 

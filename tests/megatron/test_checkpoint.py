@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
+from megatron_gspo.patches.optimizer import planned_optimizer
 from megatron_gspo.testing.harness import spawn_ranks
 from tests.megatron import checkpoint_ranks
 
@@ -79,3 +80,12 @@ def test_saving_starts_no_process(results: list[dict]) -> None:
     imports). Ours is in-process (megatron_gspo/megatron/checkpoint.py): nothing is left."""
     for rank, res in enumerate(results):
         assert res["_children"] == [], (rank, res["_children"])
+
+
+@pytest.mark.parametrize("name", [*CASES, *VPP_CASES])
+def test_the_checkpoint_names_its_optimizer(name: str, results: list[dict]) -> None:
+    """`optimizer.json` names the inner optimizers whose state was saved (what a resume checks
+    before building one), and they are the one `planned_optimizer` predicts from the config."""
+    for res in (r[name] for r in results):
+        assert res["optimizer_file"] == res["optimizer_classes"]
+        assert set(res["optimizer_classes"]) == {planned_optimizer("adam")}

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from megatron_gspo.patches import PatchError
-from megatron_gspo.patches.optimizer import adam_steps, check_resumable, restore_adam_steps
+from megatron_gspo.patches import optimizer as optimizer_patch
+from megatron_gspo.patches.optimizer import (
+    adam_steps,
+    check_resumable,
+    optimizer_classes,
+    planned_optimizer,
+    restore_adam_steps,
+)
 
 
 class FusedAdamLayout(torch.optim.Optimizer):
@@ -82,7 +89,50 @@ def test_torch_adam_steps_stay_per_parameter():
 
 def test_sgd_has_no_step_and_other_optimizers_are_refused_by_name():
     p = torch.nn.Parameter(torch.zeros(1))
-    check_resumable(_megatron(torch.optim.SGD([p], lr=0.1, momentum=0.9)))
+    check_resumable(optimizer_classes(_megatron(torch.optim.SGD([p], lr=0.1, momentum=0.9))))
     assert adam_steps(_megatron(torch.optim.SGD([p], lr=0.1))) == [[]]
     with pytest.raises(PatchError, match=r"torch\.optim\.rmsprop\.RMSprop .*optim\.optimizer"):
-        check_resumable(_megatron(torch.optim.RMSprop([p])))
+        check_resumable(optimizer_classes(_megatron(torch.optim.RMSprop([p]))))
+
+
+def test_planned_optimizer_is_the_one_megatron_core_builds_here():
+    """Before any model: the class megatron-core 0.19 picks for optim.optimizer among the
+    installed packages, against its own import-time choice in this interpreter."""
+    import megatron.core.optimizer as mco
+
+    if mco.USING_PYTORCH_OPTIMIZER:  # its Adam branch: AdamW (decoupled decay, our setting)
+        adam, sgd = torch.optim.AdamW, torch.optim.SGD
+    else:
+        adam, sgd = mco.Adam, mco.SGD
+    for name, cls in (("adam", adam), ("sgd", sgd)):
+        assert planned_optimizer(name) == f"{cls.__module__}.{cls.__qualname__}"
+
+
+def test_planned_optimizer_follows_what_is_installed(monkeypatch):
+    """With Transformer Engine installed megatron-core takes its fused optimizers (found, not
+    imported)."""
+    found = {"transformer_engine"}
+    monkeypatch.setattr(
+        optimizer_patch.importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name in found else None,
+    )
+    assert planned_optimizer("adam").endswith("fused_adam.FusedAdam")
+    assert planned_optimizer("adam").startswith("transformer_engine.")
+    found = {"apex"}
+    assert planned_optimizer("sgd") == "apex.optimizers.fused_sgd.FusedSGD"
+
+
+def test_a_checkpoint_of_another_step_layout_is_refused():
+    """torch AdamW (a step per parameter) does not resume Transformer Engine's FusedAdam state
+    (a step per param group), nor the other way round; the same layout does."""
+    te = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
+    torch_adam = "torch.optim.adamw.AdamW"
+    check_resumable([torch_adam], [torch_adam, torch_adam], "ckpt/step_000002")
+    check_resumable([te], [te, "apex.optimizers.fused_adam.FusedAdam"], "ckpt")
+    for now, saved in ((torch_adam, te), (te, torch_adam)):
+        with pytest.raises(PatchError) as e:
+            check_resumable([now], [saved, saved], "ckpt/step_000002")
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("ckpt/step_000002: its optimizer state")
+        assert saved in msg and now in msg

@@ -26,6 +26,7 @@ import yaml
 from megatron_gspo.checkpoint.resume import RUN_CONFIG
 from megatron_gspo.checkpoint.write import CheckpointWriteError, WriteState, describe
 from megatron_gspo.config import ConfigError, config_from_dict
+from megatron_gspo.data.toy import save_toy_tokenizer
 from megatron_gspo.engines.weight_names import sglang_checksums
 from megatron_gspo.run.preflight import preflight
 from megatron_gspo.run.user_errors import EngineModelMismatch, build_policy, exit_code, first_push
@@ -51,6 +52,7 @@ def _model(tmp: Path, name: str, **over: Any) -> Path:
     (d / "config.json").write_text(json.dumps({**HF, **over}))
     # a valid safetensors file holding no tensor (preflight reads every weight file's header)
     (d / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
+    save_toy_tokenizer(d)  # preflight loads the run's tokenizer (and refuses none)
     return d
 
 

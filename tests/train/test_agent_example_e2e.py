@@ -9,20 +9,14 @@ The margin is well inside what the example reaches: `bash scripts/main.sh --exam
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_gspo.dist import free_port
 from tests.ahead import Ahead, ahead, make_toy
+from tests.train.example_run import train_example
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
 STEPS, WINDOW, MARGIN = 30, 5, 0.05
 
 
@@ -30,32 +24,7 @@ STEPS, WINDOW, MARGIN = 30, 5, 0.05
 def _launch(tmp_path: Path) -> list[dict]:
     """The run (started ahead: tests/ahead.py); its metrics rows."""
     make_toy(tmp_path / "toy", "--ops", "add", "--max-len", "3", "--chat")
-    sets = {
-        "model.hf_path": f"{tmp_path}/toy/model",
-        "data.train_path": f"{tmp_path}/toy/toy.jsonl",
-        "logging.dir": f"{tmp_path}/run",
-        "checkpoint.dir": f"{tmp_path}/ckpt",
-        "train.steps": STEPS,
-        "logging.progress": "false",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "megatron_gspo.train",
-        "--config",
-        str(ROOT / "examples/tiny_moe_agent_cpu.yaml"),
-    ]
-    for key, value in sets.items():
-        cmd += ["--set", f"{key}={value}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    return train_example(tmp_path, "tiny_moe_agent_cpu", steps=STEPS, timeout=1800)
 
 
 def test_agent_example_reward_rises(launches_ahead: Ahead) -> None:

@@ -15,13 +15,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_gspo.dist import free_port
+from megatron_gspo.testing.jobs import torchrun_command
 from tools import make_tiny_toy
 
 pytestmark = pytest.mark.multirank
@@ -43,19 +42,7 @@ def _train(tmp: Path, name: str, ckpt: str, steps: int, *sets: str) -> list[dict
         "logging.tensorboard": "false",
         "logging.progress": "false",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "1",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "megatron_gspo.train",
-        "--config",
-        str(ROOT / "examples/tiny_moe_cpu.yaml"),
-    ]
+    cmd = torchrun_command(ROOT / "examples/tiny_moe_cpu.yaml", nproc=1)
     for key, value in base.items():
         cmd += ["--set", f"{key}={value}"]
     for s in sets:

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_gspo.dist import free_port
+from megatron_gspo.testing.jobs import torchrun_command
 from tests.train.reference import GROUP, PROMPTS, ROOT, STEPS
 
 pytestmark = pytest.mark.multirank
@@ -56,19 +56,8 @@ def _command(
         "optim.use_distributed_optimizer": "true",
         "weights.verify_every": 1,  # the checks below read every step's push as verified
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),  # concurrent runs of this test must not collide
-        "-m",
-        module,
-        "--config",
-        str(ROOT / "examples/tiny_moe_cpu.yaml"),
-    ]
+    # a free master port: concurrent runs of this test must not collide
+    cmd = torchrun_command(ROOT / "examples/tiny_moe_cpu.yaml", module=module)
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
     return cmd + list(extra)

@@ -8,21 +8,15 @@ loss tokens match the engine's, which they could not on env tokens whose pi_old 
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_gspo.dist import free_port
 from tests.ahead import Ahead, ahead, make_toy
+from tests.train.example_run import train_example
 
 pytestmark = pytest.mark.multirank
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
 
 
 @ahead("tool_example")
@@ -30,35 +24,12 @@ def _launch(tmp_path: Path) -> list[dict]:
     """The run (started ahead: tests/ahead.py); its metrics rows."""
     make_toy(tmp_path / "toy", "--n", "64", "--ops", "add")
     sets = {
-        "model.hf_path": f"{tmp_path}/toy/model",
-        "data.train_path": f"{tmp_path}/toy/toy.jsonl",
-        "logging.dir": f"{tmp_path}/run",
-        "checkpoint.dir": f"{tmp_path}/ckpt",
-        "train.steps": 3,
         "rl.prompts_per_rollout": 4,
         "rl.group_size": 4,
-        "logging.progress": "false",
         # every episode gets env tokens (the random model calls "?" once in 128 first turns)
         "rollout.env": "tests.train.tool_env_fixture:AlwaysCalculator",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "megatron_gspo.train",
-        "--config",
-        str(ROOT / "examples/tiny_moe_tool_cpu.yaml"),
-    ]
-    for key, value in sets.items():
-        cmd += ["--set", f"{key}={value}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    return train_example(tmp_path, "tiny_moe_tool_cpu", steps=3, timeout=600, sets=sets)
 
 
 def test_tool_example_trains(launches_ahead: Ahead) -> None:
