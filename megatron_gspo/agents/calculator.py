@@ -14,8 +14,10 @@ text means). The agent then runs its tool, a calculator that evaluates the promp
 result back as a `tool` message, and asks again; the model's second reply completes the answer
 (best: nothing, the result already is the answer). Reward: `rewards.toy.tool_use_reward` on the
 answer, result + second reply after a call, the first reply without one: every call scores at
-least 0.5, no answer without a call more than 0.5, and only a call whose result the model keeps
-as its answer scores 1.
+least 0.5, no answer without a call more than 0.5, only a call whose result the model keeps
+as its answer scores 1, and a second reply that calls again answers nothing (0.5: without that
+rule the policy that learnt to call also "calls" in its second reply, "82?" earns partial
+credit, every group ties and learning stops at ~0.85).
 
 Everything the policy sees is what the endpoint renders with the model's chat template, and
 what it trains on is what the engine sampled (token-in, token-out: `docs/agents.md`). The same
@@ -61,4 +63,7 @@ def solve(record: dict[str, Any], client: Any) -> float:
         {"role": "assistant", "content": first},
         {"role": "tool", "tool_call_id": "calc", "content": result},
     ]
-    return tool_use_reward(result + _reply(client, messages), record["answer"], called=True)
+    reply = _reply(client, messages)
+    # a reply that calls again has not used the result: no answer (credit for the call only)
+    final = "" if CALL in reply else result + reply
+    return tool_use_reward(final, record["answer"], called=True)

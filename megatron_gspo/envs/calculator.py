@@ -56,11 +56,14 @@ class ToolCalculator(Calculator):
     of random 3-token turns call, not 1/128), and the reward is `tool_use_reward`: calling is
     the only way to full reward (every call scores at least 0.5, no answer without one more
     than 0.5), and a call scores 1 only when the model then uses the result as its answer
-    (ends its turn at once)."""
+    (ends its turn at once); a second reply that calls again answers nothing (0.5)."""
 
     def step(self, model_text: str) -> tuple[str | None, float | None, bool]:
         if not self.called and CALL in model_text:  # turn_stop "?": the marker ends the turn
             self.called = True
             return self.result, None, False
-        final = self.result + model_text if self.called else model_text
-        return None, tool_use_reward(final, self.answer, called=self.called), True
+        if not self.called:
+            return None, tool_use_reward(model_text, self.answer, called=False), True
+        # a reply that calls again has not used the result: no answer (credit for the call only)
+        final = "" if CALL in model_text else self.result + model_text
+        return None, tool_use_reward(final, self.answer, called=True), True

@@ -49,6 +49,8 @@ def tool_use_reward(answer_text: str, answer: object, *, called: bool) -> float:
 
     so every episode that calls scores at least as much as any that does not (credit for calling
     the tool), and among those that call, only one that uses the result as its answer scores 1.
+    An episode that calls but gives no answer (the callers pass "" for a reply that calls again
+    instead of answering) scores 0.5.
     """
     score = toy_reward("", answer_text, answer)
     return 0.5 + 0.5 * score if called else 0.5 * score

@@ -171,6 +171,8 @@ def _expected(engine: ScriptedEngine) -> list[tuple]:
         called = "?" in texts[0]
         assert len(texts) == (2 if called else 1)
         answer_text = str(int(a) + int(b)) + texts[1] if called else texts[0]
+        if called and "?" in texts[1]:  # called again instead of answering: no answer
+            answer_text = ""
         score = toy_reward("", answer_text, PROMPTS[prompt])
         reward = 0.5 + 0.5 * score if called else 0.5 * score
         for _ in range(count):
