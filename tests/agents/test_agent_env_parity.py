@@ -103,6 +103,8 @@ def _cfg(*extra: str):
             "rl.mini_batches_per_rollout=1",
             "reward.kind=toy",
             "reward.num_workers=0",
+            # truncated sequences leave the loss: both paths must agree on which are
+            "loss.mask_truncated=true",
             *extra,
         ],
     )
@@ -237,5 +239,6 @@ def test_agent_and_env_paths_train_on_the_same_episodes(both):
     for m in (a_metrics, e_metrics):
         assert m["env/tool_call_rate"] == pytest.approx(calls / len(want), abs=1e-12)
         assert m["env/turns_mean"] == pytest.approx(sum(w[7] for w in want) / len(want))
+        assert m["loss/truncated_masked"] == 0.0  # every episode was ended by its agent / env
     for key in ("reward/mean", "env/env_token_frac", "env/reward_from_env_frac"):
         assert a_metrics[key] == pytest.approx(e_metrics[key], abs=1e-12), key
