@@ -9,11 +9,12 @@
 #   --eval            (first argument) the same job with held-out evaluation every 5 steps
 #                     (examples/tiny_moe_cpu_eval.yaml): prints the held-out curve and plots it
 #                     in runs/tiny_moe_cpu_eval/reward.png.
-#   --example agent   (first argument) an agent written against the OpenAI API trains on a
-#                     calculator task (megatron_gspo/agents/calculator.py through the job's
-#                     token-exact endpoint, examples/tiny_moe_agent_cpu.yaml), then the same
-#                     task through the Env interface (examples/tiny_moe_agent_env_cpu.yaml);
-#                     prints both reward curves. Extra args go to both runs.
+#   --example agent   (first argument) an agent written against the OpenAI API learns to
+#                     use its calculator tool (megatron_gspo/agents/calculator.py through the
+#                     job's token-exact endpoint, examples/tiny_moe_agent_cpu.yaml), then the
+#                     same task through the Env interface (examples/tiny_moe_agent_env_cpu.yaml);
+#                     prints both runs' reward and tool-call-rate curves, and exits 1 unless
+#                     both rose. Extra args go to both runs.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/env.sh")
@@ -40,7 +41,9 @@ if [ "${1:-}" = "--example" ]; then
   for run in tiny_moe_agent_cpu tiny_moe_agent_env_cpu; do
     echo "== runs/$run"
     "$py" tools/reward_summary.py "runs/$run/metrics.jsonl" --curve reward/mean
+    "$py" tools/reward_summary.py "runs/$run/metrics.jsonl" --curve env/tool_call_rate
     "$py" tools/reward_summary.py "runs/$run/metrics.jsonl" || status=1
+    "$py" tools/reward_summary.py "runs/$run/metrics.jsonl" --key env/tool_call_rate || status=1
   done
   exit $status
 fi

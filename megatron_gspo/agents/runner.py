@@ -10,7 +10,9 @@ one `Sample` per episode, sorted by sample index:
   branch the agent ended on); other final branches (an agent that forked its conversation) are
   dropped and counted (`extra_branches`);
 * the agent's return value is the reward (`Sample.env_reward`); None leaves it to
-  `reward.kind`, which scores the decoded response of that sample;
+  `reward.kind`, which scores the decoded response of that sample; the episode is finished
+  (`finish_reason` "stop", not truncated) whatever its last call's finish reason, as an episode
+  its env ended is;
 * an agent that raised, timed out, killed its worker or made no call is returned marked
   `Sample.failed` ("agent: ..."): the scheduler leaves it out of the group and counts it.
 
@@ -161,6 +163,10 @@ class AgentRollout:
             )
         self.counts["extra_branches"] += len(samples) - 1
         sample = samples[-1]
+        # The agent ended its episode: finished, as a multi-turn episode its env ended is
+        # (rollout/multiturn.py), even if its last call ran to max_tokens; otherwise
+        # loss.mask_truncated would drop from the loss agent episodes the Env path trains on.
+        sample.finish_reason, sample.truncated = "stop", False
         sample.sample_index = j
         sample.env_reward = reward
         return sample

@@ -211,6 +211,8 @@ def to_samples(traj: Trajectory, *, prompt_index: int = 0) -> list[Sample]:
                     "trajectory_id": traj.trajectory_id,
                     "turns": turns,
                     "num_model_turns": sum(s["kind"] == "model" for s in turns),
+                    # as `rollout/multiturn.py` counts them: `env/tool_call_rate` reads it
+                    "num_env_turns": sum(s["kind"] == "env" and s["start"] > 0 for s in turns),
                     "counts": dict(traj.counts),
                 },
                 token_versions=versions,

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_gspo.data.toy import TOY_OPS, toy_answer
-from megatron_gspo.rewards.toy import toy_reward
+from megatron_gspo.rewards.toy import tool_use_reward, toy_reward
 
-__all__ = ["CALL", "Calculator"]
+__all__ = ["CALL", "Calculator", "ToolCalculator"]
 
 CALL = "?"
 _OP_NAMES = {short: op for op, short in TOY_OPS.items()}
@@ -47,3 +47,23 @@ class Calculator:
             return self.result, None, False
         final = self.result + model_text if self.called else model_text
         return None, toy_reward("", final, self.answer), True
+
+
+class ToolCalculator(Calculator):
+    """The agent example's task as an `Env` (`examples/tiny_moe_agent_env_cpu.yaml`), the same
+    rules as the agent `megatron_gspo.agents.calculator:solve`: a first turn that **ends** with
+    "?" is a call (what the model wrote before the marker is its own, ignored: 1 - (127/128)^3
+    of random 3-token turns call, not 1/128), and the reward is `tool_use_reward`: calling is
+    the only way to full reward (every call scores at least 0.5, no answer without one more
+    than 0.5), and a call scores 1 only when the model then uses the result as its answer
+    (ends its turn at once); a second reply that calls again answers nothing (0.5)."""
+
+    def step(self, model_text: str) -> tuple[str | None, float | None, bool]:
+        if not self.called and CALL in model_text:  # turn_stop "?": the marker ends the turn
+            self.called = True
+            return self.result, None, False
+        if not self.called:
+            return None, tool_use_reward(model_text, self.answer, called=False), True
+        # a reply that calls again has not used the result: no answer (credit for the call only)
+        final = "" if CALL in model_text else self.result + model_text
+        return None, tool_use_reward(final, self.answer, called=True), True

@@ -20,7 +20,7 @@ average (group std about 0.03) on answers of 2-4 digits.
 
 from __future__ import annotations
 
-__all__ = ["toy_reward"]
+__all__ = ["tool_use_reward", "toy_reward"]
 
 _DIGITS = frozenset("0123456789")
 W_MATCH, W_DIGITS, W_LENGTH = 0.5, 0.25, 0.25
@@ -38,3 +38,19 @@ def toy_reward(prompt: str, response: str, answer: object) -> float:
     digits = sum(c in _DIGITS for c in text) / len(text)
     length = min(len(text), len(target)) / max(len(text), len(target))
     return W_MATCH * match + W_DIGITS * digits + W_LENGTH * length
+
+
+def tool_use_reward(answer_text: str, answer: object, *, called: bool) -> float:
+    """The calculator examples' reward, where calling the tool is the only way to full reward
+    (`agents/calculator.py`, `envs/calculator.py:ToolCalculator`):
+
+        called:      0.5 + 0.5 * toy_reward(answer_text)   (1 only when the answer is exact)
+        not called:  0.5 * toy_reward(answer_text)         (at most 0.5, exact or not)
+
+    so every episode that calls scores at least as much as any that does not (credit for calling
+    the tool), and among those that call, only one that uses the result as its answer scores 1.
+    An episode that calls but gives no answer (the callers pass "" for a reply that calls again
+    instead of answering) scores 0.5.
+    """
+    score = toy_reward("", answer_text, answer)
+    return 0.5 + 0.5 * score if called else 0.5 * score

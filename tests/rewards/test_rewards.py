@@ -134,3 +134,36 @@ def test_math_in_workers_and_from_config():
     with build_reward_pool(cfg.reward, cfg.sandbox) as pool:
         batch = pool.score(["q"] * 3, [r"\boxed{1/2}", "\\boxed{", r"\boxed{0.7}"], ["0.5"] * 3)
     assert batch.rewards == [1.0, 0.0, 0.0] and batch.timeouts == 0 and batch.failures == 0
+
+
+def test_tool_use_reward_only_a_call_reaches_full_reward():
+    """The calculator examples' reward: every call >= 0.5 >= every answer without one (exact
+    included), and 1 only for a call whose answer is exact (float64 arithmetic written out)."""
+    from megatron_gspo.rewards.toy import tool_use_reward
+
+    texts = ["82", "8", "28", "820", "x", "", "82?", "99", "1234"]
+    for t in texts:
+        plain, called = (
+            tool_use_reward(t, "82", called=False),
+            tool_use_reward(t, "82", called=True),
+        )
+        assert plain <= 0.5 <= called
+        assert called == pytest.approx(0.5 + 0.5 * toy_reward("", t, "82"), abs=1e-15)
+        assert (called == 1.0) == (t == "82") and plain < 1.0
+
+
+def test_tool_calculator_env_follows_the_agents_rules():
+    """`ToolCalculator` (the Env side of the agent example): a turn ending in "?" calls; the
+    result + the next turn is the answer; a second call answers nothing."""
+    from megatron_gspo.envs.calculator import ToolCalculator
+
+    def episode(*turns: str) -> list:
+        env = ToolCalculator()
+        env.reset({"prompt": "add 37+45=", "answer": "82"})
+        return [env.step(t) for t in turns]
+
+    assert episode("7?", "") == [("82", None, False), (None, 1.0, True)]
+    assert episode("?", "?") == [("82", None, False), (None, 0.5, True)]
+    assert episode("82") == [(None, 0.5, True)]  # exact, but without the tool
+    (_, (_, r, done)) = episode("?", "1")
+    assert done and r == pytest.approx(0.5 + 0.5 * toy_reward("", "821", "82"))
