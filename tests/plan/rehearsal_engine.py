@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.engines.embedded import server as embedded
+from megatron_gspo.engines.embedded import tokenizer_manager as embedded
 from megatron_gspo.engines.embedded.model import HFPolicy
 from megatron_gspo.engines.weight_names import SGLangChecksums
 from megatron_gspo.engines.weight_shards import EngineLayout, engine_shard

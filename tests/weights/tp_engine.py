@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.engines.embedded.server import (
+from megatron_gspo.engines.embedded.tokenizer_manager import (
     _CURRENT_TM,
     _INSTALLED,
     EmbeddedTokenizerManager,

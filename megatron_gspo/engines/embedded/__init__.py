@@ -1,2 +1,2 @@
 """The embedded CPU engine: SGLang's own HTTP app served over a transformers model in one
-process (`server.py`), for CPU runs and tests where the SGLang scheduler cannot run."""
+process (`tokenizer_manager.py`), for CPU runs and tests where the SGLang scheduler cannot run."""
