@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron_gspo.data.tiny_model import save_tiny_hf_checkpoint
     from megatron_gspo.engines.client import ClientConfig, SGLangClient
-    from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedServer
+    from megatron_gspo.engines.embedded.server import EmbeddedServer
     from megatron_gspo.engines.types import SamplingParams
 
     ckpt = str(save_tiny_hf_checkpoint(tempfile.mkdtemp(prefix="fp8bench_"), seed=args.seed))

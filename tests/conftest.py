@@ -61,7 +61,7 @@ def weights_b(ckpt_b) -> dict[str, torch.Tensor]:
 
 
 def _start(path: str):
-    from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedServer
+    from megatron_gspo.engines.embedded.server import EmbeddedServer
 
     return EmbeddedServer(path).start()
 

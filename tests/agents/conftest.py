@@ -15,7 +15,7 @@ from tests.agents.fixtures import RecordingProxy, memorised_checkpoint
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory):
     from megatron_gspo.engines.client import ClientConfig, SGLangClient
-    from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedServer
+    from megatron_gspo.engines.embedded.server import EmbeddedServer
 
     ckpt = memorised_checkpoint(tmp_path_factory.mktemp("agent_ckpt"))
     engine = EmbeddedServer(ckpt).start()

@@ -17,7 +17,7 @@ import torch
 
 from megatron_gspo.engines.client import ClientConfig, SGLangClient
 from megatron_gspo.engines.embedded.cli import parser
-from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedServer
+from megatron_gspo.engines.embedded.server import EmbeddedServer
 from megatron_gspo.engines.launch import LaunchConfig, engine_command
 from megatron_gspo.engines.protocols import EngineError
 from megatron_gspo.engines.types import SamplingParams

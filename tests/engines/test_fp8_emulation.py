@@ -219,7 +219,7 @@ def test_experts_match_float64_reference() -> None:
 # ---- the engine ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine_fp8(ckpt_a):
-    from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedServer
+    from megatron_gspo.engines.embedded.server import EmbeddedServer
 
     srv = EmbeddedServer(ckpt_a, quantization="fp8").start()
     yield srv

@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from megatron_gspo.engines.embedded.cli import parser
-from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedServer
+from megatron_gspo.engines.embedded.server import EmbeddedServer
 from megatron_gspo.engines.launch import LaunchConfig, engine_command
 from megatron_gspo.engines.wire import deserialize_named_tensors
 
@@ -67,7 +67,7 @@ def _request(url: str, method: str, key: str | None, body: bytes = b"{}") -> int
 
 
 def test_every_route_but_health_needs_the_key(keyed) -> None:
-    from megatron_gspo.engines.embedded.tokenizer_manager import _INSTALLED
+    from megatron_gspo.engines.embedded.server import _INSTALLED
 
     routes = []
     for r in _INSTALLED["app"].routes:

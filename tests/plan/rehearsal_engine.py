@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.engines.embedded import tokenizer_manager as embedded
+from megatron_gspo.engines.embedded import server as embedded
 from megatron_gspo.engines.embedded.model import HFPolicy
+from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedTokenizerManager
 from megatron_gspo.engines.weight_names import SGLangChecksums
 from megatron_gspo.engines.weight_shards import EngineLayout, engine_shard
 from megatron_gspo.engines.wire import overall_checksum
@@ -158,7 +159,7 @@ def join_gloo_rank(
     return ProcessGroupGloo(store, rank, world_size, timeout=timeout)
 
 
-class RehearsalTokenizerManager(embedded.EmbeddedTokenizerManager):
+class RehearsalTokenizerManager(EmbeddedTokenizerManager):
     """The embedded control plane; the weight-update group is joined by every TP rank (one
     thread and gloo group each, at ranks rank_offset + r, as SGLang's TP workers join it), and
     each broadcast is received by all of them."""

@@ -114,7 +114,7 @@ def scenario(
     rank: int, bridge: Any, other: str, layout: Layout, ranks_per_node: int
 ) -> dict[str, Any]:
     """Today's push, then the owners push, each into engines reset to `other`."""
-    from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedServer
+    from megatron_gspo.engines.embedded.server import EmbeddedServer
 
     os.environ["GROUP_RANK"] = str(rank // ranks_per_node)
     os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)

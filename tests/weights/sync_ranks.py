@@ -153,7 +153,7 @@ def _embedded(rank: int, bridge: Any, hf_dir: str, tmp: str) -> dict[str, Any]:
         from transformers import AutoModelForCausalLM
 
         from megatron_gspo.engines.client import ClientConfig, SGLangClient
-        from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedServer
+        from megatron_gspo.engines.embedded.server import EmbeddedServer
 
         other = str(save_tiny_hf_checkpoint(Path(tmp) / "hf_other", seed=7))
         server = EmbeddedServer(other).start()

@@ -1,5 +1,5 @@
 """The embedded CPU engine's command line: `python -m megatron_gspo.engines.embedded.cli
---model-path DIR --port P` serves `EmbeddedServer` (see `tokenizer_manager.py`) until killed."""
+--model-path DIR --port P` serves `EmbeddedServer` (see `server.py`) until killed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedServer
+from megatron_gspo.engines.embedded.server import EmbeddedServer
 from megatron_gspo.engines.routed_experts import SERVER_FLAG
 
 
