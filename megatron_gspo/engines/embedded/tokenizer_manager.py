@@ -305,16 +305,24 @@ class EmbeddedTokenizerManager:
         self._session_open = False
         return True, "Success"
 
+    def _outside_session(
+        self,
+        obj: io.UpdateWeightsFromTensorReqInput | io.UpdateWeightsFromDistributedReqInput,
+        route: str,
+    ) -> tuple[bool, str] | None:
+        """As SGLang: abort the running requests when asked, then refuse a load outside a
+        weight-update session (its message); None: go on."""
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        if self._session_open:
+            return None
+        return False, f"{route} must run between begin_weight_update() and end_weight_update()"
+
     async def update_weights_from_tensor(
         self, obj: io.UpdateWeightsFromTensorReqInput, request: Request | None = None
     ):
-        if obj.abort_all_requests:
-            self.abort_request(abort_all=True)
-        if not self._session_open:
-            return False, (
-                "update_weights_from_tensor must run between "
-                "begin_weight_update() and end_weight_update()"
-            )
+        if (refused := self._outside_session(obj, "update_weights_from_tensor")) is not None:
+            return refused
         if obj.load_format not in (None, "direct", "flattened_bucket"):
             return False, f"embedded engine does not support load_format={obj.load_format!r}"
         if obj.load_format == "direct" and len(obj.serialized_named_tensors) > 1:
@@ -372,13 +380,8 @@ class EmbeddedTokenizerManager:
     ):
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-        if obj.abort_all_requests:
-            self.abort_request(abort_all=True)
-        if not self._session_open:
-            return False, (
-                "update_weights_from_distributed must run between "
-                "begin_weight_update() and end_weight_update()"
-            )
+        if (refused := self._outside_session(obj, "update_weights_from_distributed")) is not None:
+            return refused
         if obj.group_name not in self._groups:
             return False, (
                 f"Failed to receive weights: Group {obj.group_name} not in "
