@@ -171,8 +171,6 @@ class RehearsalTokenizerManager(EmbeddedTokenizerManager):
     async def init_weights_update_group(self, obj: Any, request: Any = None):
         import asyncio
 
-        from sglang.srt.utils import init_custom_process_group
-
         tp = self.policy.layout.tp_size
 
         def join(r: int) -> Any:
@@ -181,13 +179,7 @@ class RehearsalTokenizerManager(EmbeddedTokenizerManager):
                     obj.master_address, obj.master_port, obj.world_size, obj.rank_offset + r,
                     obj.group_name,
                 )  # fmt: skip
-            return init_custom_process_group(
-                backend=obj.backend,
-                init_method=f"tcp://{obj.master_address}:{obj.master_port}",
-                world_size=obj.world_size,
-                rank=obj.rank_offset,
-                group_name=obj.group_name,
-            )
+            return self._join_group(obj)
 
         try:
             groups = await asyncio.gather(*(asyncio.to_thread(join, r) for r in range(tp)))

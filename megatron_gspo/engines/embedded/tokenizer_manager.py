@@ -346,22 +346,25 @@ class EmbeddedTokenizerManager:
             return False, f"Failed to update weights: {e}"
         return self._after_update(obj, "Success")
 
+    @staticmethod
+    def _join_group(obj: io.InitWeightsUpdateGroupReqInput) -> torch.distributed.ProcessGroup:
+        """Join the trainer's weight-update group as this engine's first rank, as SGLang does
+        (blocks in the rendezvous); returns the process group."""
+        from sglang.srt.utils import init_custom_process_group
+
+        return init_custom_process_group(
+            backend=obj.backend,
+            init_method=f"tcp://{obj.master_address}:{obj.master_port}",
+            world_size=obj.world_size,
+            rank=obj.rank_offset,
+            group_name=obj.group_name,
+        )
+
     async def init_weights_update_group(
         self, obj: io.InitWeightsUpdateGroupReqInput, request: Request | None = None
     ):
-        from sglang.srt.utils import init_custom_process_group
-
-        def join():
-            return init_custom_process_group(
-                backend=obj.backend,
-                init_method=f"tcp://{obj.master_address}:{obj.master_port}",
-                world_size=obj.world_size,
-                rank=obj.rank_offset,
-                group_name=obj.group_name,
-            )
-
         try:
-            self._groups[obj.group_name] = await asyncio.to_thread(join)
+            self._groups[obj.group_name] = await asyncio.to_thread(self._join_group, obj)
         except Exception as e:
             return False, f"Failed to initialize custom process group: {e}."
         return True, "Succeeded to initialize custom process group."
