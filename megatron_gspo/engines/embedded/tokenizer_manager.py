@@ -82,7 +82,7 @@ class EmbeddedTokenizerManager:
         self._pause_event = threading.Event()
         self._pause_event.set()
         self._released: set[str] = set()
-        self._groups: dict[str, Any] = {}
+        self._groups: dict[str, torch.distributed.ProcessGroup] = {}
         self._inflight = 0
         self._writer = False
         self._cond: asyncio.Condition | None = None
