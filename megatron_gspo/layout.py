@@ -1,5 +1,7 @@
 """The parallel layout: one class for the trainer's config, the Megatron adapter, the conversion
-tools and checkpoint metadata (plain Python; megatron-core's rules, checked before it runs).
+tools and checkpoint metadata (plain Python; megatron-core's rules, checked before it runs), and
+the model's HF config it is checked against (`HFConfig`: what the package reads of one, also in
+engines/, plan/ and weights/).
 
     layout = Layout(tp=2, ep=4)
     dp = layout.validate(world_size=8, hf_config=AutoConfig.from_pretrained(path))
@@ -7,12 +9,47 @@ tools and checkpoint metadata (plain Python; megatron-core's rules, checked befo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from megatron_gspo.config_io import ConfigError, require
 
-__all__ = ["Layout"]
+__all__ = ["HFConfig", "HFConfigLike", "Layout", "hf_value", "num_experts"]
+
+
+class HFConfig(Protocol):
+    """A model's Hugging Face config as the package reads it: a transformers `PretrainedConfig`
+    (a bridge's, a loaded model's) or config.json's keys as attributes (`types.SimpleNamespace`:
+    preflight and the planner read the file without transformers, which takes seconds to
+    import). Every decoder config has the keys below; optional ones (`head_dim`, `num_experts`,
+    `moe_intermediate_size`, ...) are read with `getattr(hf, key, default)` or `hf_value`."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_hidden_layers: int
+    vocab_size: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+
+
+type HFConfigLike = HFConfig | Mapping[str, Any]
+"""A HF config, or config.json as `json.load` gives it (a dict)."""
+
+
+def hf_value(hf: HFConfigLike, key: str, default: object = None) -> Any:
+    """`key` of a HF config (attributes or a dict), `default` when it has none: a JSON value."""
+    return hf.get(key, default) if isinstance(hf, Mapping) else getattr(hf, key, default)
+
+
+def num_experts(hf: HFConfigLike) -> int | None:
+    """Routed experts per MoE layer, whichever key the model family uses; None: a dense model."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        n = hf_value(hf, name)
+        if n:
+            return int(n)
+    return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,7 +120,7 @@ class Layout:
             parts.append(f"etp{self.etp}")
         return "-".join(parts) or "single"
 
-    def validate(self, world_size: int, hf_config: Any, *, key: str = "parallel.") -> int:
+    def validate(self, world_size: int, hf_config: HFConfig, *, key: str = "parallel.") -> int:
         """Check the layout against the world size and the model; return the DP size.
 
         megatron-core's rules: TP x PP x CP x DP == world size; the expert grid ETP x EP x PP
@@ -107,7 +144,7 @@ class Layout:
                 f"tp*pp*cp*dp = {grid}*{self.dp} = {grid * self.dp} != world size {world_size}; "
                 f"change {k('dp')} (to {dp} or null)"
             )
-        experts = _num_experts(hf_config)
+        experts = num_experts(hf_config)
         if not experts:
             require(
                 self.ep == 1 and self.etp in (None, 1, self.tp),
@@ -143,10 +180,3 @@ class Layout:
         )
         return dp
 
-
-def _num_experts(hf_config: Any) -> int | None:
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        n = getattr(hf_config, name, None)
-        if n:
-            return int(n)
-    return None

@@ -37,7 +37,7 @@ class ChatDeltaError(ValueError):
     """The chat template cannot render a conversation as an append-only delta."""
 
 
-def _text(content: Any) -> str:
+def _text(content: str | list[object] | None) -> str:
     """OpenAI message content (None, a string, or a list of parts) as plain text."""
     if content is None:
         return ""

@@ -49,7 +49,7 @@ class PromptRecord:
         return msgs
 
 
-def _check_messages(msgs: Any, where: str, key: str) -> list[dict[str, str]]:
+def _check_messages(msgs: object, where: str, key: str) -> list[dict[str, str]]:
     if not isinstance(msgs, list) or not msgs:
         raise DatasetError(f"{where}: {key!r} must be a non-empty list of messages")
     for i, m in enumerate(msgs):
@@ -66,7 +66,7 @@ def _check_messages(msgs: Any, where: str, key: str) -> list[dict[str, str]]:
 
 
 def record_from_object(
-    obj: Any,
+    obj: object,
     where: str,
     index: int,
     *,

@@ -7,9 +7,12 @@ embeddings) at a size that trains in milliseconds on one CPU core.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 TINY_QWEN3_MOE: dict[str, Any] = dict(
     vocab_size=128,
@@ -37,14 +40,16 @@ TINY_QWEN3_MOE: dict[str, Any] = dict(
 )
 
 
-def tiny_qwen3_moe_config(**overrides: Any):
+def tiny_qwen3_moe_config(**overrides: object) -> Qwen3MoeConfig:
     """A `transformers.Qwen3MoeConfig` for the tiny test model; `overrides` replace fields."""
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides})
 
 
-def build_tiny_hf_model(seed: int = 0, perturb_norms: bool = True, **overrides: Any):
+def build_tiny_hf_model(
+    seed: int = 0, perturb_norms: bool = True, **overrides: object
+) -> Qwen3MoeForCausalLM:
     """A randomly initialised tiny `Qwen3MoeForCausalLM` in fp32.
 
     With `perturb_norms`, RMSNorm weights are moved away from 1 so that a weight mapping that

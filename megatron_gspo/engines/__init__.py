@@ -1,6 +1,7 @@
 """Everything that knows SGLang or serves its API: the protocols the rest of the package
 depends on (`protocols.py`), request/response types (`types.py`), the wire format (`wire.py`),
-the HTTP client and its engine pool (`client.py`, `pool.py`), server launch and the engine's
+the HTTP client (`client.py`: generation; `client_control.py`: control calls and health;
+`client_weights.py`: weight calls) and its engine pool (`pool.py`), server launch and the engine's
 interpreter (`launch.py`), SGLang's version rules and defaults for the config, the planner and
 the preflight (`sglang_rules.py`), the embedded CPU engine (`embedded/`), and what an engine
 wants of pushed weights: SGLang's parameter names, per-rank shards and own layout, and the

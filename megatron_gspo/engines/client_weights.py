@@ -1,6 +1,6 @@
 """The weight-receiver half of `SGLangClient`: weight-update sessions, the three transports'
-calls, versions, checksums (the `engines.protocols.WeightReceiver` protocol), as a mixin over
-the client's control plane (`_control`, `_in_thread`, `pool`, `config`)."""
+calls, versions, checksums (the `engines.protocols.WeightReceiver` protocol), over the
+client's control plane (`client_control.ControlPlane`: `_control`, `_in_thread`, `pool`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from megatron_gspo.engines import wire as proto
+from megatron_gspo.engines.client_control import ControlPlane
 from megatron_gspo.engines.protocols import WeightReceiver, weight_update_session
 from megatron_gspo.engines.weight_layout import (
     Sendable,
@@ -26,23 +27,11 @@ from megatron_gspo.engines.weight_shards import EngineLayout
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from megatron_gspo.engines.client_config import ClientConfig
-    from megatron_gspo.engines.pool import EnginePool
-
 __all__ = ["WeightCalls"]
 
 
-class WeightCalls:
-    """`WeightReceiver` over SGLang's HTTP control routes (mixed into `SGLangClient`)."""
-
-    config: ClientConfig
-    pool: EnginePool
-
-    if TYPE_CHECKING:  # the client's control plane (SGLangClient)
-
-        def _control(self, route: str, body: Any = None, **kw: Any) -> Any: ...
-
-        def _in_thread(self, route: str, bodies: dict[str, dict[str, Any]]) -> Future[None]: ...
+class WeightCalls(ControlPlane):
+    """`WeightReceiver` over SGLang's HTTP control routes (a base class of `SGLangClient`)."""
 
     def set_weight_version(self, weight_version: str) -> None:
         # abort_all_requests defaults to True in SGLang: a version stamp must not kill rollouts.

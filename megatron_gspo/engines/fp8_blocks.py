@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from megatron_gspo.layout import HFConfigLike, hf_value
 
 if TYPE_CHECKING:
     import torch
@@ -111,22 +113,16 @@ def quantisation_config(block: int = BLOCK, not_converted: list[str] | None = No
     return cfg
 
 
-def _cfg_get(hf_config: Any, key: str, default: Any = None) -> Any:
-    if isinstance(hf_config, dict):
-        return hf_config.get(key, default)
-    return getattr(hf_config, key, default)
-
-
-def not_converted_modules(hf_config: Any) -> list[str]:
+def not_converted_modules(hf_config: HFConfigLike) -> list[str]:
     """HF linear modules that stay BF16 under FP8 (what `is_quantised_name` does not quantise):
     lm_head, and per decoder layer of a MoE model the router (`mlp.gate`) and, where the model
     has one, the shared-expert gate. Listed so that the engine builds them unquantised too."""
     names = ["lm_head"]
-    n_layers = int(_cfg_get(hf_config, "num_hidden_layers", 0) or 0)
+    n_layers = int(hf_value(hf_config, "num_hidden_layers", 0) or 0)
     moe = any(
-        _cfg_get(hf_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+        hf_value(hf_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
     )
-    shared_gate = bool(_cfg_get(hf_config, "shared_expert_intermediate_size"))
+    shared_gate = bool(hf_value(hf_config, "shared_expert_intermediate_size"))
     for i in range(n_layers if moe else 0):
         names.append(f"model.layers.{i}.mlp.gate")
         if shared_gate:
@@ -134,7 +130,7 @@ def not_converted_modules(hf_config: Any) -> list[str]:
     return names
 
 
-def quantization_config_for(hf_config: Any, block: int = BLOCK) -> dict:
+def quantization_config_for(hf_config: HFConfigLike, block: int = BLOCK) -> dict:
     """The `quantization_config` an engine needs to serve what FP8 sync sends for this model
     (quant_method fp8, e4m3, `[block, block]` weight blocks, dynamic activation scales), from
     its HF config (a `PretrainedConfig` or a config.json dict)."""

@@ -30,7 +30,7 @@ from megatron_gspo import dist
 from megatron_gspo.config_io import ConfigError
 from megatron_gspo.engines.client_config import ClientConfig
 from megatron_gspo.engines.interpreter import sglang_python
-from megatron_gspo.engines.launch import LaunchConfig
+from megatron_gspo.engines.launch import LaunchConfig, ServerGroup
 from megatron_gspo.engines.launch import launch as start_servers
 
 DEFAULT_BASE_PORT = 30000
@@ -45,7 +45,7 @@ class LaunchedEngines:
     tp_sizes: list[int]
     api_key: str | None
     router_url: str | None = None
-    servers: Any = None
+    servers: ServerGroup | None = None
     """This process's `ServerGroup` (each node's local rank 0), else None."""
     per_node: list[int] = field(default_factory=list)
     """Engines each node started."""
@@ -122,7 +122,7 @@ def start_node_engines(
     launch: LaunchConfig,
     client: ClientConfig,
     log_dir: str | Path,
-    launch_fn: Callable[[LaunchConfig], Any] | None = None,
+    launch_fn: Callable[[LaunchConfig], ServerGroup] | None = None,
 ) -> LaunchedEngines:
     """Collective: every node's local rank 0 starts its engines; every rank returns all of the
     job's engine URLs once every engine can generate. `begin_node_engines(...).wait()`."""
@@ -133,7 +133,7 @@ def begin_node_engines(
     launch: LaunchConfig,
     client: ClientConfig,
     log_dir: str | Path,
-    launch_fn: Callable[[LaunchConfig], Any] | None = None,
+    launch_fn: Callable[[LaunchConfig], ServerGroup] | None = None,
 ) -> PendingEngines:
     """Not collective: this node's local rank 0 spawns its engines and returns at once, so the
     trainer builds its model while the engines import SGLang and load theirs (on 2 CPU cores
@@ -166,7 +166,7 @@ class PendingEngines:
     client: ClientConfig
     node: int
     local: LaunchConfig | None = None
-    servers: Any = None
+    servers: ServerGroup | None = None
     error: str | None = None
 
     def wait(self) -> LaunchedEngines:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # annotations only: the engines' API loads without torch (the
     import torch
 
     from megatron_gspo.engines.weight_layout import Sendable
+    from megatron_gspo.engines.weight_shards import EngineLayout
 
 
 class EngineError(RuntimeError):
@@ -126,7 +127,7 @@ class WeightReceiver(Protocol):
         *,
         weight_version: str | None = None,
         flush_cache: bool = True,
-        layout: Any = None,
+        layout: EngineLayout | None = None,
     ) -> None:
         """Push tensors to every engine (same node only). Without `layout`: HF-named tensors
         in one flattened bucket, mapped by the engine's `load_weights`. With `layout` (an

@@ -25,6 +25,7 @@ from megatron_gspo.engines.protocols import EngineError
 if TYPE_CHECKING:
     from megatron_gspo.engines.client_config import ClientConfig
     from megatron_gspo.engines.launch import LaunchConfig
+    from megatron_gspo.engines.types import Sample
 
 META_KEY = "routed_experts"
 """`meta_info` key of a `/generate` answer holding the base64 array."""
@@ -94,7 +95,7 @@ def missing_message(engine: str) -> str:
     )
 
 
-def attach_routed_experts(sample: Any, meta: dict[str, Any], topk: int, engine: str) -> None:
+def attach_routed_experts(sample: Sample, meta: dict[str, Any], topk: int, engine: str) -> None:
     """`sample.routed_experts` from a `/generate` answer's `meta_info` (the client asked for
     them). An aborted sample may carry none (SGLang drops it with the request); any other
     sample without them is a set-up error, raised as `RoutedExpertsMissing`."""

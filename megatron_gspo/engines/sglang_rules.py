@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from megatron_gspo.config_io import FLOAT_DTYPES, require
 from megatron_gspo.engines.launch import LaunchConfig
-from megatron_gspo.layout import _num_experts
+from megatron_gspo.layout import HFConfig, num_experts
 
 __all__ = [
     "BACKEND",
@@ -102,7 +102,7 @@ def received_dtype(launch: LaunchConfig | None) -> str | None:
     return None
 
 
-def check_engine_layout(launch: LaunchConfig, hf: Any, gpus_per_node: int) -> None:
+def check_engine_layout(launch: LaunchConfig, hf: HFConfig, gpus_per_node: int) -> None:
     """SGLang's own layout rules for one engine (the planner's: `hf` is the model's HF
     config), named by config key."""
     tp = launch.tp_size
@@ -117,7 +117,7 @@ def check_engine_layout(launch: LaunchConfig, hf: Any, gpus_per_node: int) -> No
         f"rollout.launch.tp_size={tp} does not divide the model's num_attention_heads="
         f"{hf.num_attention_heads}; change rollout.launch.tp_size",
     )
-    experts = _num_experts(hf)
+    experts = num_experts(hf)
     ep = launch.ep_size
     require(
         ep == 1 or (tp % ep == 0 and experts is not None and experts % ep == 0),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -385,7 +386,7 @@ its Triton `gpu_tensor_hash` for CUDA tensors (ROCm included)."""
 
 
 @functools.cache
-def _weight_checker() -> Any:
+def _weight_checker() -> types.ModuleType:
     # Lazy: importing sglang.srt costs seconds, and config/planner must stay sglang-free.
     try:
         from sglang.srt.utils import weight_checker

@@ -134,7 +134,7 @@ def save_model_and_optimizer(
         (Path(directory) / OPTIMIZER_FILE).write_text(json.dumps(classes) + "\n")
 
 
-def _saved_param_groups(state: Any) -> list[dict[str, Any]]:
+def _saved_param_groups(state: object) -> list[dict[str, Any]]:
     """Every param-group dict of a loaded optimizer state, in the order of `chained`."""
     found: list[dict[str, Any]] = []
     if isinstance(state, dict):
@@ -154,7 +154,7 @@ def _saved_param_groups(state: Any) -> list[dict[str, Any]]:
 _STRUCTURAL = ("is_expert_parallel", "is_decoupled_lr", "lr_mult", "wd_mult")
 
 
-def adopt_current_param_groups(optimizer: MegatronOptimizer, saved_state: Any) -> None:
+def adopt_current_param_groups(optimizer: MegatronOptimizer, saved_state: object) -> None:
     """Resume with changed optimizer settings (optim.lr, min_lr, weight_decay...): the saved
     param groups take this run's values of the keys megatron-core identifies groups by
     (`param_group_identifier_keys`: max_lr, min_lr, start_wd, end_wd...), in place.

@@ -27,15 +27,18 @@ Shape legend: `T` packed tokens a router sees on this rank, `L` layers, `K` expe
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+
 __all__ = ["arm", "enable", "replay_routers"]
 
 
-def enable(provider: Any) -> None:
+def enable(provider: GPTModelProvider) -> None:
     """Give every router of models built from `provider` a megatron-core `RouterReplay`."""
     provider.moe_enable_routing_replay = True
 

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import random
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
 __all__ = ["rng_state", "set_rng_state"]
 
 
-def _tracker() -> Any | None:
+def _tracker() -> CudaRNGStatesTracker | None:
     """megatron-core's tracker when it holds states (None before `init_megatron`)."""
     try:
         from megatron.core.tensor_parallel import random as mrandom

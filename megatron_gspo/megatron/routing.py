@@ -48,7 +48,12 @@ class RoutingRecorder:
     def __enter__(self) -> RoutingRecorder:
         for name, mod in self.routers.items():
 
-            def hook(_m: Any, _inp: Any, out: Any, name: str = name) -> None:
+            def hook(
+                _m: torch.nn.Module,
+                _inp: tuple[Tensor, ...],
+                out: tuple[Tensor, ...],
+                name: str = name,
+            ) -> None:
                 # Kept where the router ran (the job's device): no host sync per router call,
                 # and the flip count and its all-reduce happen on that device too.
                 self.maps[name].append(out[1].detach().bool())

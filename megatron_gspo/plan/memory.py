@@ -18,12 +18,15 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gspo.algo.config import LOGPROB_CHUNK, VOCAB_CHUNK
 from megatron_gspo.config import Config
 from megatron_gspo.engines.sglang_rules import DEFAULT_MEM_FRACTION
-from megatron_gspo.layout import Layout, _num_experts
+from megatron_gspo.layout import HFConfig, Layout, num_experts
+
+if TYPE_CHECKING:
+    from megatron_gspo.engines.launch import LaunchConfig
 
 __all__ = [
     "GiB",
@@ -140,7 +143,7 @@ def cached_count_params(
     return [StageParams(**s) for s in table[key]]
 
 
-def hf_tensor_bytes(hf: Any, *, dtype_bytes: int, fp8: bool) -> tuple[int, int]:
+def hf_tensor_bytes(hf: HFConfig, *, dtype_bytes: int, fp8: bool) -> tuple[int, int]:
     """(parameters, bytes sent per weight sync) of the whole HF model, by tensor shape.
 
     FP8: every decoder `*_proj.weight` (weights/fp8.py's rule) goes as 1 byte per element plus
@@ -150,7 +153,7 @@ def hf_tensor_bytes(hf: Any, *, dtype_bytes: int, fp8: bool) -> tuple[int, int]:
     h, v, layers = hf.hidden_size, hf.vocab_size, hf.num_hidden_layers
     d = getattr(hf, "head_dim", None) or h // hf.num_attention_heads
     q, kv = hf.num_attention_heads * d, hf.num_key_value_heads * d
-    experts = _num_experts(hf) or 0
+    experts = num_experts(hf) or 0
     f_moe = getattr(hf, "moe_intermediate_size", 0)
     f = getattr(hf, "intermediate_size", 0)
     mlp_only = set(getattr(hf, "mlp_only_layers", []) or [])
@@ -217,7 +220,7 @@ sequences at their longest, bf16 activations, no CPU offload, fragmentation in t
 
 
 def _activations(
-    hf: Any, cfg: Config, layout: Layout, layers_stage: int, imbalance: float
+    hf: HFConfig, cfg: Config, layout: Layout, layers_stage: int, imbalance: float
 ) -> tuple[float, float]:
     """(bytes of one micro-batch's layer activations on a stage, bytes of the LM head's
     working set on the last stage: see `memory_formula`)."""
@@ -226,7 +229,7 @@ def _activations(
     h, v = hf.hidden_size, hf.vocab_size
     d = getattr(hf, "head_dim", None) or h // hf.num_attention_heads
     nq, nkv = hf.num_attention_heads, hf.num_key_value_heads
-    experts, k = _num_experts(hf) or 0, getattr(hf, "num_experts_per_tok", 1)
+    experts, k = num_experts(hf) or 0, getattr(hf, "num_experts_per_tok", 1)
     f = getattr(hf, "moe_intermediate_size", 0) if experts else hf.intermediate_size
     tok = T / (layout.cp * layout.tp)  # tokens per rank of a sequence-parallel tensor
     # What megatron-core's modules keep for backward, per token (tests/plan/test_plan_memory
@@ -276,7 +279,7 @@ def _micro_batches(cfg: Config, dp: int, prompt_tokens: int) -> int:
 
 def trainer_memory(
     cfg: Config,
-    hf: Any,
+    hf: HFConfig,
     stages: list[StageParams],
     *,
     dp: int,
@@ -339,8 +342,8 @@ class EngineEstimate:
 
 def engine_estimate(
     cfg: Config,
-    hf: Any,
-    launch: Any,
+    hf: HFConfig,
+    launch: LaunchConfig,
     *,
     engine_gpus: int,
     gpu_mem_bytes: float,
@@ -377,7 +380,7 @@ def engine_estimate(
 
 
 def sync_estimate(
-    cfg: Config, hf: Any, gb_per_s: float, *, gpus_per_node: int, trainer_world: int
+    cfg: Config, hf: HFConfig, gb_per_s: float, *, gpus_per_node: int, trainer_world: int
 ) -> dict[str, float]:
     """Bytes of one weight sync (`weights.dtype`, block FP8 with `weights.fp8`), through the
     busiest sender, and its time at `gb_per_s`. `weights.senders=owners` splits the bytes over

@@ -45,7 +45,7 @@ from megatron_gspo.engines.sglang_rules import (
     default_launch,
     serves_sglang,
 )
-from megatron_gspo.layout import Layout
+from megatron_gspo.layout import HFConfig, HFConfigLike, Layout
 from megatron_gspo.plan.launch import launch_check
 from megatron_gspo.plan.memory import (
     RELEASED_ENGINE_GB,
@@ -124,7 +124,7 @@ class Plan:
 # the plan
 
 
-def _hf_config(path: str | Path) -> Any:
+def _hf_config(path: str | Path) -> HFConfig:
     """config.json as attributes (plain JSON: the checks and formulas need no transformers)."""
     try:
         data = json.loads((Path(path) / "config.json").read_text())
@@ -270,7 +270,7 @@ def _memory_problems(
 def plan_topology(
     cfg: Config,
     launch: LaunchConfig,
-    hf: Any,
+    hf: HFConfigLike,
     nodes: int,
     gpus_per_node: int,
     rollout_nodes: int,

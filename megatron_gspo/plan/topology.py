@@ -33,6 +33,7 @@ from typing import Any
 
 from megatron_gspo.config import Config
 from megatron_gspo.engines import fp8_blocks as fp8_lib
+from megatron_gspo.layout import HFConfigLike, hf_value
 
 VERIFIABLE_MODEL_TYPES = ("qwen3_moe", "qwen3", "qwen2", "qwen2_moe", "llama", "mistral")
 """Families whose SGLang parameters `engines/weight_shards.py` reproduces (q/k/v, gate/up,
@@ -60,10 +61,6 @@ class Placement:
     @property
     def engine_nodes(self) -> int:
         return self.rollout_nodes or self.nodes
-
-
-def _cfg_get(hf: Any, key: str, default: Any = None) -> Any:
-    return hf.get(key, default) if isinstance(hf, dict) else getattr(hf, key, default)
 
 
 def read_json_config(path: str | Path) -> dict[str, Any] | None:
@@ -163,28 +160,28 @@ def fp8_problems(cfg: Config, engine_model_path: str | None) -> list[str]:
     return []
 
 
-def verify_problems(cfg: Config, hf: Any, tp: int, ep: int) -> list[str]:
+def verify_problems(cfg: Config, hf: HFConfigLike, tp: int, ep: int) -> list[str]:
     """Whether the sender can reproduce what each engine TP rank reports (verify_every > 0)."""
     if cfg.weights.verify_every == 0 or tp == 1:
         return []
     key = "rollout.launch.tp_size"
     fix = "; change it or set weights.verify_every=0"
-    mtype = _cfg_get(hf, "model_type", "")
+    mtype = hf_value(hf, "model_type", "")
     if mtype not in VERIFIABLE_MODEL_TYPES:
         return [
             f"weights.verify_every={cfg.weights.verify_every} with {key}={tp}: per-rank checksums "
             f"are reproduced for {', '.join(VERIFIABLE_MODEL_TYPES)}, not model_type={mtype!r}"
             f"{fix}"
         ]
-    heads = int(_cfg_get(hf, "num_attention_heads"))
-    kv = int(_cfg_get(hf, "num_key_value_heads") or heads)
-    d = int(_cfg_get(hf, "head_dim") or int(_cfg_get(hf, "hidden_size")) // heads)
+    heads = int(hf_value(hf, "num_attention_heads"))
+    kv = int(hf_value(hf, "num_key_value_heads") or heads)
+    d = int(hf_value(hf, "head_dim") or int(hf_value(hf, "hidden_size")) // heads)
     out = []
     if kv % tp and tp % kv:
         out.append(f"{key}={tp} neither divides nor is a multiple of num_key_value_heads={kv}{fix}")
-    experts = int(_cfg_get(hf, "num_experts") or 0)
+    experts = int(hf_value(hf, "num_experts") or 0)
     moe_tp = tp // ep
-    inter = int(_cfg_get(hf, "moe_intermediate_size") or 0)
+    inter = int(hf_value(hf, "moe_intermediate_size") or 0)
     if experts and (experts % ep or inter % moe_tp):
         out.append(
             f"rollout.launch.ep_size={ep}: num_experts={experts} and moe_intermediate_size="
@@ -199,7 +196,7 @@ def verify_problems(cfg: Config, hf: Any, tp: int, ep: int) -> list[str]:
         }
         if experts:
             widths["expert gate/up rows, down columns"] = inter // moe_tp
-        dense = int(_cfg_get(hf, "intermediate_size") or 0)
+        dense = int(hf_value(hf, "intermediate_size") or 0)
         if dense and not experts:
             widths["dense gate/up rows"] = dense // tp
         bad = {k: v for k, v in widths.items() if v % b}
@@ -240,7 +237,7 @@ def topology_problems(
     cfg: Config,
     p: Placement,
     *,
-    hf: Any,
+    hf: HFConfigLike,
     engine_model_path: str | None,
     engine_tp: int,
     engine_ep: int,

@@ -61,7 +61,7 @@ class RolloutDriver:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def _on_loop(self, fn: Callable[..., T], *args: Any) -> T:
+    def _on_loop(self, fn: Callable[..., T], *args: object) -> T:
         async def call() -> T:
             return fn(*args)
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_gspo.config_io import positive as _positive
 from megatron_gspo.config_io import require as _require
 from megatron_gspo.engines.protocols import EngineError, NoEnginesLeft, Sampler
-from megatron_gspo.engines.types import SamplingParams
+from megatron_gspo.engines.types import RolloutResult, SamplingParams
 
 if TYPE_CHECKING:
     from megatron_gspo.data.prompts import PromptDataset
@@ -106,7 +106,7 @@ class Evaluator:
         rewards: RewardScorer,
         sampling: SamplingParams,
         total_steps: int,
-        run: Callable[[Coroutine[Any, Any, Any]], Any] = asyncio.run,
+        run: Callable[[Coroutine[Any, Any, RolloutResult]], RolloutResult] = asyncio.run,
     ) -> None:
         """engine: has `agenerate(prompt_ids, sampling, n=)`; dataset: a `PromptDataset`
         (records, `encode`, tokenizer); rewards: has `score(prompts, responses, answers)`
@@ -209,7 +209,7 @@ def build_evaluator(spec: RolloutSpec, rollout: Rollout | None) -> Evaluator | N
     )
     loop = rollout.driver.loop
 
-    def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    def run(coro: Coroutine[Any, Any, RolloutResult]) -> RolloutResult:
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
     return Evaluator(

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from megatron_gspo.data.prompts import PromptDataset, PromptLoader
     from megatron_gspo.data.records import PromptRecord
     from megatron_gspo.data.tokenizer import Tokenizer
+    from megatron_gspo.engines.connect import LaunchedEngines
     from megatron_gspo.engines.launch import ServerGroup
     from megatron_gspo.envs.pool import EnvPool
     from megatron_gspo.rewards.batch import RewardScorer
@@ -236,7 +237,9 @@ class Rollout:
 
 
 def make_rollout(
-    spec: RolloutSpec, launched: Any = None, tokenizer: Tokenizer | None = None
+    spec: RolloutSpec,
+    launched: LaunchedEngines | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Rollout:
     """Rank 0: connect to the engines (`launched`: those `engines.nodes.start_node_engines`
     started on every node; None with `rollout.launch` set: start them here, a one-process

@@ -27,7 +27,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ENV", "PlantedFault", "point"]
 
@@ -77,7 +80,7 @@ def point(phase: str, step: int, model: list[Any] | None = None) -> None:
         param = next(p for p in model[0].parameters() if p.requires_grad)
         handle: list[Any] = []
 
-        def hook(grad: Any) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
             handle.pop().remove()  # the first backward of the step only
             _fire(actions, phase, step)
             return grad

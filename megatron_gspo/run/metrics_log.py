@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import time
+import types
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
@@ -253,7 +254,7 @@ class MetricsLogger:
 
     def _wandb_init(
         self,
-        wandb: Any,
+        wandb: types.ModuleType,
         project: str,
         run_id: str | None,
         config: Mapping[str, Any] | None,

@@ -11,6 +11,7 @@ megatron-core or executes user code.
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -244,7 +245,7 @@ def _check_module(kind: str, key: str) -> None:
     """The module of "module:attr" can be found (located, not imported)."""
     module = kind.partition(":")[0]
     try:
-        spec: Any = importlib.util.find_spec(module)
+        spec: importlib.machinery.ModuleSpec | None = importlib.util.find_spec(module)
     except (ImportError, ValueError) as e:  # a missing parent package, or a malformed name
         spec, why = None, str(e)
     else:

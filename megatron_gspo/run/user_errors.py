@@ -27,12 +27,13 @@ Two translations happen where the cause is known:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from megatron_gspo.config_io import ConfigError
 
 if TYPE_CHECKING:
+    from megatron_gspo.config import Config
     from megatron_gspo.megatron.config import PolicySpec
     from megatron_gspo.megatron.policy import Policy
 
@@ -96,9 +97,18 @@ def build_policy(cfg: PolicySpec, build: Callable[[PolicySpec], Policy] | None =
         ) from None
 
 
-def _served_paths(engines: list[Any]) -> dict[str, str]:
+@runtime_checkable
+class ServesModels(Protocol):
+    """What `first_push` asks an engine that has it (`SGLangClient`): each server's model."""
+
+    def model_paths(self) -> dict[str, str]: ...
+
+
+def _served_paths(engines: Sequence[object]) -> dict[str, str]:
     found: dict[str, str] = {}
     for engine in engines:
+        if not isinstance(engine, ServesModels):
+            continue
         try:
             found |= engine.model_paths()
         except Exception:  # noqa: BLE001 - the message names what it can
@@ -112,7 +122,7 @@ def _describe(found: dict[str, str]) -> str:
     return ", ".join(f"{url} serves {path}" for url, path in sorted(found.items()))
 
 
-def _trainer_paths(cfg: Any) -> set[str]:
+def _trainer_paths(cfg: Config) -> set[str]:
     """Where engines of this run may start from: model.hf_path, or the engines' own checkpoint
     (rollout.launch.model_path, e.g. block FP8)."""
     paths = {cfg.model.hf_path}
@@ -122,7 +132,7 @@ def _trainer_paths(cfg: Any) -> set[str]:
     return {os.path.realpath(str(p)) for p in paths if p}
 
 
-def first_push(push: Callable[[], Any], cfg: Any, engines: list[Any]) -> Any:
+def first_push[T](push: Callable[[], T], cfg: Config, engines: Sequence[object]) -> T:
     """The weight sync before step 1 (every rank); its failure as an `EngineModelMismatch`
     naming the trainer's model and each engine's. Where every engine reports a checkpoint of
     this run, the engines' layout (not their model) is named as what to check."""

@@ -41,7 +41,7 @@ def engine_package_version(python: str, package: str = "sglang") -> str:
     ).stdout.strip()
 
 
-def cpu_launch_config(model_path: str, *, python: str, **overrides: Any) -> LaunchConfig:
+def cpu_launch_config(model_path: str, *, python: str, **overrides: object) -> LaunchConfig:
     """A `LaunchConfig` for one real SGLang server on CPU serving `model_path` in bf16.
 
     `overrides` set any other `LaunchConfig` field (base_port, log_dir, num_engines, ...).

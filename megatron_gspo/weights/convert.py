@@ -21,6 +21,7 @@ at), so the reverse conversion needs nothing but the directory. Layouts are
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import json
 import os
@@ -34,7 +35,7 @@ import torch
 from megatron_gspo import dist
 from megatron_gspo.checkpoint.files import HF_CONFIG_DIR, META_FILE
 from megatron_gspo.config_io import ConfigError
-from megatron_gspo.layout import Layout
+from megatron_gspo.layout import HFConfig, HFConfigLike, Layout, hf_value
 from megatron_gspo.megatron.checkpoint import load_model_states, save_model
 from megatron_gspo.megatron.model import (
     build_model,
@@ -68,7 +69,7 @@ def _say(msg: str) -> None:
         print(f"[convert] {msg}", flush=True)
 
 
-def check_layout(layout: Layout, hf_config: Any) -> int:
+def check_layout(layout: Layout, hf_config: HFConfig) -> int:
     """`Layout.validate` for this job's world size, with the command-line flags' names in the
     message; raises `ConversionError`. Returns the data-parallel size."""
     try:
@@ -174,10 +175,9 @@ def read_source_info(ckpt_dir: str | Path) -> dict[str, Any]:
     return meta
 
 
-def _hf_dtype(hf_config: Any) -> torch.dtype:
+def _hf_dtype(hf_config: HFConfigLike) -> torch.dtype:
     """The weights' dtype a HF config declares (a `PretrainedConfig` or config.json's dict)."""
-    get = hf_config.get if isinstance(hf_config, dict) else lambda k: getattr(hf_config, k, None)
-    name = get("torch_dtype") or get("dtype")
+    name = hf_value(hf_config, "torch_dtype") or hf_value(hf_config, "dtype")
     if isinstance(name, torch.dtype):
         return name
     if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
@@ -185,7 +185,7 @@ def _hf_dtype(hf_config: Any) -> torch.dtype:
     return torch.float32
 
 
-def config_bridge(config_dir: str | Path) -> Any:
+def config_bridge(config_dir: str | Path) -> AutoBridge:
     """An `AutoBridge` from a config directory alone (no weights: they come from Megatron)."""
     from transformers import AutoConfig
 
@@ -382,7 +382,7 @@ def export_hf(
 
 
 # ---- command line (tools/convert_*.py are thin wrappers) ---------------------------------
-def _layout_args(p: Any) -> None:
+def _layout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallel layout of the Megatron side (megatron_gspo.layout.Layout)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     g.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
@@ -392,7 +392,7 @@ def _layout_args(p: Any) -> None:
     g.add_argument("--etp", type=int, default=None, help="expert tensor parallel size")
 
 
-def _layout(ns: Any) -> Layout:
+def _layout(ns: argparse.Namespace) -> Layout:
     # Sequence parallelism changes no checkpoint tensor, so the layout's default (on when
     # tp > 1, which MoE with tp > 1 requires) is right for conversion and has no flag.
     return Layout(tp=ns.tp, pp=ns.pp, vpp=ns.vpp, cp=ns.cp, ep=ns.ep, etp=ns.etp)

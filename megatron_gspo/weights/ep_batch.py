@@ -23,13 +23,13 @@ Memory: each EP rank holds one batch of its own experts (references, then one fl
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 
 def _gather(
-    batch: list[tuple[str, torch.Tensor, list[str]]], group: Any
+    batch: list[tuple[str, torch.Tensor, list[str]]], group: ProcessGroup
 ) -> Iterator[tuple[str, torch.Tensor]]:
     dist = torch.distributed
     flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t, _ in batch])
@@ -49,7 +49,7 @@ def _gather(
 
 def batched_expert_gather(
     tensors: Iterator[tuple[str, torch.Tensor]],
-    local: dict[str, tuple[list[str], Any]],
+    local: dict[str, tuple[list[str], ProcessGroup]],
     *,
     batch_bytes: int,
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -58,7 +58,7 @@ def batched_expert_gather(
     rank 0 one batch at a time, a batch being what makes EP rank 0 receive `batch_bytes`.
     Collective over every EP group: every rank must exhaust it."""
     batch: list[tuple[str, torch.Tensor, list[str]]] = []
-    group: Any = None
+    group: ProcessGroup | None = None
     nbytes = 0
     for name, tensor in tensors:
         entry = local.pop(name, None)
@@ -72,6 +72,7 @@ def batched_expert_gather(
             yield from _gather(batch, group)
             batch, nbytes = [], 0
     if batch:
+        assert group is not None  # set with the batch's first entry
         yield from _gather(batch, group)
     if local:  # an export hook renamed an expert: it would have reached the sender incomplete
         raise RuntimeError(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from megatron.bridge import AutoBridge
+    from transformers import PretrainedConfig
 
 INDEX_NAME = "model.safetensors.index.json"
 # Everything a HF directory carries besides weights and config: tokenizer, chat template,
@@ -66,7 +67,7 @@ class ShardWriter:
 
 def write_config(
     out_dir: str | Path,
-    config: Any,
+    config: PretrainedConfig | Mapping[str, Any],
     *,
     dtype: torch.dtype | None = None,
     quantization_config: dict | None = None,
@@ -97,7 +98,7 @@ def copy_side_files(src_dir: str | Path | None, out_dir: str | Path) -> list[str
     return copied
 
 
-def hf_config_of(bridge: AutoBridge) -> Any:
+def hf_config_of(bridge: AutoBridge) -> PretrainedConfig:
     """The `PretrainedConfig` of an `AutoBridge` (built from a checkpoint or from a config)."""
     hf = bridge.hf_pretrained
     return getattr(hf, "config", hf)

@@ -31,12 +31,15 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_gspo.engines.weight_layout import FusedParts, Sendable, fused_stream
 from megatron_gspo.weights import fp8
+
+if TYPE_CHECKING:
+    from megatron.bridge import AutoBridge
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -105,7 +108,7 @@ def experts_to_ep_rank0() -> contextlib.AbstractContextManager[None]:
 
 
 def hf_tensors(
-    bridge: Any,
+    bridge: AutoBridge,
     model: list[torch.nn.Module],
     *,
     cpu: bool = True,
@@ -277,7 +280,7 @@ def _counted(
 
 
 def model_buckets(
-    bridge: Any,
+    bridge: AutoBridge,
     model: list[torch.nn.Module],
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,

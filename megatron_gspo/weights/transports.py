@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import abc
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +38,9 @@ from megatron_gspo.engines.weight_layout import tensors_only
 from megatron_gspo.engines.weight_shards import EngineLayout
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights.stream import Bucket
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Transport(abc.ABC):
@@ -197,7 +201,7 @@ class DistributedTransport(Transport):
             self.groups.append(pg)
 
     @staticmethod
-    def _engine_outcome(joined: Any) -> str:
+    def _engine_outcome(joined: Future[None]) -> str:
         try:
             joined.result(timeout=2)  # short: an engine still dialling says so by timing out
         except TimeoutError:
@@ -253,7 +257,7 @@ class DiskTransport(Transport):
         engines: Sequence[WeightReceiver],
         *,
         root: str | Path,
-        hf_config: Any,
+        hf_config: PretrainedConfig | Mapping[str, Any],
         source_dir: str | Path | None = None,
         dtype: torch.dtype | None = None,
         quantization_config: dict | None = None,

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
+from megatron_gspo.dist import free_port
 from megatron_gspo.engines import wire as proto
 from megatron_gspo.engines.client import ClientConfig, SGLangClient
-from megatron_gspo.engines.embedded.server import free_port
 from megatron_gspo.engines.protocols import EngineError
 from megatron_gspo.engines.types import SamplingParams
 from tests.engines.helpers import ThreadedApp

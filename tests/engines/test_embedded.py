@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo.engines.embedded.server import free_port
+from megatron_gspo.dist import free_port
 from megatron_gspo.engines.protocols import EngineError
 from megatron_gspo.engines.types import SamplingParams
 from megatron_gspo.engines.wire import tensor_checksum

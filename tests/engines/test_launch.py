@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from megatron_gspo.dist import free_port
 from megatron_gspo.engines.client import ClientConfig, SGLangClient
-from megatron_gspo.engines.embedded.server import free_port
 from megatron_gspo.engines.launch import LaunchConfig, ServerGroup, engine_command, router_command
 from megatron_gspo.engines.types import SamplingParams
 

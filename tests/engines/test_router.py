@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_gspo.dist import free_port
 from megatron_gspo.engines.client import ClientConfig, SGLangClient
-from megatron_gspo.engines.embedded.server import free_port
 from megatron_gspo.engines.launch import LaunchConfig, ServerGroup
 from megatron_gspo.engines.types import SamplingParams
 

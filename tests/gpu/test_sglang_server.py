@@ -49,7 +49,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpts, tmp_path_factory):
-    from megatron_gspo.engines.embedded.server import free_port
+    from megatron_gspo.dist import free_port
     from megatron_gspo.engines.launch import LaunchConfig, ServerGroup
     from megatron_gspo.testing.sglang_server import GPU_TINY_ENGINE_ARGS
 

@@ -35,6 +35,7 @@ import torch
 
 from megatron_gspo.engines.embedded import server as embedded
 from megatron_gspo.engines.embedded.model import HFPolicy
+from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedTokenizerManager
 from megatron_gspo.engines.weight_names import SGLangChecksums
 from megatron_gspo.engines.weight_shards import EngineLayout, engine_shard
 from megatron_gspo.engines.wire import overall_checksum
@@ -158,7 +159,7 @@ def join_gloo_rank(
     return ProcessGroupGloo(store, rank, world_size, timeout=timeout)
 
 
-class RehearsalTokenizerManager(embedded.EmbeddedTokenizerManager):
+class RehearsalTokenizerManager(EmbeddedTokenizerManager):
     """The embedded control plane; the weight-update group is joined by every TP rank (one
     thread and gloo group each, at ranks rank_offset + r, as SGLang's TP workers join it), and
     each broadcast is received by all of them."""
@@ -170,8 +171,6 @@ class RehearsalTokenizerManager(embedded.EmbeddedTokenizerManager):
     async def init_weights_update_group(self, obj: Any, request: Any = None):
         import asyncio
 
-        from sglang.srt.utils import init_custom_process_group
-
         tp = self.policy.layout.tp_size
 
         def join(r: int) -> Any:
@@ -180,13 +179,7 @@ class RehearsalTokenizerManager(embedded.EmbeddedTokenizerManager):
                     obj.master_address, obj.master_port, obj.world_size, obj.rank_offset + r,
                     obj.group_name,
                 )  # fmt: skip
-            return init_custom_process_group(
-                backend=obj.backend,
-                init_method=f"tcp://{obj.master_address}:{obj.master_port}",
-                world_size=obj.world_size,
-                rank=obj.rank_offset,
-                group_name=obj.group_name,
-            )
+            return self._join_group(obj)
 
         try:
             groups = await asyncio.gather(*(asyncio.to_thread(join, r) for r in range(tp)))

@@ -32,12 +32,8 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.engines.embedded.server import (
-    _CURRENT_TM,
-    _INSTALLED,
-    EmbeddedTokenizerManager,
-    _install_sglang_app,
-)
+from megatron_gspo.engines.embedded.server import _CURRENT_TM, _INSTALLED, _install_sglang_app
+from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedTokenizerManager
 from megatron_gspo.engines.wire import tensor_checksum
 
 

@@ -19,7 +19,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -27,6 +27,8 @@ from megatron_gspo.engines.wire import overall_checksum, tensor_checksum
 
 if TYPE_CHECKING:
     from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from megatron_gspo.layout import HFConfig
 
 _SAMPLING_EPS = 1e-6
 _TOP_K_ALL = 1 << 30
@@ -70,7 +72,7 @@ class HFPolicy:
         self.quantization = quantization
         self.fp8 = None if quantization is None else fp8_emulation.emulate(self.model, quantization)
         """Block-FP8 weights (quantised linears, held e4m3 + scale) when quantization is set."""
-        cfg: Any = self.model.config  # an HF config (Module attributes type as Tensor | Module)
+        cfg = cast("HFConfig", self.model.config)  # (Module attributes type as Tensor | Module)
         self.vocab_size = int(cfg.vocab_size)
         self.context_len = int(getattr(cfg, "max_position_embeddings", 1 << 20))
         eos = getattr(self.model.generation_config, "eos_token_id", None)

@@ -12,9 +12,17 @@ rebuild (retraction) re-feeds the tokens and overwrites their rows, as SGLang's 
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_gspo.layout import HFConfig
+
+# A router's output: (router_logits, top-k weights, top-k indices); the hook reads the last.
+type _RouterOut = tuple[torch.Tensor, ...]
+type _Hook = Callable[[torch.nn.Module, tuple[torch.Tensor, ...], _RouterOut], None]
 
 _GATE_RE = re.compile(r"(?:.*\.)?layers\.(\d+)\.mlp\.gate")
 
@@ -24,7 +32,7 @@ class RouteCapture:
     (the caller holds the model's lock, so one forward at a time writes)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        cfg: Any = model.config  # an HF config (Module attributes type as Tensor | Module)
+        cfg = cast("HFConfig", model.config)  # (Module attributes type as Tensor | Module)
         self.num_layers = int(cfg.num_hidden_layers)
         self.topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self._target: tuple[torch.Tensor, int] | None = None
@@ -45,8 +53,8 @@ class RouteCapture:
         """An empty `[positions, L, K]` int32 buffer (zeros: layers without a router)."""
         return torch.zeros(positions, self.num_layers, self.topk, dtype=torch.int32)
 
-    def _hook(self, layer: int) -> Any:
-        def hook(_mod: Any, _inp: Any, out: Any) -> None:
+    def _hook(self, layer: int) -> _Hook:
+        def hook(_mod: torch.nn.Module, _inp: tuple[torch.Tensor, ...], out: _RouterOut) -> None:
             if self._target is None:
                 return
             buf, start = self._target
