@@ -124,3 +124,29 @@ def test_a_senders_experts_give_each_engine_rank_it_covers_what_one_sender_gives
                 flat = torch.cat([s.reshape(-1) for s in piece.sources])
                 assert piece.name == name and piece.shape == tuple(expected.shape)
                 assert torch.equal(flat, expected.reshape(-1)), (group, unit, r)
+
+
+def test_layouts_that_do_not_nest_send_hf_names_and_say_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`WeightSync` takes the route only where it applies; otherwise HF names, one log line."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
+    from tests.weights.fake_engine import FakeEngine
+
+    hf = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 12}
+    bridge = SimpleNamespace(hf_pretrained=SimpleNamespace(config=hf))
+    sync = WeightSync(bridge, [FakeEngine()], WeightSyncConfig(senders="owners"))
+    assert sync.layout == "engine"  # auto: SGLang's layout with owners too
+    nested = _grid(0, (0, 1, 2, 3))
+    odd = SenderGrid(**{**{f: getattr(nested, f) for f in nested.__slots__},
+                        "engine_eps": (frozenset({3}),) * 4})  # fmt: skip
+    with caplog.at_level("WARNING", logger="megatron_gspo.weights.sync"):
+        route = sync._owner_route(nested)
+        assert route is not None and route.peers == 4
+        assert sync._owner_route(odd) is None and sync._owner_route(odd) is None
+    said = [r.getMessage() for r in caplog.records if "HF names" in r.getMessage()]
+    assert len(said) == 1 and "do not nest" in said[0], said
+    hf_sync = WeightSync(bridge, [FakeEngine()], WeightSyncConfig(senders="owners", layout="hf"))
+    assert hf_sync._owner_route(nested) is None
