@@ -32,8 +32,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_gspo.engines.weight_layout import FusedParts, Fuser, Sendable, member_names
+from megatron_gspo.engines.weight_layout import (
+    FusedParts,
+    Fuser,
+    Sendable,
+    engine_layout,
+    member_names,
+)
 from megatron_gspo.engines.weight_names import sglang_slot
+from megatron_gspo.engines.weight_shards import EngineLayout
 from megatron_gspo.weights.stream import StreamStats
 
 if TYPE_CHECKING:
@@ -41,7 +48,7 @@ if TYPE_CHECKING:
 
     from megatron_gspo.weights.owners import SenderGrid
 
-__all__ = ["ExpertRoute", "expert_route", "owned_fused"]
+__all__ = ["ExpertRoute", "engine_eps", "expert_route", "owned_fused", "route_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +87,25 @@ def expert_route(
         if len(counts) != 1:
             return None, "the expert-parallel ranks of a send scope differ in replica count"
     return ExpertRoute(t, e, num_experts), ""
+
+
+def engine_eps(model: EngineLayout | None, tp_sizes: list[int]) -> frozenset[int]:
+    """The expert-parallel sizes of engines of `tp_sizes` in SGLang's layout (none without
+    the model's shape)."""
+    if model is None:
+        return frozenset()
+    return frozenset(engine_layout(model, tp).ep_size for tp in tp_sizes)
+
+
+def route_for(
+    layout: str, model: EngineLayout | None, grid: SenderGrid
+) -> tuple[ExpertRoute | None, str]:
+    """`expert_route` when the push is in SGLang's layout (`layout` "engine", the model's shape
+    known), over every rank's engines; (None, "") for HF-named pushes."""
+    if layout != "engine" or model is None:
+        return None, ""
+    eps: set[int] = set().union(*grid.engine_eps)
+    return expert_route(grid, eps, model.num_experts)
 
 
 class _Loads:

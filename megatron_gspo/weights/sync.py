@@ -55,7 +55,7 @@ from megatron_gspo.weights import hf_io
 from megatron_gspo.weights import owners as owners_lib
 from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
 from megatron_gspo.weights.config import WeightSyncConfig
-from megatron_gspo.weights.owners_fused import ExpertRoute, expert_route, owned_fused
+from megatron_gspo.weights.owners_fused import ExpertRoute, engine_eps, owned_fused, route_for
 from megatron_gspo.weights.pipeline import SendPipeline
 from megatron_gspo.weights.stream import (
     Bucket,
@@ -402,7 +402,9 @@ class WeightSync:
         grid = owners_lib.SenderGrid.gather(
             per_node=cfg.transport == "tensor",
             sending=bool(self.send_engines),
-            engine_eps=self._engine_eps(),
+            engine_eps=engine_eps(self.model_layout, engine_tp_sizes(self.send_engines))
+            if self.send_engines
+            else frozenset(),
         )
         problem = owners_lib.grid_problem(grid)  # the same on every rank: all stop here
         if problem is not None:
@@ -518,25 +520,13 @@ class WeightSync:
         self._verified = self._verified or outcome.verified
         return outcome
 
-    def _engine_eps(self) -> frozenset[int]:
-        """The expert-parallel sizes of this rank's send engines in SGLang's layout."""
-        if self.model_layout is None or not self.send_engines:
-            return frozenset()
-        tps = engine_tp_sizes(self.send_engines)
-        return frozenset(engine_layout(self.model_layout, tp).ep_size for tp in tps)
-
     def _owner_route(self, grid: owners_lib.SenderGrid) -> ExpertRoute | None:
-        """How every sender sends SGLang's own layout (`weights.owners_fused`), or None: HF
-        names, said once in the log (rank 0) when the layout asked for is `engine`."""
-        if self.layout != "engine" or self.model_layout is None:
-            return None
-        eps: set[int] = set().union(*grid.engine_eps)
-        route, why = expert_route(grid, eps, self.model_layout.num_experts)
-        if route is None and self.sender and not self._told_fallback:
+        """How every sender sends SGLang's own layout, or None: HF names, said once in the
+        log (rank 0) when it is not for want of asking (`weights.layout=hf`)."""
+        route, why = route_for(self.layout, self.model_layout, grid)
+        if route is None and why and self.sender and not self._told_fallback:
             self._told_fallback = True
-            logger.warning(
-                "weights.senders=owners sends HF names, not SGLang's own layout: %s", why
-            )
+            logger.warning("weights.senders=owners sends HF names, not SGLang's layout: %s", why)
         return route
 
     def _expert_batch_bytes(self) -> int:
