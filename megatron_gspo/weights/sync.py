@@ -47,7 +47,7 @@ import torch
 
 from megatron_gspo import dist
 from megatron_gspo.engines.protocols import NoEnginesLeft, WeightReceiver
-from megatron_gspo.engines.weight_layout import RankChecksums, engine_layout
+from megatron_gspo.engines.weight_layout import RankChecksums, Sendable, engine_layout
 from megatron_gspo.engines.weight_names import reported_in_sglang_naming
 from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights import fp8 as fp8_lib
@@ -436,7 +436,7 @@ class WeightSync:
         spread = route is not None or not verify or self._namings == frozenset({"hf"})
         keep = True
         sums: EngineChecksums | RankChecksums
-        tensors: Iterator[tuple[str, Any]]
+        tensors: Iterator[tuple[str, Sendable]]
         if route is not None:
             assert self.model_layout is not None  # `_owner_route` checked it
             sums = RankChecksums(
