@@ -6,11 +6,13 @@ SGLang's `direct` loader copies whole parameters only, so an engine rank's stack
 sender. With trainer EP size T and engine EP size E (experts split into E contiguous ranges,
 as each engine rank's loaders keep them):
 
-* E a multiple of T (T = E included, the colocated 30B recipe's case): a trainer EP rank's
+* E a multiple of T (T = E included: e.g. one TP-8 / EP-8 engine over a node of 8 trainer EP
+  ranks, each engine rank's experts on the trainer rank of its GPU): a trainer EP rank's
   local experts are whole engine EP ranges, so it builds those engine ranks' `w13_weight` /
   `w2_weight` from its own experts, no communication;
 * T a multiple of E, k = T / E: an engine range is held by k trainer EP ranks (E = 1, a
-  TP-only or one-rank engine: all of them); per layer and parameter they send their experts
+  TP-only or one-rank engine, as the 30B recipe's TP-2 engines: all of them); per layer and
+  parameter they send their experts
   to one of them (point to point, one message per peer, the receiver chosen per parameter
   as below), which builds it: the only communication of the push;
 * otherwise (neither divides) this path does not apply and `WeightSync` sends HF names.
