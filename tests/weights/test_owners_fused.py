@@ -150,3 +150,23 @@ def test_layouts_that_do_not_nest_send_hf_names_and_say_so_once(
     assert len(said) == 1 and "do not nest" in said[0], said
     hf_sync = WeightSync(bridge, [FakeEngine()], WeightSyncConfig(senders="owners", layout="hf"))
     assert hf_sync._owner_route(nested) is None
+
+
+def test_the_planner_counts_a_stacked_parameter_larger_than_a_bucket() -> None:
+    """In SGLang's layout a layer's stacked experts leave whole (gathered into one rank with
+    owners where an engine rank's experts are spread): a bucket in flight is up to that size.
+    Qwen3-30B-A3B's `w13_weight` (128 x 2 x 768 x 2048 bf16 = 805 MB) fits the recipe's 1 GiB
+    buckets (its planned buffers unchanged) but not 512 MiB ones."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.plan.memory import push_buffer_bytes, stacked_expert_bytes
+    from megatron_gspo.weights.config import WeightSyncConfig
+
+    hf = SimpleNamespace(num_experts=128, moe_intermediate_size=768, hidden_size=2048)
+    cfg = SimpleNamespace(weights=WeightSyncConfig(senders="owners"))
+    stacked = stacked_expert_bytes(cfg, hf, 2)  # type: ignore[arg-type]
+    assert stacked == 128 * 2 * 768 * 2048 * 2
+    hf_named = SimpleNamespace(weights=WeightSyncConfig(senders="owners", layout="hf"))
+    assert stacked_expert_bytes(hf_named, hf, 2) == 0  # type: ignore[arg-type]
+    assert push_buffer_bytes(1024**3, "owners", stacked) == 3 * 1024**3
+    assert push_buffer_bytes(512 * 1024**2, "owners", stacked) == 3 * stacked
