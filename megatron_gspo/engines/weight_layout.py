@@ -39,8 +39,10 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from megatron_gspo.engines.weight_fused import is_fused_name, tensors_only, unfuse
-from megatron_gspo.engines.weight_names import sglang_slot
+from megatron_gspo.engines.weight_group import host_views
+from megatron_gspo.engines.weight_names import SGLangChecksums, sglang_slot
 from megatron_gspo.engines.weight_shards import EngineLayout, engine_shard
+from megatron_gspo.engines.wire import fused_checksum
 
 LAYOUTS: tuple[str, ...] = ("hf", "engine")
 """How a push names its tensors: HF checkpoint names (every transport, SGLang's per-name
@@ -70,7 +72,7 @@ def _assemble(sglang_name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _member_names(group: str, keys: list[tuple[int, int]]) -> list[str]:
+def member_names(group: str, keys: list[tuple[int, int]]) -> list[str]:
     """The HF names of a fused parameter's members in `keys` order (`sglang_slot`'s inverse)."""
     if group.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
         stem, leaf = group.rsplit(".qkv_proj.", 1)
@@ -246,7 +248,7 @@ class Fuser:
             raise ValueError(f"{group}: members {sorted(parts)} arrived, expected {keys}")
         ordered = [parts[k] for k in keys]
         if self.lazy:
-            names = _member_names(group, keys)
+            names = member_names(group, keys)
             return group, FusedParts(group, list(zip(names, ordered, strict=True)))
         return group, _assemble(group, ordered)
 
@@ -315,9 +317,67 @@ def rank_tensors(
     return out
 
 
+class RankChecksums:
+    """What the engines report of what ONE sender sent in SGLang's layout, when several
+    senders each send some engine ranks' parameters (`weights.senders=owners`): per engine TP
+    size and rank, `{sglang_name: checksum}` of each piece it sent that rank, hashed as the
+    rank holds it (the piece's bytes back to back, SGLang's function on the engines' device:
+    `wire.fused_checksum`), and the members' HF-named checksums (engines that report HF
+    names). Feeds like `weight_shards.EngineChecksums` (`add_bucket`, `hf`, `per_rank`,
+    `ranks`); a rank's dict covers only what this sender sent it (rank 0 takes the union)."""
+
+    def __init__(
+        self,
+        model: EngineLayout,
+        tp_sizes: Sequence[int],
+        *,
+        namings: frozenset[str] = frozenset({"hf", "sglang"}),
+        device: str = "cpu",
+    ) -> None:
+        self.namings, self.device = namings, device
+        self.plain = SGLangChecksums(fused=False, device="cpu")  # the embedded engine's
+        sglang = "sglang" in namings
+        self.layouts = {tp: engine_layout(model, tp) for tp in tp_sizes} if sglang else {}
+        self._ranks: dict[int, list[dict[str, str]]] = {
+            tp: [{} for _ in range(tp)] for tp in self.layouts
+        }
+
+    @property
+    def hf(self) -> dict[str, str]:
+        return self.plain.hf
+
+    @property
+    def per_rank(self) -> bool:
+        return "sglang" in self.namings
+
+    def add_bucket(self, named: Sequence[tuple[str, Sendable]]) -> None:
+        """Account a bucket as sent (fused parameters as `FusedParts` or whole tensors)."""
+        if "hf" in self.namings:
+            members = [
+                m
+                for n, t in named
+                for m in (t.members() if isinstance(t, FusedParts) else [(n, t)])
+            ]
+            for name, t in host_views(tensors_only(members)):
+                self.plain.add(name, t)
+        for tp, lay in self.layouts.items():
+            for r in range(tp):
+                for piece in rank_pieces(named, r, lay):
+                    parts = [s.to(piece.dtype) for s in piece.sources]
+                    self._ranks[tp][r][piece.name] = fused_checksum(parts, self.device)
+
+    def ranks(self, tp_size: int) -> list[dict[str, str]]:
+        """Per TP rank, `{sglang_name: checksum}` of what this sender sent that rank."""
+        if tp_size not in self._ranks:
+            raise KeyError(f"no checksums computed for engines of TP size {tp_size}")
+        return [dict(r) for r in self._ranks[tp_size]]
+
+
 __all__ = [
     "LAYOUTS",
     "FusedParts",
+    "RankChecksums",
+    "member_names",
     "RankPiece",
     "Sendable",
     "tensors_only",

@@ -93,12 +93,28 @@ class MemoryEstimate:
         return self.trainer_static + self.engine_rollout + self.send_buffers
 
 
-def push_buffer_bytes(bucket_bytes: int, senders: str) -> float:
+def push_buffer_bytes(bucket_bytes: int, senders: str, stacked_bytes: float = 0.0) -> float:
     """Send buffers of one push on the busiest trainer GPU: up to 3 buckets in flight
     (`weights.pipeline`: one being sent, one looked ahead, one being filled), plus on the one
     sender (`weights.senders=one`) the expert batch gathered into it (about one bucket,
-    `weights.ep_batch`). With `owners` every trainer GPU holds its own 3, none more."""
-    return (3 if senders == "owners" else 4) * float(bucket_bytes)
+    `weights.ep_batch`). With `owners` every trainer GPU holds its own 3, none more.
+    stacked_bytes: in SGLang's layout (`weights.layout=engine`) a layer's stacked experts
+    (`w13_weight`) are sent whole, in a bucket of their own when larger than one (with owners
+    gathered into one rank where an engine rank's experts are spread: `weights.owners_fused`),
+    so a bucket in flight is up to that size."""
+    per = max(float(bucket_bytes), stacked_bytes)
+    return (3 if senders == "owners" else 4) * per
+
+
+def stacked_expert_bytes(cfg: Config, hf: Any, trainer_bytes: int) -> float:
+    """The largest stacked expert parameter a push in SGLang's layout sends (a layer's
+    `w13_weight`: every expert's gate and up rows), 0 for HF-named pushes or dense models."""
+    experts = _num_experts(hf) or 0
+    if cfg.weights.resolved_layout != "engine" or not experts:
+        return 0.0
+    dtype = cfg.weights.dtype
+    sent = trainer_bytes if dtype is None else {"float64": 8, "float32": 4}.get(dtype, 2)
+    return float(experts * 2 * getattr(hf, "moe_intermediate_size", 0) * hf.hidden_size * sent)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +227,8 @@ memory per GPU (most loaded pipeline stage; P = its parameters, Pd dense + Pe ex
                 while released (trainer-launched engines; engines started outside the trainer
                 are not released, so their full share counts while training too)
   send bufs   = 4 x weights.bucket_mb on the one sender's GPU (3 in flight + a gathered expert
-                batch), 3 x on every GPU with weights.senders=owners; in the rollout peak
+                batch), 3 x on every GPU with weights.senders=owners (a bucket: at least one
+                layer's stacked experts in SGLang's layout); in the rollout peak
   weight sync = HF bytes of the model (bf16, or FP8: 1 B/elem of *_proj weights + an fp32
                 scale per 128x128 block) / the stated bandwidth: with HF-named loads every
                 engine GPU receives them all, whoever sends (owners: a sender sends 1/n)
@@ -320,7 +337,11 @@ def trainer_memory(
             overhead=PROCESS_OVERHEAD_GB * GiB,
             engine_train=engine_train,
             engine_rollout=engine_rollout,
-            send_buffers=push_buffer_bytes(cfg.weights.bucket_bytes, cfg.weights.senders),
+            send_buffers=push_buffer_bytes(
+                cfg.weights.bucket_bytes,
+                cfg.weights.senders,
+                stacked_expert_bytes(cfg, hf, b_p),
+            ),
         )
         if worst is None or est.train_peak > worst.train_peak:
             worst, worst_inflight = est, inflight

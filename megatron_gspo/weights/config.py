@@ -30,11 +30,13 @@ class WeightSyncConfig:
     parameter, each engine rank sent its own part, loaded by name (`load_format="direct"`:
     no name mapping, no per-expert copy on the engine); tensor transport only, not with fp8.
     hf: one tensor per HF checkpoint tensor, mapped by the engine's `load_weights` (every
-    transport; engines that need HF names). auto: engine with `transport=tensor`, `fp8`
-    off and `senders=one`, else hf; chosen by measurement: on CPU into the real SGLang server
+    transport; engines that need HF names). auto: engine with `transport=tensor` and `fp8`
+    off, else hf; chosen by measurement: on CPU into the real SGLang server
     (docs/performance.md, "SGLang's own layout") the engine layout, written in one pass
     straight into each engine rank's shared buffer, pushed end to end faster than HF names
-    (small model 2.2x, 2 GB model see there); owners sends HF names."""
+    (small model 2.2x, 2 GB model see there); with `senders=owners` every rank sends its
+    engine ranks' fused parameters (`weights.owners_fused`; HF names where the trainer's and
+    the engines' EP sizes do not nest, said once in the log)."""
     bucket_mb: float = 512.0
     """Upper bound of one bucket in MiB (a single larger tensor is sent alone)."""
     dtype: str | None = None
@@ -165,8 +167,7 @@ class WeightSyncConfig:
         """`layout` with auto decided (see `layout`)."""
         if self.layout != "auto":
             return self.layout
-        one_pass = self.transport == "tensor" and not self.fp8 and self.senders == "one"
-        return "engine" if one_pass else "hf"
+        return "engine" if self.transport == "tensor" and not self.fp8 else "hf"
 
     @property
     def bucket_bytes(self) -> int:

@@ -22,15 +22,24 @@ Busiest rank: about (its experts + its share of the replicated tensors), i.e. ~1
 model for n senders instead of rank 0 receiving and sending all of it (measured:
 tests/weights/test_owners.py; docs/performance.md "Every rank sends its shard").
 
+With `weights.layout=engine` (auto's choice for `tensor` without FP8) the senders send SGLang's
+own fused parameters instead of HF names (`weights.owners_fused`: each engine rank's stacked
+experts built by the trainer rank(s) holding them, gathered point to point only where an
+engine rank's experts are spread over several trainer EP ranks; `load_format="direct"`).
+Where that layout cannot be served (trainer and engine EP sizes that do not nest, engines of
+different EP sizes, replica counts that differ) the push sends HF names, said once in the log.
+
 Rank 0 still coordinates the session (`begin_weight_update`, `end_weight_update`, the version
 stamp after every sender's last bucket, verification, `commit_sync`): the senders only add
-buckets inside the open session. Each sender hashes what it sent (SGLang's own function,
-HF-named) and rank 0 compares the union with the engines, so verification costs each rank
-about one shard's hash. Engines that report SGLang's fused per-rank names (a real server)
-need all members of a fused parameter in one place, which no sender has; `WeightSync` sends
-their verified pushes (and the first push, before the naming is known) through one sender per
-scope: the scope's first rank, experts gathered to it as with `senders=one`, which hashes in
-both namings (the per-rank SGLang layout of issue 36 part 1 removes that exception).
+buckets inside the open session. Each sender hashes what it sent with SGLang's own function
+in the engines' naming (SGLang's layout: per engine rank, the fused parameters it sent that
+rank, `weight_layout.RankChecksums`; HF names: per HF tensor) and rank 0 compares the union
+with the engines, so verification costs each rank about one shard's hash. One exception
+remains, for HF-named pushes only: engines that report SGLang's fused per-rank names (a real
+server) need all members of a fused parameter in one place, which no HF-named sender has, so
+`WeightSync` sends those verified pushes (and the first push, before the naming is known)
+through one sender per scope: the scope's first rank, experts gathered to it as with
+`senders=one`, which hashes in both namings.
 """
 
 from __future__ import annotations
@@ -44,7 +53,8 @@ import torch
 
 from megatron_gspo import dist
 from megatron_gspo.engines.protocols import WeightReceiver
-from megatron_gspo.engines.weight_shards import EngineChecksums
+from megatron_gspo.engines.weight_layout import RankChecksums
+from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights.config import WeightSyncConfig
 from megatron_gspo.weights.stream import StreamStats
 from megatron_gspo.weights.transports import DistributedTransport, TensorTransport, Transport
@@ -91,11 +101,15 @@ class SenderGrid:
     False, the job's ranks send it once."""
     sending: tuple[bool, ...] = ()
     """Whether each global rank has engines to send to."""
+    engine_eps: tuple[frozenset[int], ...] = ()
+    """The expert-parallel sizes of each global rank's engines (SGLang's layout)."""
 
     @classmethod
-    def gather(cls, *, per_node: bool, sending: bool = True) -> SenderGrid:
+    def gather(
+        cls, *, per_node: bool, sending: bool = True, engine_eps: frozenset[int] = frozenset()
+    ) -> SenderGrid:
         """Collective: every rank calls it (one small all_gather_object)."""
-        mine = (node_index(), expert_rank(), sending)
+        mine = (node_index(), expert_rank(), sending, engine_eps)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             every: list[Any] = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(every, mine)
@@ -104,15 +118,20 @@ class SenderGrid:
             every, rank = [mine], 0
         return cls(
             rank=rank,
-            nodes=tuple(n for n, _, _ in every),
-            ep_ranks=tuple(e for _, e, _ in every),
+            nodes=tuple(n for n, _, _, _ in every),
+            ep_ranks=tuple(e for _, e, _, _ in every),
             per_node=per_node,
-            sending=tuple(bool(s) for _, _, s in every),
+            sending=tuple(bool(s) for _, _, s, _ in every),
+            engine_eps=tuple(frozenset(x) for _, _, _, x in every),
         )
 
     def scope(self) -> list[int]:
         """Global ranks that share this rank's send scope, in rank order."""
-        me = self.nodes[self.rank]
+        return self.scope_of(self.rank)
+
+    def scope_of(self, rank: int) -> list[int]:
+        """Global ranks that share `rank`'s send scope, in rank order."""
+        me = self.nodes[rank]
         return [r for r, n in enumerate(self.nodes) if n == me or not self.per_node]
 
     def replicated_senders(self) -> list[int]:
@@ -241,14 +260,19 @@ def grid_problem(grid: SenderGrid) -> str | None:
     return None
 
 
-def sender_transport(cfg: WeightSyncConfig, engines: Sequence[WeightReceiver]) -> Transport:
+def sender_transport(
+    cfg: WeightSyncConfig,
+    engines: Sequence[WeightReceiver],
+    layout: EngineLayout | None = None,
+) -> Transport:
     """This rank's transport as one of several senders: it adds buckets to a session rank 0
     opened and never stamps a version; `distributed`: a weight-update group of its own per
-    engine pool (named after the rank, at its own address)."""
+    engine pool (named after the rank, at its own address). layout: `tensor` in SGLang's own
+    layout (`TensorTransport.layout`, which a push may switch off)."""
     rank = dist.rank()
     transport: Transport
     if cfg.transport == "tensor":
-        transport = TensorTransport(engines)
+        transport = TensorTransport(engines, layout=layout)
     else:
         transport = DistributedTransport(
             engines,
@@ -272,7 +296,9 @@ class SentChecksums:
     per_tp: dict[int, list[dict[str, str]]]
 
     @classmethod
-    def of(cls, sums: EngineChecksums, tp_sizes: list[int], sent: bool) -> SentChecksums:
+    def of(
+        cls, sums: EngineChecksums | RankChecksums, tp_sizes: list[int], sent: bool
+    ) -> SentChecksums:
         if not sent or not sums.per_rank:
             return cls(dict(sums.hf), {})
         return cls(dict(sums.hf), {tp: sums.ranks(tp) for tp in tp_sizes})
@@ -339,7 +365,11 @@ def merged_checksums(per_sender: Iterable[SentChecksums | None]) -> SentChecksum
         if sent is not None:
             out.hf.update(sent.hf)
             for tp, ranks in sent.per_tp.items():
-                out.per_tp.setdefault(tp, ranks)
+                # Per engine rank, the union: in SGLang's layout each sender sent some ranks'
+                # parameters (`weight_layout.RankChecksums`).
+                held = out.per_tp.setdefault(tp, [{} for _ in ranks])
+                for mine, more in zip(held, ranks, strict=True):
+                    mine.update(more)
     return out
 
 

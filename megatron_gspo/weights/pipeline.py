@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from megatron_gspo.engines.weight_layout import RankChecksums
 from megatron_gspo.engines.weight_shards import EngineChecksums
 from megatron_gspo.weights.stream import Bucket, StreamStats
 from megatron_gspo.weights.transports import Transport
@@ -39,7 +40,7 @@ class SendPipeline:
         self,
         transport: Transport,
         *,
-        sums: EngineChecksums | None,
+        sums: EngineChecksums | RankChecksums | None,
         stats: StreamStats,
         overlap: bool = True,
     ) -> None:

@@ -18,8 +18,9 @@ the next one is exported (`weights.pipeline`), then checks, when due:
 * version: each engine reports the new version (`WeightReceiver.weight_version()`), which
   rollouts then carry.
 
-With `weights.senders=owners` every rank sends the tensors it holds instead, rank 0 only
-opening and closing the session and checking (`weights.owners`).
+With `weights.senders=owners` every rank sends the tensors it holds instead (in SGLang's own
+layout where it applies: `weights.owners_fused`), rank 0 only opening and closing the session
+and checking (`weights.owners`).
 
 The outcome is broadcast from the sender so that every rank returns or raises together.
 Call `push` once the parameters hold the new weights: with the distributed optimizer's
@@ -35,6 +36,7 @@ so force it first (`model_chunk.start_param_sync(force_sync=True)` on each chunk
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +47,7 @@ import torch
 
 from megatron_gspo import dist
 from megatron_gspo.engines.protocols import NoEnginesLeft, WeightReceiver
-from megatron_gspo.engines.weight_layout import engine_layout
+from megatron_gspo.engines.weight_layout import RankChecksums, Sendable, engine_layout
 from megatron_gspo.engines.weight_names import reported_in_sglang_naming
 from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights import fp8 as fp8_lib
@@ -53,6 +55,7 @@ from megatron_gspo.weights import hf_io
 from megatron_gspo.weights import owners as owners_lib
 from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
 from megatron_gspo.weights.config import WeightSyncConfig
+from megatron_gspo.weights.owners_fused import ExpertRoute, engine_eps, owned_fused, route_for
 from megatron_gspo.weights.pipeline import SendPipeline
 from megatron_gspo.weights.stream import (
     Bucket,
@@ -69,6 +72,8 @@ from megatron_gspo.weights.transports import (
     Transport,
     _end_session,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
@@ -260,6 +265,7 @@ class WeightSync:
         self._owner_transport: Transport | None = None
         """This rank's transport as one of several senders (`weights.senders=owners`)."""
         self._owner_ready = False
+        self._told_fallback = False
 
     @property
     def _tx(self) -> Transport:
@@ -394,11 +400,16 @@ class WeightSync:
         cfg, stats, version = self.config, report.stats, str(self.version)
         own = stats  # this rank's own export (rank 0's report gets every sender's, merged)
         grid = owners_lib.SenderGrid.gather(
-            per_node=cfg.transport == "tensor", sending=bool(self.send_engines)
+            per_node=cfg.transport == "tensor",
+            sending=bool(self.send_engines),
+            engine_eps=engine_eps(self.model_layout, engine_tp_sizes(self.send_engines))
+            if self.send_engines
+            else frozenset(),
         )
         problem = owners_lib.grid_problem(grid)  # the same on every rank: all stop here
         if problem is not None:
             return self._agree(report, error or WeightSyncError(problem))
+        route = self._owner_route(grid)  # SGLang's own layout from every sender, or None
         if self.sender and error is None:
             try:
                 for engine in self.engines:
@@ -410,17 +421,34 @@ class WeightSync:
         mine: BaseException | None = None
         if self._owner_transport is None:
             self._owner_transport = owners_lib.sender_transport(cfg, self.send_engines)
+        if isinstance(self._owner_transport, TensorTransport):
+            self._owner_transport.layout = self.model_layout if route is not None else None
         if began and self.send_engines and not self._owner_ready:
             try:
                 self._owner_transport.setup()
                 self._owner_ready = True
             except BaseException as e:  # noqa: BLE001 - gathered to rank 0 below
                 mine = e
-        # Each sender hashes HF-named tensors; SGLang's fused per-rank names need every member
-        # of a fused parameter in one place: those pushes go through one sender per scope.
-        spread = not verify or self._namings == frozenset({"hf"})
+        # Each sender hashes what it sent in the engines' naming: SGLang's fused per-rank
+        # names when it sends SGLang's layout (`route`); otherwise HF names only, and pushes
+        # verified against fused names go through one sender per scope (all members of a
+        # fused parameter in one place).
+        spread = route is not None or not verify or self._namings == frozenset({"hf"})
         keep = True
-        if spread:
+        sums: EngineChecksums | RankChecksums
+        tensors: Iterator[tuple[str, Sendable]]
+        if route is not None:
+            assert self.model_layout is not None  # `_owner_route` checked it
+            sums = RankChecksums(
+                self.model_layout,
+                engine_tp_sizes(self.send_engines),
+                namings=self._namings or frozenset({"hf", "sglang"}),
+                device=cfg.resolved_engine_device(),
+            )
+            tensors = owned_fused(
+                self.bridge, model, grid, route, cpu=self._send_on_cpu(), stats=stats
+            )
+        elif spread:
             sums = EngineChecksums([EngineLayout(1, 1, 1, 1, 1, 0)], namings=frozenset({"hf"}))
             tensors = owners_lib.owned_tensors(
                 self.bridge, model, grid, cpu=self._send_on_cpu(), stats=stats
@@ -443,6 +471,7 @@ class WeightSync:
             use_fp8=cfg.fp8,
             fp8_check=cfg.fp8_check,
             stats=stats,
+            count_seen=route is None,  # owned_fused counts what the bridge exported
         )
         pipe = None
         if began and mine is None and self.send_engines:
@@ -490,6 +519,15 @@ class WeightSync:
         outcome = self._agree(report, error)
         self._verified = self._verified or outcome.verified
         return outcome
+
+    def _owner_route(self, grid: owners_lib.SenderGrid) -> ExpertRoute | None:
+        """How every sender sends SGLang's own layout, or None: HF names, said once in the
+        log (rank 0) when it is not for want of asking (`weights.layout=hf`)."""
+        route, why = route_for(self.layout, self.model_layout, grid)
+        if route is None and why and self.sender and not self._told_fallback:
+            self._told_fallback = True
+            logger.warning("weights.senders=owners sends HF names, not SGLang's layout: %s", why)
+        return route
 
     def _expert_batch_bytes(self) -> int:
         """Bytes EP rank 0 receives per batched expert gather (about one bucket; 0: the

@@ -354,6 +354,43 @@ def test_weight_update_transport(
     assert client.weight_version() == {server.cfg.engine_url(0): "default"}
 
 
+def test_several_senders_in_sglang_layout(server, client, ckpt_a, weights_b):
+    """What `weights.senders=owners` sends in SGLang's own layout: several senders, each a
+    share of the fused parameters (stacked experts from members held in separate buffers, as
+    gathered from several trainer ranks), each stamping nothing, inside one session. The
+    server then holds `weights_b` exactly, and the union of the senders' own per-rank hashes
+    (`RankChecksums`, what rank 0 compares) is what SGLang reports for every parameter."""
+    from transformers import AutoConfig
+
+    from megatron_gspo.engines.weight_layout import FusedParts, RankChecksums
+    from megatron_gspo.weights.owners import SentChecksums, merged_checksums
+
+    named = _bf16(weights_b)
+    lay = EngineLayout.of(AutoConfig.from_pretrained(ckpt_a), 1)
+    items = [
+        (n, FusedParts(n, [(m, t.clone()) for m, t in x.parts]) if isinstance(x, FusedParts) else x)
+        for n, x in fused_stream(named, lazy=True)
+    ]
+    shares = [items[0::3], items[1::3], items[2::3]]
+    sums = [RankChecksums(lay, [1], namings=frozenset({"sglang"})) for _ in shares]
+    version = "owners-1"
+    try:
+        client.begin_weight_update()
+        for share, acc in zip(shares, sums, strict=True):
+            transport = TensorTransport([client], layout=lay)
+            transport.stamps_last_bucket = False
+            for b in _buckets(share, per=4):
+                acc.add_bucket(b.tensors)
+                transport.send(b, version=version, last=False)
+        client.end_weight_update()  # rank 0, after every sender's last bucket
+        client.set_weight_version(version)
+        verify_engines([client], merged_checksums(SentChecksums.of(a, [1], True) for a in sums))
+        assert sglang_checksums(named) == _engine_sums(client)  # every parameter, none extra
+        assert client.weight_version() == {server.cfg.engine_url(0): version}
+    finally:
+        _restore(client, ckpt_a)
+
+
 def test_tensor_update_outside_a_session_is_refused(server, client, weights_b):
     with pytest.raises(EngineError) as e:
         client.update_weights_from_tensor(_bf16(weights_b)[:2])

@@ -23,6 +23,12 @@ from typing import Any
 import torch
 
 from megatron_gspo.engines.client import ClientConfig, SGLangClient
+from megatron_gspo.engines.weight_layout import engine_layout, rank_pieces
+from megatron_gspo.engines.wire import (
+    deserialize_named_tensors,
+    direct_payloads_from_pieces,
+    tensor_checksum,
+)
 from megatron_gspo.layout import Layout
 from megatron_gspo.megatron.model import (
     build_model,
@@ -33,8 +39,14 @@ from megatron_gspo.megatron.model import (
 )
 from megatron_gspo.testing.weights import hf_state
 from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
+from tests.weights.fake_engine import FakeEngine
 
 BUCKET_MB = 64 / 1024  # 64 KiB: several buckets per sender
+PATHS: dict[str, dict[str, Any]] = {
+    "one": {"senders": "one"},  # today's default: rank 0 sends SGLang's layout
+    "owners_hf": {"senders": "owners", "layout": "hf"},  # every rank, HF names (before)
+    "owners": {"senders": "owners"},  # every rank, SGLang's own layout (auto)
+}
 
 
 class RecordingClient(SGLangClient):
@@ -51,11 +63,75 @@ class RecordingClient(SGLangClient):
         super().update_weights_from_tensor(named_tensors, **kw)
 
 
+class RankFilesEngine(FakeEngine):
+    """A TP-`tp` engine in SGLang's own layout whose ranks are files: every rank's process
+    holds one of these on the same directory, so what any sender writes is what the engine
+    holds. Each call's payload goes through SGLang's own `direct` wire (one buffer per rank,
+    its allow-list unpickler) and every rank's tensors are stored as that rank decoded them;
+    `weights_checksum` answers as SGLang's `/weights_checker` does (per rank, fused names,
+    SGLang's hash of what the rank holds)."""
+
+    def __init__(self, root: Path, tp: int) -> None:
+        super().__init__("files", tp_size=tp)
+        self.root = root
+        self.sent_bytes = 0
+        self.tensors = 0
+        self.corrupt: tuple[int, str] | None = None
+
+    def begin_weight_update(self) -> None:
+        (self.root / "session").touch(exist_ok=False)  # a second begin fails, as in SGLang
+
+    def end_weight_update(self) -> None:
+        (self.root / "session").unlink(missing_ok=True)
+
+    def update_weights_from_tensor(
+        self, named_tensors, *, weight_version=None, flush_cache=True, layout=None
+    ):
+        assert layout is not None, "this engine takes SGLang's own layout only"
+        assert (self.root / "session").exists(), "update outside a weight-update session"
+        lay = engine_layout(layout, self.tp_size)
+        for r in range(self.tp_size):
+            pieces = rank_pieces(named_tensors, r, lay)
+            payload, _keep = direct_payloads_from_pieces([pieces])
+            for name, t in deserialize_named_tensors(payload[0], "direct"):
+                (self.root / f"r{r}").mkdir(exist_ok=True)
+                t = t.clone()
+                if (r, name) == self.corrupt:
+                    t.view(-1)[0] += 1  # a silent bit error on one engine rank
+                torch.save(t, self.root / f"r{r}" / name)
+                self.sent_bytes += t.numel() * t.element_size()
+                self.tensors += 1
+
+    def set_weight_version(self, weight_version: str) -> None:
+        (self.root / "version").write_text(weight_version)
+
+    def weight_version(self) -> dict[str, str]:
+        return {self.engine_id: (self.root / "version").read_text()}
+
+    def held(self) -> dict[str, torch.Tensor]:
+        """`{"r<rank>/<sglang name>": tensor}` of every rank."""
+        return {
+            f"{f.parent.name}/{f.name}": torch.load(f, weights_only=True)
+            for f in sorted(self.root.glob("r*/*"))
+        }
+
+    def weights_checksum(self) -> dict[str, dict[str, Any]]:
+        ranks = [{} for _ in range(self.tp_size)]
+        for key, t in self.held().items():
+            r, name = key.split("/", 1)
+            ranks[int(r[1:])][name] = tensor_checksum(t)
+        return {self.engine_id: {"ranks": [{"checksums": c, "tp_rank": i} for i, c in
+                                           enumerate(ranks)]}}  # fmt: skip
+
+    def engine_tp_sizes(self) -> list[int]:
+        return [self.tp_size]
+
+
 class CollectiveBytes:
     """Bytes this rank RECEIVES through tensor collectives while active (gather on the
     destination, all_gather, broadcast on the receivers)."""
 
-    NAMES = ("gather", "all_gather", "all_gather_into_tensor", "broadcast")
+    NAMES = ("gather", "all_gather", "all_gather_into_tensor", "broadcast", "recv")
 
     def __init__(self) -> None:
         self.received = 0
@@ -81,6 +157,8 @@ class CollectiveBytes:
                     self.received += sum(size(p) for p in args[0]) - size(args[1])
                 elif name == "all_gather_into_tensor":
                     self.received += size(args[0]) - size(args[1])
+                elif name == "recv":  # point to point: SGLang's layout's expert gathers
+                    self.received += size(args[0])
                 else:
                     src = kw.get("src", args[1] if len(args) > 1 else 0)
                     group = kw.get("group")
@@ -130,19 +208,15 @@ def scenario(
     every = SGLangClient(ClientConfig(engine_urls=node_urls)) if rank == 0 else None
     mine = RecordingClient(ClientConfig(engine_urls=[node_urls[node]]))
     out: dict[str, Any] = {"model_bytes": total, "node": node}
-    for senders in ("one", "owners"):
+    for path, kw in PATHS.items():
         cfg = WeightSyncConfig(
-            transport="tensor",
-            senders=senders,
-            bucket_mb=BUCKET_MB,
-            verify_every=1,
-            verify_names="common",
+            transport="tensor", bucket_mb=BUCKET_MB, verify_every=1, verify_names="common", **kw
         )
         sync = WeightSync(bridge, [every] if every else [], cfg, send_engines=[mine])
         info: dict[str, Any] = {}
-        # owners: the first verified push learns the engines' naming through one sender; the
-        # second (HF names: the embedded engine) is the owners push measured here.
-        for push in (1, 2) if senders == "owners" else (1,):
+        # owners in HF names: the first verified push learns the engines' naming through one
+        # sender; the second (HF names: the embedded engine) is the push measured here.
+        for push in (1, 2) if kw["senders"] == "owners" else (1,):
             if every is not None:
                 every.update_weights_from_disk(other, weight_version="reset")
             torch.distributed.barrier()
@@ -164,22 +238,79 @@ def scenario(
             info["engine_version"] = every.weight_version()
         if server is not None:
             info["state"] = _engine_state(server)
-        out[senders] = info
+        out[path] = info
     if server is not None:
-        one, owners = out["one"].pop("state"), out["owners"].pop("state")
-        out["engine_vs_today"] = _diff(one, owners)
-        # Every parameter the engine holds under an exported name equals the export.
-        out["engine_vs_export"] = sorted(
-            n for n in owners if n in ref and not torch.equal(owners[n], ref[n].to(owners[n].dtype))
-        )
-        out["engine_params"] = len(owners)
-        out["engine_params_exported"] = sum(n in ref for n in owners)
+        one = out["one"].pop("state")
+        for path in ("owners_hf", "owners"):
+            got = out[path].pop("state")
+            out[path]["engine_vs_today"] = _diff(one, got)
+            # Every parameter the engine holds under an exported name equals the export.
+            out[path]["engine_vs_export"] = sorted(
+                n for n in got if n in ref and not torch.equal(got[n], ref[n].to(got[n].dtype))
+            )
+        out["engine_params"] = len(one)
+        out["engine_params_exported"] = sum(n in ref for n in one)
     mine.close()
     if every is not None:
         every.close()
     torch.distributed.barrier()
     if server is not None:
         server.stop()
+    return out
+
+
+def files_scenario(rank: int, bridge: Any, layout: Layout, tmp: str) -> dict[str, Any]:
+    """Trainer `layout` on one node into a TP-2 engine in SGLang's own layout
+    (`RankFilesEngine`), with engine EP 2 (each trainer EP rank builds its engine rank's
+    experts) and engine EP 1 (each engine rank holds a slice of every expert: gathered per
+    parameter); one sender, then every rank, into a fresh engine each."""
+    os.environ["GROUP_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "4"
+    init_megatron(layout)
+    model = build_model(make_provider(bridge, layout), load_from=bridge)
+    out: dict[str, Any] = {}
+    for engine_ep in (2, 1):
+        held: dict[str, dict[str, torch.Tensor]] = {}
+        for senders in ("one", "owners"):
+            root = Path(tmp) / f"files_{layout.ep}_{engine_ep}_{senders}"
+            if rank == 0:
+                root.mkdir()
+            torch.distributed.barrier()
+            engine = RankFilesEngine(root, tp=2)
+            cfg = WeightSyncConfig(
+                transport="tensor",
+                senders=senders,
+                bucket_mb=BUCKET_MB,
+                verify_every=1,
+                engine_ep_size=engine_ep,
+            )
+            sync = WeightSync(bridge, [engine] if rank == 0 else [], cfg, send_engines=[engine])
+            with CollectiveBytes() as counted:
+                report = sync.push(model)
+            sync.close()
+            torch.distributed.barrier()
+            out[f"ep{engine_ep}_{senders}"] = {
+                "verified": report.verified,
+                "version": engine.weight_version()["files"],
+                "received": counted.received,
+                "sent": sync.local_stats.bytes_sent,
+                "engine_tensors": engine.tensors,
+            }
+            if rank == 0:
+                held[senders] = engine.held()
+            if senders == "owners" and engine_ep == 2:
+                # A later push (namings now known) with one engine rank's expert parameter
+                # corrupted on arrival: rank 0's comparison with the senders' hashes names it.
+                engine.corrupt = (1, "model.layers.1.mlp.experts.w2_weight")
+                try:
+                    sync.push(model)
+                    out["corrupt_caught"] = ""
+                except Exception as e:  # noqa: BLE001 - the expected failure, recorded
+                    out["corrupt_caught"] = f"{type(e).__name__}: {e}"
+                sync.close()
+        if rank == 0:
+            one, owners = held["one"], held["owners"]
+            out[f"ep{engine_ep}_diff"] = _diff(one, owners)
+            out[f"ep{engine_ep}_params"] = len(one)
     return out
 
 
@@ -195,4 +326,5 @@ def main(rank: int, world: int, hf_dir: str, tmp: str) -> dict[str, Any]:
     return {
         "ep4": scenario(rank, bridge, other, Layout(ep=4), ranks_per_node=4),
         "ep2_2nodes": scenario(rank, bridge, other, Layout(ep=2), ranks_per_node=2),
+        "files_ep2": files_scenario(rank, bridge, Layout(ep=2), tmp),
     }

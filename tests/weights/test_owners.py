@@ -32,40 +32,49 @@ def _through(info: dict) -> int:
     return info["received"] + info["sent"]
 
 
+@pytest.mark.parametrize("path", ["owners_hf", "owners"], ids=["hf-names", "sglang-layout"])
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_engines_hold_what_todays_path_wrote(results: list[dict], scenario: str) -> None:
-    """Every parameter of every engine equals today's push and the bridge's export."""
-    engines = [r[scenario] for r in results if "engine_vs_today" in r[scenario]]
+def test_engines_hold_what_todays_path_wrote(results: list[dict], scenario: str, path: str) -> None:
+    """Every parameter of every engine equals today's push and the bridge's export, whether
+    the senders send HF names or SGLang's own layout (the embedded engine unfuses it)."""
+    engines = [r[scenario] for r in results if "engine_vs_today" in r[scenario][path]]
     assert len(engines) == (1 if scenario == "ep4" else 2)
     for eng in engines:
-        assert eng["engine_vs_today"] == [], eng["engine_vs_today"][:5]
-        assert eng["engine_vs_export"] == []
+        assert eng[path]["engine_vs_today"] == [], eng[path]["engine_vs_today"][:5]
+        assert eng[path]["engine_vs_export"] == []
         # Every engine parameter compared with today's push (each engine starts from another
         # checkpoint, so a tensor no sender wrote differs), most also with the export by name.
         assert eng["engine_params"] >= 20 and eng["engine_params_exported"] >= 20
-    owners = results[0][scenario]["owners"]
+    owners = results[0][scenario][path]
     assert owners["push"] == 2 and owners["verified"]  # rank 0 checked every sender's hashes
     assert owners["version"] == 2 and set(owners["engine_version"].values()) == {"2"}
-    assert all(r[scenario]["owners"]["version"] == 2 for r in results)  # one outcome
+    assert all(r[scenario][path]["version"] == 2 for r in results)  # one outcome
 
 
 def test_busiest_rank_carries_at_most_2_over_n(results: list[dict]) -> None:
     """One node, n = 4 senders: the busiest rank moves <= 2/n of the model (today: rank 0
-    receives the other ranks' experts and sends the whole model)."""
+    receives the other ranks' experts and sends the whole model), in HF names and in SGLang's
+    layout (there each layer's experts are gathered to one rank: the one-rank engine stacks
+    them all, so ranks also receive)."""
     model = results[0]["ep4"]["model_bytes"]
     today = [_through(r["ep4"]["one"]) for r in results]
-    owners = [_through(r["ep4"]["owners"]) for r in results]
     assert max(today) > model  # the old path's rank 0: the reference that can fail
-    assert max(owners) <= 2 * model / WORLD, (owners, model)
-    assert all(r["ep4"]["owners"]["received"] == 0 for r in results)  # nothing gathered
-    # Each tensor sent once: the senders' bytes add up to the model, every rank sends some.
-    by_rank = results[0]["ep4"]["owners"]["bytes_by_rank"]
-    assert sum(by_rank) == model and min(by_rank) > 0, by_rank
+    for path in ("owners_hf", "owners"):
+        owners = [_through(r["ep4"][path]) for r in results]
+        assert max(owners) <= 2 * model / WORLD, (path, owners, model)
+        # Each tensor sent once: the senders' bytes add up to the model, every rank sends some.
+        by_rank = results[0]["ep4"][path]["bytes_by_rank"]
+        assert sum(by_rank) == model and min(by_rank) > 0, by_rank
+    assert all(r["ep4"]["owners_hf"]["received"] == 0 for r in results)  # nothing gathered
+    # SGLang's layout: one tensor per fused parameter, as many as the one sender's push
+    assert results[0]["ep4"]["owners"]["tensors"] == results[0]["ep4"]["one"]["tensors"]
+    assert results[0]["ep4"]["owners"]["tensors"] < results[0]["ep4"]["owners_hf"]["tensors"]
 
 
 def test_each_node_feeds_its_own_engine(results: list[dict]) -> None:
     """Two nodes: each engine is written only by its own node's ranks, which together send it
-    every tensor exactly once (node 1's engine never hears from node 0 and vice versa)."""
+    every tensor exactly once (node 1's engine never hears from node 0 and vice versa), in
+    SGLang's own layout."""
     engines = {r["ep2_2nodes"]["node"]: None for r in results}
     names_by_node: dict[int, list[str]] = {n: [] for n in engines}
     urls_by_node: dict[int, set[str]] = {n: set() for n in engines}
@@ -79,3 +88,38 @@ def test_each_node_feeds_its_own_engine(results: list[dict]) -> None:
     assert urls_by_node[0].isdisjoint(urls_by_node[1])
     for names in names_by_node.values():
         assert len(names) == len(set(names)) == results[0]["ep2_2nodes"]["owners"]["tensors"] / 2
+        assert any(n.endswith(".experts.w13_weight") for n in names)  # SGLang's names
+
+
+@pytest.mark.parametrize("engine_ep", [2, 1], ids=["engine-ep2-no-gather", "engine-ep1-gathers"])
+def test_every_engine_rank_holds_what_one_sender_wrote(results: list[dict], engine_ep: int) -> None:
+    """Trainer EP 2 (x DP 2) into a TP-2 engine in SGLang's own layout: every rank's fused
+    parameters equal the one-sender push's bitwise, the push is verified against what each
+    engine rank reports (SGLang's hash, per rank, fused names) and stamped once. Engine EP 2:
+    each trainer EP rank builds its own engine rank's `w13_weight` / `w2_weight`, so no rank
+    receives a byte; engine EP 1: each engine rank holds a slice of every expert, gathered
+    per parameter between the two EP ranks (not to rank 0)."""
+    files = [r["files_ep2"] for r in results]
+    assert files[0][f"ep{engine_ep}_diff"] == [], files[0][f"ep{engine_ep}_diff"][:5]
+    assert files[0][f"ep{engine_ep}_params"] >= 40  # 21 parameters x 2 engine ranks
+    for f in files:
+        owners = f[f"ep{engine_ep}_owners"]
+        assert owners["verified"] and owners["version"] == "1"
+        assert owners["engine_tensors"] > 0  # every rank sent some engine ranks' parameters
+    received = [f[f"ep{engine_ep}_owners"]["received"] for f in files]
+    if engine_ep == 2:
+        assert received == [0, 0, 0, 0]
+    else:
+        assert 0 < max(received) < files[0]["ep1_one"]["received"]
+    # One sender: rank 0 received the other EP rank's experts; no rank of the owners push
+    # moves as much as it did.
+    one = _through(files[0][f"ep{engine_ep}_one"])
+    assert max(_through(f[f"ep{engine_ep}_owners"]) for f in files) < one / 2
+
+
+def test_a_corrupted_engine_rank_is_caught(results: list[dict]) -> None:
+    """Each sender hashes what it sent each engine rank; a parameter corrupted on arrival at
+    one rank fails the push, naming it."""
+    caught = results[0]["files_ep2"]["corrupt_caught"]
+    assert "WeightIntegrityError" in caught and "w2_weight" in caught, caught
+    assert "TP rank 1" in caught, caught

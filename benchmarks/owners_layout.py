@@ -1,0 +1,103 @@
+"""`weights.senders=owners` in SGLang's own layout at the Qwen3-30B-A3B shapes: who sends what.
+
+    python benchmarks/owners_layout.py
+
+The senders' own decisions (`weights.owners_fused`: `_Loads`, `_Experts._assign`, run for every
+rank of one node) over the projection's HF shapes as meta tensors (`weight_sync.QWEN3`, bf16,
+fused by the same `fused_stream` the sender runs; no weights, no ranks): per trainer rank the
+fused parameters it sends, the bytes it sends to the engines and the bytes it receives from the
+other EP ranks (the point-to-point gathers where an engine rank's experts are spread over k
+trainer ranks), and the busiest rank's (received + sent) over the model, against the issue's
+bound 2/n. One node of 8 ranks, trainer EP 8 (the colocated 30B recipe), into engines of
+TP 2 / EP 1 (the recipe's), TP 8 / EP 8 (one engine over the node) and TP 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.weight_sync import QWEN3, qwen3_moe_hf_shapes  # noqa: E402
+
+
+def simulate(cfg: dict, trainer_ep: int, engine_tp: int, engine_ep: int) -> dict[str, float]:
+    """Every rank's decisions for one push; returns the table's numbers."""
+    from megatron_gspo.engines.weight_layout import engine_layout, fused_stream
+    from megatron_gspo.engines.weight_shards import EngineLayout
+    from megatron_gspo.weights.owners import SenderGrid
+    from megatron_gspo.weights.owners_fused import _Experts, _Loads, expert_route
+
+    n = trainer_ep
+    lay = engine_layout(EngineLayout.of(cfg, 1, engine_ep), engine_tp)
+    grids = [
+        SenderGrid(
+            rank=r,
+            nodes=(0,) * n,
+            ep_ranks=tuple(range(n)),
+            per_node=True,
+            sending=(True,) * n,
+            engine_eps=(frozenset({lay.ep_size}),) * n,
+        )
+        for r in range(n)
+    ]
+    route, why = expert_route(grids[0], {lay.ep_size}, cfg["num_experts"])
+    assert route is not None, why
+    loads = [_Loads(g.scope()) for g in grids]
+    experts = [_Experts(g, route, x) for g, x in zip(grids, loads, strict=True)]
+    recv, sent, tensors = [0] * n, [0] * n, [0] * n
+    named = [(k, torch.empty(s, dtype=torch.bfloat16, device="meta")) for k, s in
+             qwen3_moe_hf_shapes(cfg)]  # fmt: skip
+    model = sum(t.numel() * 2 for _, t in named)
+    for name, item in fused_stream(named, num_experts=cfg["num_experts"], lazy=True):
+        size = item.numel() * 2
+        if name.endswith((".w13_weight", ".w2_weight")):
+            share = size // n
+            for r, (receiver, peers) in enumerate(x._assign(share) for x in experts):
+                if r == receiver:
+                    recv[r] += (len(peers) - 1) * share
+                    sent[r] += len(peers) * share
+                    tensors[r] += 1
+            continue
+        owners = {x.pick(list(range(n))) for x in loads}
+        assert len(owners) == 1  # every rank decides alike
+        owner = owners.pop()
+        for x in loads:
+            x.add(owner, size)
+        sent[owner] += size
+        tensors[owner] += 1
+    through = [a + b for a, b in zip(recv, sent, strict=True)]
+    return {
+        "k": route.peers,
+        "tensors_min": min(tensors),
+        "tensors_max": max(tensors),
+        "tensors": sum(tensors),
+        "sent_gb_max": max(sent) / 1e9,
+        "recv_gb_max": max(recv) / 1e9,
+        "busiest": max(through) / model,
+        "bound": 2 / n,
+    }
+
+
+def main() -> None:
+    cfg = QWEN3["Qwen3-30B-A3B"]
+    print(
+        "| engine TP / EP | k | fused params per push | per sender | max GB sent | "
+        "max GB received | busiest / model | 2/n |"
+    )
+    print("|---|---:|---:|---|---:|---:|---:|---:|")
+    for tp, ep in ((2, 1), (8, 8), (1, 1)):
+        r = simulate(cfg, 8, tp, ep)
+        print(
+            f"| {tp} / {ep} | {r['k']} | {r['tensors']} | {r['tensors_min']}-{r['tensors_max']} "
+            f"| {r['sent_gb_max']:.2f} | {r['recv_gb_max']:.2f} | {r['busiest']:.3f} "
+            f"| {r['bound']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
