@@ -106,10 +106,10 @@ def push_buffer_bytes(bucket_bytes: int, senders: str, stacked_bytes: float = 0.
     return (3 if senders == "owners" else 4) * per
 
 
-def stacked_expert_bytes(cfg: Config, hf: Any, trainer_bytes: int) -> float:
+def stacked_expert_bytes(cfg: Config, hf: HFConfig, trainer_bytes: int) -> float:
     """The largest stacked expert parameter a push in SGLang's layout sends (a layer's
     `w13_weight`: every expert's gate and up rows), 0 for HF-named pushes or dense models."""
-    experts = _num_experts(hf) or 0
+    experts = num_experts(hf) or 0
     if cfg.weights.resolved_layout != "engine" or not experts:
         return 0.0
     dtype = cfg.weights.dtype
