@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tools.count_any import ROOT, any_tokens, bare_any, count
 
-MAX_ANY_TOKENS = 433
+MAX_ANY_TOKENS = 434
 MAX_BARE_ANY = 59
 ISSUE_39_TARGET = 132  # half of the issue's 264, on the bare count
 
