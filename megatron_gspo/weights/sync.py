@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_gspo import dist
+from megatron_gspo import dist, layout
 from megatron_gspo.engines.protocols import NoEnginesLeft, WeightReceiver
 from megatron_gspo.engines.weight_layout import RankChecksums, Sendable, engine_layout
 from megatron_gspo.engines.weight_names import reported_in_sglang_naming
@@ -206,8 +206,7 @@ def _num_experts(bridge: Any) -> int:
         hf = hf_io.hf_config_of(bridge)
     except AttributeError:
         return 0
-    get = hf.get if isinstance(hf, dict) else lambda k: getattr(hf, k, None)
-    return int(get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0)
+    return layout.num_experts(hf) or 0
 
 
 def _model_layout(bridge: Any, engine_ep_size: int) -> EngineLayout | None:
