@@ -132,3 +132,26 @@ def test_audit_of_the_committed_exploratory_data() -> None:
     assert "| step60 | 32 | 13 of 16 | 5 of 16 |" in text
     assert "| step60 | 256 | 10 of 16 | 0 of 16 |" in text
     assert "| gspo-fp32 seed 0 | a0609c1 -> 3c843c0 | 100 of 100 |" in text
+
+
+def test_fp8_table_prints_fp8_against_bf16() -> None:
+    """The "FP8 against bf16" table carries the FP8 / bf16 mismatch ratios, recomputed here
+    from the raw per-step files (it once printed the table before it instead)."""
+    from tools.evidence_audit import audit_lines
+
+    runs = Path(__file__).resolve().parents[1] / "docs" / "evidence" / "runs"
+
+    def last10(arm: str) -> float:
+        per_seed = []
+        for f in sorted(runs.glob(f"{arm}-seed*.jsonl")):
+            rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            by_step = {r["step"]: r for r in rows if "mismatch/abs_logp_diff" in r}
+            tail = sorted(by_step)[-10:]
+            per_seed.append(sum(by_step[s]["mismatch/abs_logp_diff"] for s in tail) / len(tail))
+        return sum(per_seed) / len(per_seed)
+
+    text = "\n".join(audit_lines())
+    table = text[text.index("**FP8 against bf16") :].split("\n\n")[1]
+    for fp8, bf16 in (("gspo-fp8", "gspo-bf16"), ("grpo-fp8", "grpo-bf16")):
+        (row,) = [r for r in table.splitlines() if r.startswith(f"| {fp8} / {bf16} |")]
+        assert f"= 1/{last10(bf16) / last10(fp8):.1f} |" in row

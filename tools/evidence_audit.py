@@ -134,14 +134,14 @@ def audit_lines(runs_dir: Path = RUNS, sources: Path = SOURCES) -> list[str]:
         *_table(["arm", "seeds", "dlogp/token", "abs seq log-ratio", "outside band"], body),
         "",
     ]
-    body = []
+    fp8_body = []
     for fp8, bf16 in (("gspo-fp8", "gspo-bf16"), ("grpo-fp8", "grpo-bf16")):
         if fp8 in runs and bf16 in runs:
             key = "mismatch/abs_logp_diff"
             x8, x16 = _mean_key(runs[fp8], key, 10), _mean_key(runs[bf16], key, 10)
             s8 = statistics.fmean(r["rows"][min(r["rows"])][key] for r in runs[fp8])
             s16 = statistics.fmean(r["rows"][min(r["rows"])][key] for r in runs[bf16])
-            body.append([f"{fp8} / {bf16}", f"{_g(x8)} / {_g(x16)} = 1/{x16 / x8:.1f}",
+            fp8_body.append([f"{fp8} / {bf16}", f"{_g(x8)} / {_g(x16)} = 1/{x16 / x8:.1f}",
                          f"{_g(s8)} / {_g(s16)} = {s8 / s16:.1f}x"])  # fmt: skip
     body = []
     for arm in ("gspo-bf16-fp32head", "gspo-bf16"):
@@ -160,7 +160,7 @@ def audit_lines(runs_dir: Path = RUNS, sources: Path = SOURCES) -> list[str]:
         "**FP8 against bf16**, first-mini-batch dlogp/token (FP8's fp32 control is gspo-fp32, "
         "whose mismatch is 0 up to fp32 rounding):",
         "",
-        *_table(["arms", "last 10 steps", "step 1"], body),
+        *_table(["arms", "last 10 steps", "step 1"], fp8_body),
         "",
     ]
     lines += _reproduction_lines(runs, runs_dir.parent / "study" / "reproduction")
