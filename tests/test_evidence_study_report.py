@@ -155,3 +155,23 @@ def test_fp8_table_prints_fp8_against_bf16() -> None:
     for fp8, bf16 in (("gspo-fp8", "gspo-bf16"), ("grpo-fp8", "grpo-bf16")):
         (row,) = [r for r in table.splitlines() if r.startswith(f"| {fp8} / {bf16} |")]
         assert f"= 1/{last10(bf16) / last10(fp8):.1f} |" in row
+
+
+def test_every_number_in_the_study_findings_is_printed_by_the_report() -> None:
+    """The hand-written findings only read the tables: each decimal or ratio in them (0.029,
+    4.9e-03, 6/10) occurs in the study section or the checks the report prints."""
+    import re
+
+    from tools.evidence_audit import audit_lines
+    from tools.evidence_study_report import FINDINGS, STUDY_DIR
+
+    findings = (STUDY_DIR / FINDINGS).read_text()
+    arms = [a for block in STUDY_BLOCKS for a in block]
+    printed = "\n".join(study_lines(arms) + audit_lines())
+    printed = printed[: printed.index("### Findings")] + printed[printed.index("## Checks"):]
+    pattern = re.compile(r"(?<![\w.])-?\d+(?:\.\d+(?:e-\d+)?|/\d+)(?![\w.])")
+    numbers = pattern.findall(findings)
+    assert numbers, "no number found: the pattern is wrong"
+    tokens = {n.lstrip("-") for n in pattern.findall(printed)}
+    missing = sorted({n for n in numbers if n.lstrip("-") not in tokens})
+    assert not missing, f"numbers in {FINDINGS} that the report does not print: {missing}"

@@ -38,6 +38,8 @@ N_PLANNED = 10
 ALPHA = 0.05
 DELTA = 0.02
 """The equivalence margin on last-50 reward (plan, section 2)."""
+FINDINGS = "findings.md"
+"""Hand-written answers to the plan's hypotheses, next to the runs (printed after the tables)."""
 DIP_FRACTION = 0.1
 """Entropy dip: policy/entropy below this share of its step-1 value (plan, section 2)."""
 P1 = (("H1a", "grpo-fp32", "gspo-fp32"), ("H1b", "grpo-fp32", "grpo-fp32-replay"))
@@ -306,6 +308,7 @@ def study_lines(arms: Sequence[str], study_dir: Path = STUDY_DIR) -> list[str]:
         "",
         *_table(dip_head, dip_rows(runs, P1)),
         "",
+        f"alpha = {ALPHA} per family, Holm within P1 and within P2 (plan, section 3). "
         "MDE: the smallest dip rate of A that the one-sided Fisher test at 0.025 (Holm's first "
         "step) detects with 80% power against B's observed rate.",
         "",
@@ -331,4 +334,13 @@ def study_lines(arms: Sequence[str], study_dir: Path = STUDY_DIR) -> list[str]:
         *_table(eq_head, tost_rows(runs, S2_EQ)),
         "",
     ]
+    findings = study_dir / FINDINGS
+    if findings.is_file():
+        lines += [
+            f"### Findings (hand-written: `docs/evidence/study/{FINDINGS}`; every number in it "
+            "is printed in the tables of this page)",
+            "",
+            *findings.read_text().rstrip().splitlines(),
+            "",
+        ]
     return lines
