@@ -49,9 +49,12 @@ import copy
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_gspo.engines.launch import LaunchConfig
 
 VARIANTS = ("w-bf16", "bf16", "bf16-h32", "fp8")
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
@@ -170,6 +173,21 @@ def measure(model: Any, seqs: list[list[int]], plens: list[int]) -> dict[str, An
     return out
 
 
+def sglang_variant(
+    name: str, path: str, python: str | None, port: int, log_dir: str | None
+) -> LaunchConfig:
+    """The bf16 SGLang CPU server of variant `name`: "bf16" with SGLang's bf16 logits,
+    "bf16-h32" with `--enable-fp32-lm-head`. Set explicitly: since the fp32-logit default
+    (`LaunchConfig.fp32_lm_head`), a server launched without saying so computes fp32 logits,
+    which made both variants measure fp32 logits."""
+    from megatron_gspo.engines.launch import LaunchConfig
+
+    return LaunchConfig(
+        model_path=path, backend="sglang", device="cpu", python=python, base_port=port,
+        fp32_lm_head=name == "bf16-h32", startup_timeout_s=900, log_dir=log_dir,
+    )  # fmt: skip
+
+
 def sglang_rows(
     label: str, path: str, pids: list[list[int]], a: Any, lengths: list[int]
 ) -> list[dict[str, Any]]:
@@ -179,17 +197,13 @@ def sglang_rows(
     one row per length."""
     from megatron_gspo.dist import free_port
     from megatron_gspo.engines.client import ClientConfig, SGLangClient
-    from megatron_gspo.engines.launch import LaunchConfig, ServerGroup
+    from megatron_gspo.engines.launch import ServerGroup
     from megatron_gspo.engines.types import SamplingParams
 
     ref = load(path, 1.0)
     rows = {n: {"model": label, "length": n, "engine": "sglang-bf16"} for n in lengths}
-    for name, flags in (("bf16", []), ("bf16-h32", ["--enable-fp32-lm-head"])):
-        cfg = LaunchConfig(
-            model_path=path, backend="sglang", device="cpu", python=a.sglang,
-            base_port=free_port(), extra_args=flags, startup_timeout_s=900,
-            log_dir=a.sglang_logs,
-        )  # fmt: skip
+    for name in ("bf16", "bf16-h32"):
+        cfg = sglang_variant(name, path, a.sglang, free_port(), a.sglang_logs)
         with ServerGroup(cfg).start() as group:
             client = SGLangClient(ClientConfig(engine_urls=list(group.cfg.engine_urls)))
             try:
