@@ -175,3 +175,23 @@ def test_every_number_in_the_study_findings_is_printed_by_the_report() -> None:
     tokens = {n.lstrip("-") for n in pattern.findall(printed)}
     missing = sorted({n for n in numbers if n.lstrip("-") not in tokens})
     assert not missing, f"numbers in {FINDINGS} that the report does not print: {missing}"
+
+
+def test_sources_reproduction_counts_equal_values(tmp_path: Path) -> None:
+    """Planted: one value of three differs in the rerun; the real server's table pairs rows."""
+    from tools.evidence_audit import sources_repro_lines
+
+    old, new = tmp_path / "old", tmp_path / "old" / "v2"
+    new.mkdir(parents=True)
+    row = {"model": "step0", "length": 32, "entropy": 1.5, "bf16": {"abs_dlogp_token": 0.25,
+           "outside_band": 0.5}}  # fmt: skip
+    changed = {**row, "bf16": {"abs_dlogp_token": 0.25, "outside_band": 0.625}}
+    (old / "stages.json").write_text(json.dumps({"hf": [row]}))
+    (new / "stages.json").write_text(json.dumps({"hf": [changed], "provenance": {"commit": "abc1234def"}}))  # noqa: E501
+    srv = {**row, "bf16-h32": {"abs_dlogp_token": 0.125, "outside_band": 0.0625}}
+    (old / "lengths_sglang.json").write_text(json.dumps({"sglang": [srv]}))
+    (new / "lengths_sglang.json").write_text(json.dumps({"sglang": [{**srv, "bf16": changed["bf16"]}]}))  # noqa: E501
+    text = "\n".join(sources_repro_lines(old, new))
+    assert "| stages.json | hf | abc1234 | 2 of 3 |" in text
+    assert "| lengths_sglang.json | sglang | none | 4 of 5 |" in text
+    assert "| step0 | 32 | 8 / 10 | 0.250 / 0.250 | 1 / 1 | 0.125 / 0.125 |" in text

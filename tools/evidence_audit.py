@@ -166,6 +166,7 @@ def audit_lines(runs_dir: Path = RUNS, sources: Path = SOURCES) -> list[str]:
     lines += _reproduction_lines(runs, runs_dir.parent / "study" / "reproduction")
     lines += _routing_lines(runs_dir.parent / "fp8_routing" / "routing.json")
     lines += _length_lines(sources)
+    lines += sources_repro_lines(sources, sources / "v2")
     body = []
     for a in sorted(runs):
         commits = sorted({(r["meta"].get("commit"), r["seed"]) for r in runs[a]})
@@ -281,3 +282,71 @@ def _length_lines(sources: Path) -> list[str]:
         f"of the sampled token at L = 32 in `lengths.json`: {'; '.join(logits)}.",
         "",
     ]
+
+
+def _values(rows: list[dict[str, Any]]) -> dict[tuple, float]:
+    """Every number of a `mismatch_sources` JSON section, keyed by (model, L, scale, field...)."""
+    out: dict[tuple, float] = {}
+    for r in rows:
+        key = (r.get("model"), r.get("length", 32), r.get("scale", 1.0))
+        for k, v in r.items():
+            if isinstance(v, dict):
+                out.update({key + (k, kk): vv for kk, vv in v.items()
+                            if isinstance(vv, (int, float))})  # fmt: skip
+            elif isinstance(v, (int, float)) and k not in ("length", "scale"):
+                out[key + (k,)] = v
+    return out
+
+
+def sources_repro_lines(old: Path, new: Path) -> list[str]:
+    """The `mismatch_sources` measurements rerun from one command with provenance
+    (`tools/mismatch_sources_run.py`, into `new`) against the files without provenance (`old`):
+    values equal to the last bit per file and section; the real server's length table side by
+    side (its sampling is not seeded alike between launches, so its 16 samples differ)."""
+    if not new.is_dir():
+        return []
+    body = []
+    for f in sorted(new.glob("*.json")):
+        if not (old / f.name).exists():
+            continue
+        a, b = json.loads((old / f.name).read_text()), json.loads(f.read_text())
+        commit = str(b.get("provenance", {}).get("commit", "none"))[:7]
+        for sec in ("hf", "sglang"):
+            va, vb = _values(a.get(sec) or []), _values(b.get(sec) or [])
+            common = set(va) & set(vb)
+            if common:
+                eq = sum(va[k] == vb[k] for k in common)
+                body.append([f.name, sec, commit, f"{eq} of {len(common)}"])
+    lines = [
+        "**Mismatch sources, reproduced** (`python tools/mismatch_sources_run.py`: the 60-step "
+        "checkpoint run, its conversions and every measurement, each JSON in "
+        "`docs/evidence/mismatch_sources/v2` with its commit, command, seed and load): values "
+        "equal to the last bit against the earlier files (no provenance). `hf` = in-process "
+        "recomputation, `sglang` = the real server's own samples.",
+        "",
+        *_table(["file", "section", "commit", "equal values"], body),
+        "",
+    ]
+    fa, fb = old / "lengths_sglang.json", new / "lengths_sglang.json"
+    if fa.exists() and fb.exists():
+        ra = {(r["model"], r["length"]): r for r in json.loads(fa.read_text())["sglang"]}
+        rows = []
+        for r in json.loads(fb.read_text())["sglang"]:
+            o = ra.get((r["model"], r["length"]))
+            if o is None:
+                continue
+            cells = [r["model"], str(r["length"])]
+            for v in ("bf16", "bf16-h32"):
+                n_old, n_new = (round(16 * x[v]["outside_band"]) for x in (o, r))
+                d_old, d_new = (_g(x[v]["abs_dlogp_token"]) for x in (o, r))
+                cells += [f"{n_old} / {n_new}", f"{d_old} / {d_new}"]
+            rows.append(cells)
+        lines += [
+            "The real server's length measurement, first run / rerun (sequences of 16 outside "
+            "GSPO's band; per-token mismatch):",
+            "",
+            *_table(["policy", "L", "bf16 logits: outside", "per token", "fp32 logits: outside",
+                     "per token"], rows),  # fmt: skip
+            "",
+        ]
+    return lines
