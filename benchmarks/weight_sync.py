@@ -18,6 +18,10 @@ inside `verify`. Rows:
   export->r0   the same with experts gathered to EP rank 0 only, one gather per expert tensor
   export bat   the same with the expert gathers batched per bucket (what the sync uses)
   tensor       export + buckets -> engine, no verification, export and send overlapped
+               (`weights.layout` auto: SGLang's own layout with the tensor transport)
+  tensor hf    (real server only) the same in HF names, one sender: the path before issue 36
+  owners       (real server only) `weights.senders=owners`: every rank sends its shard
+  owners hf    (real server only) the same in HF names
   tensor seq   the same with `weights.overlap=false` (export, then send, bucket after bucket)
   tensor ptg   tensor with `weights.batch_expert_gathers=false` (the bridge's gather per expert)
   tensor+ver   tensor with verification (sender sha256 per bucket on the send thread, engine
@@ -247,6 +251,12 @@ def rank_main(
     if engine_urls:  # the real server: bf16 (what it serves), its own group for distributed
         cases = {k: dict(v, dtype="bfloat16") for k, v in cases.items() if k != "tensor fp8"}
         cases["distributed"]["backend"] = "gloo"
+        # `tensor` is SGLang's layout from one sender (auto); against HF names from one sender
+        # (the path before issue 36) and every rank sending its shard (each rank its client).
+        tensor = cases["tensor"]
+        cases["tensor hf"] = dict(tensor, layout="hf")
+        cases["owners"] = dict(tensor, senders="owners")
+        cases["owners hf"] = dict(tensor, senders="owners", layout="hf")
     if only:  # --rows: the sync rows asked for (the export rows always run)
         cases = {k: v for k, v in cases.items() if k in only}
     nbytes_sent = rows["export->r0"]["bytes"]
@@ -255,9 +265,16 @@ def rank_main(
         if rank == 0:  # the best memcpy of the run: the ratios are never flattered by a slow one
             memcpy = max(memcpy, _memcpy_gbps(nbytes_sent))
         engine: Any = None
+        owners = cfg.get("senders") == "owners"
+        client = _sglang_client(engine_urls) if engine_urls and (rank == 0 or owners) else None
         if rank == 0:
-            engine = _sglang_client(engine_urls) if engine_urls else _timing_engine(name)
-        sync = WeightSync(bridge, [engine] if engine else [], WeightSyncConfig(bucket_mb=mb, **cfg))
+            engine = client or _timing_engine(name)
+        sync = WeightSync(
+            bridge,
+            [engine] if engine else [],
+            WeightSyncConfig(bucket_mb=mb, **cfg),
+            send_engines=[client] if owners and client else None,
+        )
         sync.push(model)  # warm-up (and group setup for the distributed transport)
         best = None
         for _ in range(repeats):  # the fastest of `repeats` (the machine is shared)
@@ -272,10 +289,10 @@ def rank_main(
                 seconds = dict(getattr(engine, "seconds", {}))
                 best = (wall, report, seconds, counted.count)
         sync.close()
+        if client is not None:
+            client.close()
         if engine is None:
             continue
-        if engine_urls:
-            engine.close()
         wall, report, engine_seconds, n_coll = best
         phases = dict(report.stats.seconds)
         phases.update(engine_seconds)
