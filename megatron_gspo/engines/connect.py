@@ -81,13 +81,15 @@ def sender_client(
     transport), or every engine with `node` None; engines started outside the job
     (`launched` None) count as on every node. None when there is none to push to."""
     urls, tps = list(client.engine_urls), list(client.engine_tp_sizes or [])
-    api_key = client.api_key
+    api_key, gpus = client.api_key, None
     if launched is not None:
         urls, tps, api_key = list(launched.urls), list(launched.tp_sizes), launched.api_key
+        gpus = list(launched.gpu_ids) or None
         if node is not None and launched.per_node:
             first = sum(launched.per_node[:node])
             count = launched.per_node[node] if node < len(launched.per_node) else 0
             urls, tps = urls[first : first + count], tps[first : first + count]
+            gpus = gpus[first : first + count] if gpus else None
     if not urls:
         return None
     # Weights only: no router (it routes generation), one TP size per engine.
@@ -98,4 +100,7 @@ def sender_client(
         router_url=None,
         api_key=api_key,
     )
-    return SGLangClient(cfg)
+    engine = SGLangClient(cfg)
+    # Where each engine rank runs: the colocated push feeds it from that GPU's trainer rank.
+    engine.engine_gpu_ids = gpus if node is not None else None
+    return engine

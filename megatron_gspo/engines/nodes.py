@@ -49,6 +49,10 @@ class LaunchedEngines:
     """This process's `ServerGroup` (each node's local rank 0), else None."""
     per_node: list[int] = field(default_factory=list)
     """Engines each node started."""
+    gpu_ids: list[list[int]] = field(default_factory=list)
+    """Per engine (`urls` order), the GPU of each TP rank on its node: engine i of a node
+    starts at `rollout.launch.base_gpu_id` + i x tp x dp, its ranks one GPU apart (on CPU the
+    slot it would take on a GPU node); empty when unknown."""
 
 
 def node_of_this_rank() -> tuple[int, int, bool]:
@@ -108,6 +112,14 @@ def node_launch_config(
     if out.backend == "sglang" and out.python is None:
         out = dataclasses.replace(out, python=sglang_python())  # preflight checked it resolves
     return out
+
+
+def engine_gpu_ids(launch: LaunchConfig, per_node: list[int]) -> list[list[int]]:
+    """Per engine of the job (node by node), the GPU of each TP rank on its node, as
+    `engines.launch.engine_command` places them: engine i of a node at `base_gpu_id` + i x tp
+    x dp, its ranks one GPU apart (SGLang's default `--gpu-id-step` 1)."""
+    first = [launch.base_gpu_id + i * launch.gpus_per_engine for n in per_node for i in range(n)]
+    return [[g + r for r in range(launch.tp_size)] for g in first]
 
 
 def _release(launch_cfg: LaunchConfig) -> None:
@@ -204,6 +216,7 @@ class PendingEngines:
             router_url=next((m["router"] for m in launchers if m["router"]), None),
             servers=self.servers,
             per_node=[len(m["urls"]) for m in launchers],
+            gpu_ids=engine_gpu_ids(launch, [len(m["urls"]) for m in launchers]),
         )
 
     def shutdown(self) -> None:

@@ -123,3 +123,25 @@ def test_a_corrupted_engine_rank_is_caught(results: list[dict]) -> None:
     caught = results[0]["files_ep2"]["corrupt_caught"]
     assert "WeightIntegrityError" in caught and "w2_weight" in caught, caught
     assert "TP rank 1" in caught, caught
+
+
+@pytest.mark.parametrize("engine_ep", [2, 1], ids=["trainer-ep-eq-engine-ep", "engine-ep1"])
+def test_each_engine_rank_is_fed_from_its_own_gpu(results: list[dict], engine_ep: int) -> None:
+    """Colocated (two "nodes" of 2 ranks, trainer EP 2, one TP-2 engine per node "on GPUs
+    0-1"): every payload an engine rank loads came from the trainer rank on its GPU (local
+    rank r feeds engine rank r: no CUDA-IPC handle would cross GPUs), the engines hold
+    bitwise what the one-sender push wrote, the push is verified and stamped once. Trainer
+    EP = engine EP: no byte moves between trainer ranks; engine EP 1: each home receives
+    only its engine rank's slice of the other EP rank's experts (half of what it loads)."""
+    home = [r["files_ep2"][f"ep{engine_ep}_home"] for r in results]
+    assert results[0]["files_ep2"][f"ep{engine_ep}_home_diff"] == [[], []]
+    for node, writers in enumerate(home[0]["writers"]):
+        assert writers == {0: {2 * node}, 1: {2 * node + 1}}, (node, writers)
+    for h in home:
+        assert h["verified"] and h["versions"] == ["1", "1"]
+        assert h["sent"] > 0
+    received = [h["received"] for h in home]
+    if engine_ep == 2:
+        assert received == [0, 0, 0, 0]
+    else:
+        assert received == [home[0]["expert_bytes_r0"] // 2] * 4, received
