@@ -34,24 +34,27 @@ __all__ = ["WeightCalls"]
 class WeightCalls(ControlPlane):
     """`WeightReceiver` over SGLang's HTTP control routes (a base class of `SGLangClient`)."""
 
-    engine_gpu_ids: list[list[int]] | None = None
-    """Per engine (`engine_urls` order), the GPU of each TP rank on its node, when known (the
-    engines the job launched: `engines.connect.sender_client`); None: unknown. Colocated
-    pushes feed each engine rank from the trainer rank on that GPU (`weights.owners_home`)."""
+    @property
+    def engine_gpu_ids(self) -> list[list[int]] | None:
+        """Per engine (`engine_urls` order), the GPU of each TP rank on its node, when known
+        (`rollout.client.engine_gpu_ids`; launched engines: `engines.connect.sender_client`);
+        None: unknown. Colocated pushes feed each engine rank from the trainer rank on that
+        GPU (`weights.owners_home`)."""
+        return self.config.engine_gpu_ids
 
     def one_engine(self, i: int) -> Self:
         """A client of the same kind over engine `i` alone, for weights (no router), sharing
         this one's pool (the engines rank 0 dropped or re-admits)."""
+        gpus = self.config.engine_gpu_ids
         cfg = dataclasses.replace(
             self.config,
             engine_urls=[self.config.engine_urls[i]],
             engine_tp_sizes=[self.engine_tp_sizes()[i]],
+            engine_gpu_ids=None if gpus is None else [gpus[i]],
             router_url=None,
         )
         one = type(self)(cfg)  # type: ignore[call-arg]  # SGLangClient(config)
         one.pool = self.pool
-        if self.engine_gpu_ids is not None:
-            one.engine_gpu_ids = [self.engine_gpu_ids[i]]
         return one
 
     def set_weight_version(self, weight_version: str) -> None:

@@ -30,7 +30,7 @@ from megatron_gspo import dist
 from megatron_gspo.config_io import ConfigError
 from megatron_gspo.engines.client_config import ClientConfig
 from megatron_gspo.engines.interpreter import sglang_python
-from megatron_gspo.engines.launch import LaunchConfig, ServerGroup
+from megatron_gspo.engines.launch import LaunchConfig, ServerGroup, engine_gpu_ids
 from megatron_gspo.engines.launch import launch as start_servers
 
 DEFAULT_BASE_PORT = 30000
@@ -112,14 +112,6 @@ def node_launch_config(
     if out.backend == "sglang" and out.python is None:
         out = dataclasses.replace(out, python=sglang_python())  # preflight checked it resolves
     return out
-
-
-def engine_gpu_ids(launch: LaunchConfig, per_node: list[int]) -> list[list[int]]:
-    """Per engine of the job (node by node), the GPU of each TP rank on its node, as
-    `engines.launch.engine_command` places them: engine i of a node at `base_gpu_id` + i x tp
-    x dp, its ranks one GPU apart (SGLang's default `--gpu-id-step` 1)."""
-    first = [launch.base_gpu_id + i * launch.gpus_per_engine for n in per_node for i in range(n)]
-    return [[g + r for r in range(launch.tp_size)] for g in first]
 
 
 def _release(launch_cfg: LaunchConfig) -> None:

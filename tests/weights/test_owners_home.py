@@ -133,3 +133,22 @@ def test_a_nodes_sender_client_knows_its_engines_gpus() -> None:
     assert one.engine_tp_sizes() == [2] and one.pool is client.pool
     one.close()
     client.close()
+
+
+def test_engines_started_outside_the_job_say_their_gpus_in_the_config() -> None:
+    """`rollout.client.engine_gpu_ids` (the planner's Slurm launch sets it): the sender client
+    of engines the job did not launch carries them; one list per engine, one GPU per TP rank,
+    or one line naming the key."""
+    from megatron_gspo.config_io import ConfigError
+    from megatron_gspo.engines.client_config import ClientConfig
+    from megatron_gspo.engines.connect import sender_client
+
+    urls = ["http://h:30000", "http://h:30001"]
+    cfg = ClientConfig(engine_urls=urls, engine_tp_sizes=[2, 2], engine_gpu_ids=[[0, 1], [2, 3]])
+    client = sender_client(cfg, None, node=0)
+    assert client is not None and client.engine_gpu_ids == [[0, 1], [2, 3]]
+    client.close()
+    with pytest.raises(ConfigError, match="rollout.client.engine_gpu_ids"):
+        ClientConfig(engine_urls=urls, engine_tp_sizes=[2, 2], engine_gpu_ids=[[0, 1]])
+    with pytest.raises(ConfigError, match="rollout.client.engine_gpu_ids"):
+        ClientConfig(engine_urls=urls[:1], engine_tp_sizes=[2], engine_gpu_ids=[[0]])
