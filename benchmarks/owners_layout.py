@@ -10,6 +10,13 @@ other EP ranks (the point-to-point gathers where an engine rank's experts are sp
 trainer ranks), and the busiest rank's (received + sent) over the model, against the issue's
 bound 2/n. One node of 8 ranks, trainer EP 8 (the colocated 30B recipe), into engines of
 TP 2 / EP 1 (the recipe's), TP 8 / EP 8 (one engine over the node) and TP 1.
+
+Second table: the colocated home path (`weights.owners_home`, `simulate_home`: every engine
+rank fed by the trainer rank on its GPU) for four TP-2 / EP-1 engines and one TP-8 / EP-8
+engine per node: per rank the bytes received from other trainer ranks, the bytes written into
+its own GPU's send buffers, the fused parameters sent, and, for the per-parameter senders, the
+bytes engine ranks read from other GPUs' buffers (docs/performance.md, "Colocated pushes that
+never cross GPUs").
 """
 
 from __future__ import annotations

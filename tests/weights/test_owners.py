@@ -3,8 +3,11 @@
 One 4-rank launch (tests/weights/owners_ranks.py) pushes the tiny MoE into real embedded
 engines, first by today's path (rank 0 gathers the experts and sends everything), then with
 every rank sending its own shard, on one node (EP=4) and on two "nodes" (EP=2 in each, one
-engine per node). The reference for the weights is today's path and the bridge's own export;
-the reference for the traffic is the same counters on today's path.
+engine per node), and into TP-2 engines that decode SGLang's `direct` wire per rank
+(`RankFilesEngine`): one sender, every rank per parameter, and the colocated home path (each
+engine rank fed by the trainer rank on its GPU, two "nodes"). The reference for the weights is
+today's path and the bridge's own export; the reference for the traffic is the same counters
+on today's path.
 """
 
 from __future__ import annotations
