@@ -325,26 +325,41 @@ def files_scenario(rank: int, bridge: Any, layout: Layout, tmp: str) -> dict[str
                 sync.close()
         home = home_scenario(rank, bridge, model, Path(tmp) / f"home_{engine_ep}", engine_ep)
         out[f"ep{engine_ep}_home"] = home
+        two = Path(tmp) / f"home1_{engine_ep}"
+        out[f"ep{engine_ep}_home1"] = home_scenario(
+            rank, bridge, model, two, engine_ep, one_node=True
+        )
         if rank == 0:
             one, owners = held["one"], held["owners"]
             out[f"ep{engine_ep}_diff"] = _diff(one, owners)
             out[f"ep{engine_ep}_params"] = len(one)
             out[f"ep{engine_ep}_home_diff"] = [_diff(one, h) for h in home.pop("held")]
+            two_engines = out[f"ep{engine_ep}_home1"].pop("held")
+            out[f"ep{engine_ep}_home1_diff"] = [_diff(one, h) for h in two_engines]
     return out
 
 
-def home_scenario(rank: int, bridge: Any, model: Any, root: Path, engine_ep: int) -> dict[str, Any]:
+def home_scenario(
+    rank: int, bridge: Any, model: Any, root: Path, engine_ep: int, *, one_node: bool = False
+) -> dict[str, Any]:
     """The colocated home path: two "nodes" of 2 ranks (trainer EP 2 in each), each with one
     TP-2 `RankFilesEngine` "on GPUs 0-1" (the engine ranks share the GPUs of local ranks 0
-    and 1); every rank pushes its node's engine. Returns who wrote each engine rank."""
+    and 1); every rank pushes its node's engine. `one_node`: one node of 4 ranks (trainer EP 2
+    x DP 2) with two TP-2 engines, on GPUs 0-1 and 2-3 (as the recipe's four per node).
+    Returns who wrote each engine rank."""
     saved = {k: os.environ[k] for k in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
-    os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))
-    roots = [root / f"node{n}" for n in (0, 1)]
+    per = 4 if one_node else 2
+    os.environ.update(
+        GROUP_RANK=str(rank // per), LOCAL_WORLD_SIZE=str(per), LOCAL_RANK=str(rank % per)
+    )
+    roots = [root / f"engine{n}" for n in (0, 1)]
     if rank == 0:
         for r in roots:
             r.mkdir(parents=True)
     torch.distributed.barrier()
-    engines = [RankFilesEngine(r, tp=2, gpus=[0, 1]) for r in roots]
+    gpus = [[0, 1], [2, 3]] if one_node else [[0, 1], [0, 1]]
+    engines = [RankFilesEngine(r, tp=2, gpus=g) for r, g in zip(roots, gpus, strict=True)]
+    mine = engines if one_node else [engines[rank // 2]]
     cfg = WeightSyncConfig(
         transport="tensor",
         senders="owners",
@@ -352,7 +367,7 @@ def home_scenario(rank: int, bridge: Any, model: Any, root: Path, engine_ep: int
         verify_every=1,
         engine_ep_size=engine_ep,
     )
-    sync = WeightSync(bridge, engines if rank == 0 else [], cfg, send_engines=[engines[rank // 2]])
+    sync = WeightSync(bridge, engines if rank == 0 else [], cfg, send_engines=mine)
     try:
         with CollectiveBytes() as counted:
             report = sync.push(model)

@@ -148,3 +148,10 @@ def test_each_engine_rank_is_fed_from_its_own_gpu(results: list[dict], engine_ep
         assert received == [0, 0, 0, 0]
     else:
         assert received == [home[0]["expert_bytes_r0"] // 2] * 4, received
+    # One node of 4 (EP 2 x DP 2), two TP-2 engines on GPUs 0-1 and 2-3: the same, engine 1
+    # fed by the second replica of each EP rank.
+    two = [r["files_ep2"][f"ep{engine_ep}_home1"] for r in results]
+    assert results[0]["files_ep2"][f"ep{engine_ep}_home1_diff"] == [[], []]
+    assert two[0]["writers"] == [{0: {0}, 1: {1}}, {0: {2}, 1: {3}}], two[0]["writers"]
+    assert all(h["verified"] and h["versions"] == ["1", "1"] for h in two)
+    assert [h["received"] for h in two] == received
