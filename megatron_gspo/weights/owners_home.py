@@ -340,12 +340,15 @@ def _exchange(
     if plan.mine is None or not got:
         return None
     h = plan.mine
+    # HF-named hashes only where the cut is the whole expert (a one-rank engine: the only kind
+    # that reports HF names); a slice under the expert's HF name would clash in rank 0's union.
+    whole = h.tp_size == 1
     return RankCut(
         group,
         [(local, t) for _, local, t in got],
         rank=h.rank,
         tp_size=h.tp_size,
-        hf=[(hf, t) for hf, _, t in got],
+        hf=[(hf, t) for hf, _, t in got] if whole else [],
     )
 
 
