@@ -10,12 +10,20 @@ other EP ranks (the point-to-point gathers where an engine rank's experts are sp
 trainer ranks), and the busiest rank's (received + sent) over the model, against the issue's
 bound 2/n. One node of 8 ranks, trainer EP 8 (the colocated 30B recipe), into engines of
 TP 2 / EP 1 (the recipe's), TP 8 / EP 8 (one engine over the node) and TP 1.
+
+Second table: the colocated home path (`weights.owners_home`, `simulate_home`: every engine
+rank fed by the trainer rank on its GPU) for four TP-2 / EP-1 engines and one TP-8 / EP-8
+engine per node: per rank the bytes received from other trainer ranks, the bytes written into
+its own GPU's send buffers, the fused parameters sent, and, for the per-parameter senders, the
+bytes engine ranks read from other GPUs' buffers (docs/performance.md, "Colocated pushes that
+never cross GPUs").
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,6 +91,54 @@ def simulate(cfg: dict, trainer_ep: int, engine_tp: int, engine_ep: int) -> dict
     }
 
 
+def simulate_home(cfg: dict, trainer_ep: int, engine_tp: int, engine_ep: int) -> dict[str, Any]:
+    """The colocated home path (`weights.owners_home`) on one node of `trainer_ep` GPUs, one
+    trainer EP rank per GPU, engines of `engine_tp` ranks side by side over the GPUs (engine i
+    on GPUs i*tp..): per rank the bytes it receives from other trainer ranks, the bytes it
+    writes into its own GPU's send buffers (its engine rank's parts) and the fused params it
+    sends; against it, the per-parameter senders' (`owners_fused`) bytes that engine ranks read
+    from OTHER GPUs' buffers through CUDA IPC (uncounted there: the NVLink traffic it hides)."""
+    from megatron_gspo.engines.weight_layout import engine_layout, fused_stream, rank_piece
+    from megatron_gspo.engines.weight_shards import EngineLayout
+    from megatron_gspo.weights.owners_fused import _Loads
+    from megatron_gspo.weights.owners_home import EngineRank, expert_transfers
+
+    n, ne = trainer_ep, cfg["num_experts"]
+    model_lay = EngineLayout.of(cfg, 1, engine_ep)
+    lay = engine_layout(model_lay, engine_tp)
+    homes = [EngineRank(g // engine_tp, engine_tp, g % engine_tp, g) for g in range(n)]
+    loads = _Loads(list(range(n)))
+    recv, written, tensors = [0] * n, [0] * n, [0] * n
+    owners_sender = _Loads(list(range(n)))  # the per-parameter senders, for the IPC column
+    across = 0
+    named = [(k, torch.empty(s, dtype=torch.bfloat16, device="meta")) for k, s in
+             qwen3_moe_hf_shapes(cfg)]  # fmt: skip
+    model = sum(t.numel() * 2 for _, t in named)
+    for name, item in fused_stream(named, num_experts=ne, lazy=True):
+        pieces = [rank_piece(name, item, h.rank, lay) for h in homes]
+        sizes = [0 if p is None else p.nbytes for p in pieces]
+        sender = owners_sender.pick(list(range(n)))  # today's sender of this parameter
+        owners_sender.add(sender, item.numel() * 2)
+        across += sum(b for g, b in enumerate(sizes) if g != sender)
+        if name.endswith((".w13_weight", ".w2_weight")):
+            per_expert = item.numel() * 2 // ne
+            moves = expert_transfers(homes, range(n), range(n), model_lay, n, loads, per_expert)
+            for move in moves:
+                if move.source != move.home.home:
+                    recv[move.home.home] += len(move.experts) * per_expert // lay.moe_tp
+        for g, b in enumerate(sizes):
+            written[g] += b
+            tensors[g] += b > 0
+    return {
+        "recv_gb": (min(recv) / 1e9, max(recv) / 1e9),
+        "written_gb": (min(written) / 1e9, max(written) / 1e9),
+        "tensors": (min(tensors), max(tensors)),
+        "recv_over_experts": max(recv) / sum(t.numel() * 2 for k, t in named if ".experts." in k),
+        "written_over_model": max(written) / model,
+        "across_gb": across / 1e9,
+    }
+
+
 def main() -> None:
     cfg = QWEN3["Qwen3-30B-A3B"]
     print(
@@ -96,6 +152,22 @@ def main() -> None:
             f"| {tp} / {ep} | {r['k']} | {r['tensors']} | {r['tensors_min']}-{r['tensors_max']} "
             f"| {r['sent_gb_max']:.2f} | {r['recv_gb_max']:.2f} | {r['busiest']:.3f} "
             f"| {r['bound']:.2f} |"
+        )
+
+    print()
+    print(
+        "| engine TP / EP (engines per node) | GB received from peers, per rank | GB written "
+        "into its own GPU's send buffers | fused params sent | received / experts | "
+        "written / model | owners path: GB engine ranks read from other GPUs (node) |"
+    )
+    print("|---|---|---|---|---:|---:|---:|")
+    for tp, ep in ((2, 1), (8, 8)):
+        h = simulate_home(cfg, 8, tp, ep)
+        print(
+            f"| {tp} / {ep} ({8 // tp}) | {h['recv_gb'][0]:.2f}-{h['recv_gb'][1]:.2f} "
+            f"| {h['written_gb'][0]:.2f}-{h['written_gb'][1]:.2f} "
+            f"| {h['tensors'][0]}-{h['tensors'][1]} | {h['recv_over_experts']:.3f} "
+            f"| {h['written_over_model']:.3f} | {h['across_gb']:.1f} |"
         )
 
 

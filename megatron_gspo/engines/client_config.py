@@ -19,6 +19,13 @@ class ClientConfig:
     """If set, `/generate` goes through this `sglang-router` instead of client-side balancing."""
     engine_tp_sizes: list[int] | None = None
     """TP size of each engine (ranks in the weight-update group); default 1 each."""
+    engine_gpu_ids: list[list[int]] | None = None
+    """For engines already running on the trainer's GPUs: per engine, the GPU index of each TP
+    rank on its node (`[[0, 1], [2, 3]]` for two TP-2 engines from GPU 0). With it, colocated
+    `weights.senders=owners` pushes feed each engine rank from the trainer rank on that GPU
+    (`weights.owners_home`: no CUDA-IPC handle crosses GPUs); None: unknown, each parameter's
+    sender writes every engine rank's part. The planner's Slurm launch files set it; launched
+    engines fill it in."""
     max_batch_per_request: int = 64
     """Most (prompt, sample) entries in one `/generate` request."""
     max_inflight_per_engine: int = 4
@@ -92,3 +99,11 @@ class ClientConfig:
             raise ConfigError(
                 "rollout.client.engine_tp_sizes needs one entry per rollout.client.engine_urls"
             )
+        gpus = self.engine_gpu_ids
+        if gpus is not None and [len(g) for g in gpus] != list(self.engine_tp_sizes):
+            raise ConfigError(
+                f"rollout.client.engine_gpu_ids={gpus} needs one list per engine_urls entry, "
+                f"as long as its TP size ({self.engine_tp_sizes}); fix it or set it to null"
+            )
+        if gpus is not None and any(g < 0 for one in gpus for g in one):
+            raise ConfigError(f"rollout.client.engine_gpu_ids={gpus}: GPU indices are >= 0")

@@ -4,12 +4,13 @@ client's control plane (`client_control.ControlPlane`: `_control`, `_in_thread`,
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import torch
 
@@ -32,6 +33,29 @@ __all__ = ["WeightCalls"]
 
 class WeightCalls(ControlPlane):
     """`WeightReceiver` over SGLang's HTTP control routes (a base class of `SGLangClient`)."""
+
+    @property
+    def engine_gpu_ids(self) -> list[list[int]] | None:
+        """Per engine (`engine_urls` order), the GPU of each TP rank on its node, when known
+        (`rollout.client.engine_gpu_ids`; launched engines: `engines.connect.sender_client`);
+        None: unknown. Colocated pushes feed each engine rank from the trainer rank on that
+        GPU (`weights.owners_home`)."""
+        return self.config.engine_gpu_ids
+
+    def one_engine(self, i: int) -> Self:
+        """A client of the same kind over engine `i` alone, for weights (no router), sharing
+        this one's pool (the engines rank 0 dropped or re-admits)."""
+        gpus = self.config.engine_gpu_ids
+        cfg = dataclasses.replace(
+            self.config,
+            engine_urls=[self.config.engine_urls[i]],
+            engine_tp_sizes=[self.engine_tp_sizes()[i]],
+            engine_gpu_ids=None if gpus is None else [gpus[i]],
+            router_url=None,
+        )
+        one = type(self)(cfg)  # type: ignore[call-arg]  # SGLangClient(config)
+        one.pool = self.pool
+        return one
 
     def set_weight_version(self, weight_version: str) -> None:
         # abort_all_requests defaults to True in SGLang: a version stamp must not kill rollouts.

@@ -38,6 +38,7 @@ def connect(
         client = dataclasses.replace(
             client,
             engine_urls=launched.urls,
+            engine_gpu_ids=launched.gpu_ids or None,
             router_url=client.router_url or launched.router_url,
             engine_tp_sizes=launched.tp_sizes,
             api_key=launched.api_key,
@@ -59,10 +60,14 @@ def per_engine_clients(client: object) -> tuple[SGLangClient, ...]:
     urls, tps = list(cfg.engine_urls), list(cfg.engine_tp_sizes or [1] * len(cfg.engine_urls))
     if len(urls) < 2:
         return ()
+    gpus = cfg.engine_gpu_ids
     clients = tuple(
         SGLangClient(
             dataclasses.replace(
-                cfg, engine_urls=urls[i:] + urls[:i], engine_tp_sizes=tps[i:] + tps[:i]
+                cfg,
+                engine_urls=urls[i:] + urls[:i],
+                engine_tp_sizes=tps[i:] + tps[:i],
+                engine_gpu_ids=None if gpus is None else gpus[i:] + gpus[:i],
             ),
             in_order=True,
         )
@@ -81,13 +86,15 @@ def sender_client(
     transport), or every engine with `node` None; engines started outside the job
     (`launched` None) count as on every node. None when there is none to push to."""
     urls, tps = list(client.engine_urls), list(client.engine_tp_sizes or [])
-    api_key = client.api_key
+    api_key, gpus = client.api_key, client.engine_gpu_ids
     if launched is not None:
         urls, tps, api_key = list(launched.urls), list(launched.tp_sizes), launched.api_key
+        gpus = list(launched.gpu_ids) or None
         if node is not None and launched.per_node:
             first = sum(launched.per_node[:node])
             count = launched.per_node[node] if node < len(launched.per_node) else 0
             urls, tps = urls[first : first + count], tps[first : first + count]
+            gpus = gpus[first : first + count] if gpus else None
     if not urls:
         return None
     # Weights only: no router (it routes generation), one TP size per engine.
@@ -95,6 +102,8 @@ def sender_client(
         client,
         engine_urls=urls,
         engine_tp_sizes=tps or [1] * len(urls),
+        # Where each engine rank runs: the colocated push feeds it from that GPU's trainer rank.
+        engine_gpu_ids=gpus if node is not None else None,
         router_url=None,
         api_key=api_key,
     )

@@ -175,6 +175,14 @@ class LaunchConfig:
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 4096
 
 
+def engine_gpu_ids(launch: LaunchConfig, per_node: list[int]) -> list[list[int]]:
+    """Per engine of the job (node by node), the GPU of each TP rank on its node, as
+    `engine_command` places them: engine i of a node at `base_gpu_id` + i x tp
+    x dp, its ranks one GPU apart (SGLang's default `--gpu-id-step` 1)."""
+    first = [launch.base_gpu_id + i * launch.gpus_per_engine for n in per_node for i in range(n)]
+    return [[g + r for r in range(launch.tp_size)] for g in first]
+
+
 def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list[str]:
     """The command line of engine `i` (interpreter: `python`, else `cfg.python`, else ours)."""
     python = python or (cfg.python if cfg.backend == "sglang" else None) or sys.executable

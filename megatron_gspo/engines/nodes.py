@@ -30,7 +30,7 @@ from megatron_gspo import dist
 from megatron_gspo.config_io import ConfigError
 from megatron_gspo.engines.client_config import ClientConfig
 from megatron_gspo.engines.interpreter import sglang_python
-from megatron_gspo.engines.launch import LaunchConfig, ServerGroup
+from megatron_gspo.engines.launch import LaunchConfig, ServerGroup, engine_gpu_ids
 from megatron_gspo.engines.launch import launch as start_servers
 
 DEFAULT_BASE_PORT = 30000
@@ -49,6 +49,10 @@ class LaunchedEngines:
     """This process's `ServerGroup` (each node's local rank 0), else None."""
     per_node: list[int] = field(default_factory=list)
     """Engines each node started."""
+    gpu_ids: list[list[int]] = field(default_factory=list)
+    """Per engine (`urls` order), the GPU of each TP rank on its node: engine i of a node
+    starts at `rollout.launch.base_gpu_id` + i x tp x dp, its ranks one GPU apart (on CPU the
+    slot it would take on a GPU node); empty when unknown."""
 
 
 def node_of_this_rank() -> tuple[int, int, bool]:
@@ -204,6 +208,7 @@ class PendingEngines:
             router_url=next((m["router"] for m in launchers if m["router"]), None),
             servers=self.servers,
             per_node=[len(m["urls"]) for m in launchers],
+            gpu_ids=engine_gpu_ids(launch, [len(m["urls"]) for m in launchers]),
         )
 
     def shutdown(self) -> None:

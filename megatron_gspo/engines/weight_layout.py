@@ -132,8 +132,61 @@ class FusedParts:
         return _assemble(self.name, [t for _, t in self.members()])
 
 
+class RankCut(FusedParts):
+    """One engine rank's part of an SGLang parameter, already cut on the trainer, for that
+    rank only (the colocated home path, `weights.owners_home`: the trainer rank on the engine
+    rank's GPU sends it; every other rank of the engine gets nothing of it, `rank_piece`).
+
+    `parts` are the rank's shards in SGLang's order (views of the sender's tensors, or of what
+    it received from its peers), `hf` the HF-named tensors the engines that report HF names
+    (one-rank engines) hash; `numel` counts the rank's part only."""
+
+    __slots__ = ("rank", "tp_size", "hf")
+
+    def __init__(
+        self,
+        name: str,
+        parts: list[tuple[str, torch.Tensor]],
+        *,
+        rank: int,
+        tp_size: int,
+        hf: list[tuple[str, torch.Tensor]],
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(name, parts, dtype)
+        self.rank, self.tp_size, self.hf = rank, tp_size, hf
+
+    def cast(self, dtype: torch.dtype | None) -> RankCut:
+        if dtype is None:
+            return self
+        return RankCut(
+            self.name, self.parts, rank=self.rank, tp_size=self.tp_size, hf=self.hf, dtype=dtype
+        )
+
+    def members(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t.to(self.dtype)) for n, t in self.hf]
+
+    def whole(self) -> torch.Tensor:
+        """The rank's part, assembled (a copy)."""
+        return _assemble(self.name, [t.to(self.dtype) for _, t in self.parts])
+
+    def piece(self) -> RankPiece:
+        """What the rank loads: the parts' bytes back to back."""
+        shape = _fused_shape(self.name, [t.shape for _, t in self.parts])
+        return RankPiece(self.name, shape, self.dtype, [t for _, t in self.parts])
+
+    def to_host(self) -> RankCut:
+        """The same cut with its tensors in host memory (the gloo / disk paths)."""
+        parts = [(n, t.cpu()) for n, t in self.parts]
+        hf = [(n, t.cpu()) for n, t in self.hf]
+        return RankCut(
+            self.name, parts, rank=self.rank, tp_size=self.tp_size, hf=hf, dtype=self.dtype
+        )
+
+
 Sendable = torch.Tensor | FusedParts
-"""What a bucket holds in SGLang's layout: a whole tensor or a fused parameter's members."""
+"""What a bucket holds in SGLang's layout: a whole tensor or a fused parameter's members
+(`RankCut`: one engine rank's part)."""
 
 
 def _fused_shape(name: str, shapes: Sequence[torch.Size]) -> tuple[int, ...]:
@@ -170,7 +223,11 @@ def rank_piece(
 ) -> RankPiece | None:
     """What TP rank `rank` of an engine of layout `lay` loads of SGLang parameter `name`
     (`item`: the whole tensor or its `FusedParts`), as views of the sender's tensors: the
-    same bytes as `rank_tensor`, never assembled here (None: nothing of it on that rank)."""
+    same bytes as `rank_tensor`, never assembled here (None: nothing of it on that rank).
+    A `RankCut` is that rank's part already: the others get nothing of it."""
+    if isinstance(item, RankCut):
+        same = rank == item.rank and lay.tp_size == item.tp_size
+        return item.piece() if same else None
     if isinstance(item, FusedParts):
         members, dtype = item.parts, item.dtype
     else:
@@ -378,6 +435,7 @@ __all__ = [
     "FusedParts",
     "RankChecksums",
     "member_names",
+    "RankCut",
     "RankPiece",
     "Sendable",
     "tensors_only",

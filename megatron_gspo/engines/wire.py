@@ -306,6 +306,13 @@ def direct_payloads_for_engines(
     payloads: list[list[str]] = [[] for _ in range(engines)]
     keep = []
     for rank, pieces in enumerate(per_rank):
+        if not pieces:
+            # Nothing for this rank in this request (another sender feeds it: the colocated
+            # home path): SGLang's rank reads its own entry only, and `direct` with an empty
+            # list loads nothing (0.5.23 `_model_load_weights_direct`).
+            for one in payloads:
+                one.append(serializer.serialize([], output_str=True))
+            continue
         offsets, total = [], 0
         for piece in pieces:
             offsets.append(total)

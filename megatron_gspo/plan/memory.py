@@ -100,21 +100,28 @@ def push_buffer_bytes(bucket_bytes: int, senders: str, stacked_bytes: float = 0.
     `weights.ep_batch`). With `owners` every trainer GPU holds its own 3, none more.
     stacked_bytes: in SGLang's layout (`weights.layout=engine`) a layer's stacked experts
     (`w13_weight`) are sent whole, in a bucket of their own when larger than one (with owners
-    gathered into one rank where an engine rank's experts are spread: `weights.owners_fused`),
-    so a bucket in flight is up to that size."""
+    gathered into one rank where an engine rank's experts are spread: `weights.owners_fused`;
+    colocated, only the part the GPU's own engine rank holds: `weights.owners_home`), so a
+    bucket in flight is up to that size (`stacked_expert_bytes`)."""
     per = max(float(bucket_bytes), stacked_bytes)
     return (3 if senders == "owners" else 4) * per
 
 
 def stacked_expert_bytes(cfg: Config, hf: HFConfig, trainer_bytes: int) -> float:
-    """The largest stacked expert parameter a push in SGLang's layout sends (a layer's
-    `w13_weight`: every expert's gate and up rows), 0 for HF-named pushes or dense models."""
+    """The largest stacked expert parameter a push in SGLang's layout sends from one GPU (a
+    layer's `w13_weight`: every expert's gate and up rows), 0 for HF-named pushes or dense
+    models. Colocated owners pushes send from each GPU only the part of it that GPU's engine
+    rank holds (`weights.owners_home`): 1 / the engines' TP size of it."""
     experts = num_experts(hf) or 0
     if cfg.weights.resolved_layout != "engine" or not experts:
         return 0.0
     dtype = cfg.weights.dtype
     sent = trainer_bytes if dtype is None else {"float64": 8, "float32": 4}.get(dtype, 2)
-    return float(experts * 2 * getattr(hf, "moe_intermediate_size", 0) * hf.hidden_size * sent)
+    whole = float(experts * 2 * getattr(hf, "moe_intermediate_size", 0) * hf.hidden_size * sent)
+    launch = getattr(getattr(cfg, "rollout", None), "launch", None)
+    if cfg.weights.senders == "owners" and launch is not None and launch.colocated:
+        return whole / launch.tp_size
+    return whole
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,7 +38,12 @@ from typing import Any
 
 from megatron_gspo.config import Config, ConfigError, load_config
 from megatron_gspo.config_io import require
-from megatron_gspo.engines.launch import LaunchConfig, engine_command, router_command
+from megatron_gspo.engines.launch import (
+    LaunchConfig,
+    engine_command,
+    engine_gpu_ids,
+    router_command,
+)
 from megatron_gspo.engines.sglang_rules import (
     DEFAULT_MEM_FRACTION,
     check_engine_layout,
@@ -420,6 +425,9 @@ def emit_launch(
         f"rollout.client.engine_urls=[{','.join(urls)}]",
         f"rollout.client.engine_tp_sizes=[{','.join([str(launch.tp_size)] * len(urls))}]",
     ]
+    if not plan.rollout_nodes:  # colocated: each engine rank fed from its own GPU's rank
+        gpus = engine_gpu_ids(launch, [per_node] * len(engine_hosts))
+        sets.append(f"rollout.client.engine_gpu_ids={json.dumps(gpus, separators=(',', ':'))}")
     if plan.rollout_nodes:
         router = copy.deepcopy(launch)
         router.host = engine_hosts[0]

@@ -71,8 +71,11 @@ class WeightSyncConfig:
     owners: every rank that holds a shard sends it, no weight is gathered for the push
     (`weights.owners`): with `transport=tensor` each node's ranks push the whole model to that
     node's engines (colocated on any number of nodes; every EP rank must be on each node),
-    with `distributed` each rank has its own weight-update group to every engine. Rank 0
-    still opens and closes the session and stamps the version. Not with `transport=disk`."""
+    with `distributed` each rank has its own weight-update group to every engine. In SGLang's
+    layout with the engines on the trainer's GPUs (launched by the job, or
+    `rollout.client.engine_gpu_ids`), each engine rank is fed only by the trainer rank on its
+    GPU (`weights.owners_home`). Rank 0 still opens and closes the session and stamps the version.
+    Not with `transport=disk`."""
     experts_to_first: bool = True
     """Gather expert weights to EP rank 0 only (the sender), not to every EP rank; False keeps
     megatron-bridge's all-gather (see `stream.experts_to_ep_rank0`)."""

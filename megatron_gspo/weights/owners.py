@@ -28,6 +28,14 @@ experts built by the trainer rank(s) holding them, gathered point to point only 
 engine rank's experts are spread over several trainer EP ranks; `load_format="direct"`).
 Where that layout cannot be served (trainer and engine EP sizes that do not nest, engines of
 different EP sizes, replica counts that differ) the push sends HF names, said once in the log.
+Colocated (every engine rank of a node on a GPU a trainer rank of that node trains on, as
+the engines the job launches are), no sender writes another GPU's engine rank's part: each
+engine rank is fed only by the trainer rank on its GPU (`weights.owners_home`: non-expert
+parameters cut locally, that engine rank's experts received point to point from the ranks
+holding them, one request per sender with the other ranks' entries empty), so no engine
+process opens a CUDA-IPC handle onto another GPU; elsewhere (disaggregated engines, engines
+on GPUs no trainer rank uses, engines whose GPUs are unknown) the per-parameter senders of
+`weights.owners_fused`; which of the two, said once in the log.
 
 Rank 0 still coordinates the session (`begin_weight_update`, `end_weight_update`, the version
 stamp after every sender's last bucket, verification, `commit_sync`): the senders only add

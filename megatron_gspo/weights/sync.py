@@ -56,6 +56,7 @@ from megatron_gspo.weights import owners as owners_lib
 from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
 from megatron_gspo.weights.config import WeightSyncConfig
 from megatron_gspo.weights.owners_fused import ExpertRoute, engine_eps, owned_fused, route_for
+from megatron_gspo.weights.owners_home import HomePath, home_fused
 from megatron_gspo.weights.pipeline import SendPipeline
 from megatron_gspo.weights.stream import (
     Bucket,
@@ -265,6 +266,7 @@ class WeightSync:
         """This rank's transport as one of several senders (`weights.senders=owners`)."""
         self._owner_ready = False
         self._told_fallback = False
+        self._home = HomePath()  # colocated: each engine rank fed from its own GPU
 
     @property
     def _tx(self) -> Transport:
@@ -409,6 +411,7 @@ class WeightSync:
         if problem is not None:
             return self._agree(report, error or WeightSyncError(problem))
         route = self._owner_route(grid)  # SGLang's own layout from every sender, or None
+        home = self._home.plan(grid, route, self.send_engines, log=self.sender)
         if self.sender and error is None:
             try:
                 for engine in self.engines:
@@ -422,6 +425,7 @@ class WeightSync:
             self._owner_transport = owners_lib.sender_transport(cfg, self.send_engines)
         if isinstance(self._owner_transport, TensorTransport):
             self._owner_transport.layout = self.model_layout if route is not None else None
+            self._owner_transport.engines = list(home.receivers if home else self.send_engines)
         if began and self.send_engines and not self._owner_ready:
             try:
                 self._owner_transport.setup()
@@ -446,7 +450,10 @@ class WeightSync:
             )
             tensors = owned_fused(
                 self.bridge, model, grid, route, cpu=self._send_on_cpu(), stats=stats
-            )
+            ) if home is None else home_fused(
+                self.bridge, model, grid, route, home, self.model_layout,
+                cpu=self._send_on_cpu(), stats=stats,
+            )  # fmt: skip
         elif spread:
             sums = EngineChecksums([EngineLayout(1, 1, 1, 1, 1, 0)], namings=frozenset({"hf"}))
             tensors = owners_lib.owned_tensors(

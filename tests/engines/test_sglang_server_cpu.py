@@ -354,16 +354,20 @@ def test_weight_update_transport(
     assert client.weight_version() == {server.cfg.engine_url(0): "default"}
 
 
-def test_several_senders_in_sglang_layout(server, client, ckpt_a, weights_b):
+@pytest.mark.parametrize("home", [False, True], ids=["owners", "home"])
+def test_several_senders_in_sglang_layout(server, client, ckpt_a, weights_b, home):
     """What `weights.senders=owners` sends in SGLang's own layout: several senders, each a
     share of the fused parameters (stacked experts from members held in separate buffers, as
     gathered from several trainer ranks), each stamping nothing, inside one session. The
     server then holds `weights_b` exactly, and the union of the senders' own per-rank hashes
-    (`RankChecksums`, what rank 0 compares) is what SGLang reports for every parameter."""
+    (`RankChecksums`, what rank 0 compares) is what SGLang reports for every parameter.
+    home: each item as the colocated home path sends it (`weights.owners_home`: the engine
+    rank's part cut on the trainer, `RankCut`), a one-entry request per bucket."""
     from transformers import AutoConfig
 
     from megatron_gspo.engines.weight_layout import FusedParts, RankChecksums
     from megatron_gspo.weights.owners import SentChecksums, merged_checksums
+    from megatron_gspo.weights.owners_home import EngineRank, _cut
 
     named = _bf16(weights_b)
     lay = EngineLayout.of(AutoConfig.from_pretrained(ckpt_a), 1)
@@ -371,6 +375,9 @@ def test_several_senders_in_sglang_layout(server, client, ckpt_a, weights_b):
         (n, FusedParts(n, [(m, t.clone()) for m, t in x.parts]) if isinstance(x, FusedParts) else x)
         for n, x in fused_stream(named, lazy=True)
     ]
+    if home:
+        items = [(n, _cut(n, x, EngineRank(0, 1, 0, 0), lay)) for n, x in items]
+        assert all(c is not None for _, c in items)
     shares = [items[0::3], items[1::3], items[2::3]]
     sums = [RankChecksums(lay, [1], namings=frozenset({"sglang"})) for _ in shares]
     version = "owners-1"

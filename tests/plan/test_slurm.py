@@ -202,7 +202,9 @@ def test_colocated_command_lines(nodes: int, tmp_path: Path, counts_cache: Path)
     assert job.proc.returncode == 0, job.proc.stdout + job.proc.stderr
     hosts = [f"node{i}" for i in range(1, nodes + 1)]
     urls = _check_engines(job, hosts, colocated=True)
-    _check_trainer(job, hosts, urls)
+    sets = _check_trainer(job, hosts, urls)
+    # Each engine rank's GPU (engine i from GPU 2i, TP 2): the trainer feeds it from there.
+    assert sets["rollout.client.engine_gpu_ids"] == "[[0,1],[2,3],[4,5],[6,7]]"
     assert not job.of("sglang_router.launch_router")
     _planned_first(job)
     assert "verdict:" in (tmp_path / "logs/plan.txt").read_text()
@@ -219,6 +221,7 @@ def test_disaggregated_command_lines(nodes: int, tmp_path: Path, counts_cache: P
     urls = _check_engines(job, engines, colocated=False)
     sets = _check_trainer(job, trainers, urls)
     assert sets["weights.transport"] == "distributed"
+    assert "rollout.client.engine_gpu_ids" not in sets  # engines on GPUs of their own
     ((opts, router),) = job.of("sglang_router.launch_router")
     assert f"--nodelist={engines[0]}" in opts
     # the engine venv has no sglang_router: the trainer's interpreter (the planner checked)

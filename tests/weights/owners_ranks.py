@@ -71,9 +71,14 @@ class RankFilesEngine(FakeEngine):
     `weights_checksum` answers as SGLang's `/weights_checker` does (per rank, fused names,
     SGLang's hash of what the rank holds)."""
 
-    def __init__(self, root: Path, tp: int) -> None:
-        super().__init__("files", tp_size=tp)
+    def __init__(
+        self, root: Path, tp: int, gpus: list[int] | None = None, engine_id: str = "files"
+    ) -> None:
+        super().__init__(engine_id, tp_size=tp)
         self.root = root
+        self.engine_gpu_ids = None if gpus is None else [gpus]
+        """The GPU of each rank ("on GPUs 0-1"): the colocated home path feeds rank r from
+        the trainer rank of local rank gpus[r]; None: unknown (the per-parameter senders)."""
         self.sent_bytes = 0
         self.tensors = 0
         self.corrupt: tuple[int, str] | None = None
@@ -93,7 +98,10 @@ class RankFilesEngine(FakeEngine):
         for r in range(self.tp_size):
             pieces = rank_pieces(named_tensors, r, lay)
             payload, _keep = direct_payloads_from_pieces([pieces])
-            for name, t in deserialize_named_tensors(payload[0], "direct"):
+            got = deserialize_named_tensors(payload[0], "direct")
+            with open(self.root / f"from{torch.distributed.get_rank()}", "a") as log:
+                log.writelines(f"{r} {name}\n" for name, _ in got)  # who wrote what where
+            for name, t in got:
                 (self.root / f"r{r}").mkdir(exist_ok=True)
                 t = t.clone()
                 if (r, name) == self.corrupt:
@@ -107,6 +115,14 @@ class RankFilesEngine(FakeEngine):
 
     def weight_version(self) -> dict[str, str]:
         return {self.engine_id: (self.root / "version").read_text()}
+
+    def writers(self) -> dict[int, set[int]]:
+        """{engine rank: trainer ranks that sent it a tensor}."""
+        out: dict[int, set[int]] = {}
+        for f in self.root.glob("from*"):
+            for line in f.read_text().splitlines():
+                out.setdefault(int(line.split()[0]), set()).add(int(f.name[4:]))
+        return out
 
     def held(self) -> dict[str, torch.Tensor]:
         """`{"r<rank>/<sglang name>": tensor}` of every rank."""
@@ -307,10 +323,72 @@ def files_scenario(rank: int, bridge: Any, layout: Layout, tmp: str) -> dict[str
                 except Exception as e:  # noqa: BLE001 - the expected failure, recorded
                     out["corrupt_caught"] = f"{type(e).__name__}: {e}"
                 sync.close()
+        home = home_scenario(rank, bridge, model, Path(tmp) / f"home_{engine_ep}", engine_ep)
+        out[f"ep{engine_ep}_home"] = home
+        two = Path(tmp) / f"home1_{engine_ep}"
+        out[f"ep{engine_ep}_home1"] = home_scenario(
+            rank, bridge, model, two, engine_ep, one_node=True
+        )
         if rank == 0:
             one, owners = held["one"], held["owners"]
             out[f"ep{engine_ep}_diff"] = _diff(one, owners)
             out[f"ep{engine_ep}_params"] = len(one)
+            out[f"ep{engine_ep}_home_diff"] = [_diff(one, h) for h in home.pop("held")]
+            two_engines = out[f"ep{engine_ep}_home1"].pop("held")
+            out[f"ep{engine_ep}_home1_diff"] = [_diff(one, h) for h in two_engines]
+    return out
+
+
+def home_scenario(
+    rank: int, bridge: Any, model: Any, root: Path, engine_ep: int, *, one_node: bool = False
+) -> dict[str, Any]:
+    """The colocated home path: two "nodes" of 2 ranks (trainer EP 2 in each), each with one
+    TP-2 `RankFilesEngine` "on GPUs 0-1" (the engine ranks share the GPUs of local ranks 0
+    and 1); every rank pushes its node's engine. `one_node`: one node of 4 ranks (trainer EP 2
+    x DP 2) with two TP-2 engines, on GPUs 0-1 and 2-3 (as the recipe's four per node).
+    Returns who wrote each engine rank."""
+    saved = {k: os.environ[k] for k in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+    per = 4 if one_node else 2
+    os.environ.update(
+        GROUP_RANK=str(rank // per), LOCAL_WORLD_SIZE=str(per), LOCAL_RANK=str(rank % per)
+    )
+    roots = [root / f"engine{n}" for n in (0, 1)]
+    if rank == 0:
+        for r in roots:
+            r.mkdir(parents=True)
+    torch.distributed.barrier()
+    gpus = [[0, 1], [2, 3]] if one_node else [[0, 1], [0, 1]]
+    engines = [RankFilesEngine(r, tp=2, gpus=g) for r, g in zip(roots, gpus, strict=True)]
+    mine = engines if one_node else [engines[rank // 2]]
+    cfg = WeightSyncConfig(
+        transport="tensor",
+        senders="owners",
+        bucket_mb=BUCKET_MB,
+        verify_every=1,
+        engine_ep_size=engine_ep,
+    )
+    sync = WeightSync(bridge, engines if rank == 0 else [], cfg, send_engines=mine)
+    try:
+        with CollectiveBytes() as counted:
+            report = sync.push(model)
+    finally:
+        sync.close()
+        os.environ.update(saved)
+    torch.distributed.barrier()
+    out: dict[str, Any] = {
+        "verified": report.verified,
+        "versions": [e.weight_version()["files"] for e in engines],
+        "received": counted.received,
+        "sent": sync.local_stats.bytes_sent,
+        "writers": [e.writers() for e in engines],
+    }
+    if rank == 0:
+        out["held"] = [e.held() for e in engines]
+        out["expert_bytes_r0"] = sum(
+            t.numel() * t.element_size()
+            for k, t in out["held"][0].items()
+            if k.startswith("r0/") and ".experts." in k
+        )
     return out
 
 

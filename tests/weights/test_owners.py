@@ -3,8 +3,11 @@
 One 4-rank launch (tests/weights/owners_ranks.py) pushes the tiny MoE into real embedded
 engines, first by today's path (rank 0 gathers the experts and sends everything), then with
 every rank sending its own shard, on one node (EP=4) and on two "nodes" (EP=2 in each, one
-engine per node). The reference for the weights is today's path and the bridge's own export;
-the reference for the traffic is the same counters on today's path.
+engine per node), and into TP-2 engines that decode SGLang's `direct` wire per rank
+(`RankFilesEngine`): one sender, every rank per parameter, and the colocated home path (each
+engine rank fed by the trainer rank on its GPU, two "nodes"). The reference for the weights is
+today's path and the bridge's own export; the reference for the traffic is the same counters
+on today's path.
 """
 
 from __future__ import annotations
@@ -123,3 +126,32 @@ def test_a_corrupted_engine_rank_is_caught(results: list[dict]) -> None:
     caught = results[0]["files_ep2"]["corrupt_caught"]
     assert "WeightIntegrityError" in caught and "w2_weight" in caught, caught
     assert "TP rank 1" in caught, caught
+
+
+@pytest.mark.parametrize("engine_ep", [2, 1], ids=["trainer-ep-eq-engine-ep", "engine-ep1"])
+def test_each_engine_rank_is_fed_from_its_own_gpu(results: list[dict], engine_ep: int) -> None:
+    """Colocated (two "nodes" of 2 ranks, trainer EP 2, one TP-2 engine per node "on GPUs
+    0-1"): every payload an engine rank loads came from the trainer rank on its GPU (local
+    rank r feeds engine rank r: no CUDA-IPC handle would cross GPUs), the engines hold
+    bitwise what the one-sender push wrote, the push is verified and stamped once. Trainer
+    EP = engine EP: no byte moves between trainer ranks; engine EP 1: each home receives
+    only its engine rank's slice of the other EP rank's experts (half of what it loads)."""
+    home = [r["files_ep2"][f"ep{engine_ep}_home"] for r in results]
+    assert results[0]["files_ep2"][f"ep{engine_ep}_home_diff"] == [[], []]
+    for node, writers in enumerate(home[0]["writers"]):
+        assert writers == {0: {2 * node}, 1: {2 * node + 1}}, (node, writers)
+    for h in home:
+        assert h["verified"] and h["versions"] == ["1", "1"]
+        assert h["sent"] > 0
+    received = [h["received"] for h in home]
+    if engine_ep == 2:
+        assert received == [0, 0, 0, 0]
+    else:
+        assert received == [home[0]["expert_bytes_r0"] // 2] * 4, received
+    # One node of 4 (EP 2 x DP 2), two TP-2 engines on GPUs 0-1 and 2-3: the same, engine 1
+    # fed by the second replica of each EP rank.
+    two = [r["files_ep2"][f"ep{engine_ep}_home1"] for r in results]
+    assert results[0]["files_ep2"][f"ep{engine_ep}_home1_diff"] == [[], []]
+    assert two[0]["writers"] == [{0: {0}, 1: {1}}, {0: {2}, 1: {3}}], two[0]["writers"]
+    assert all(h["verified"] and h["versions"] == ["1", "1"] for h in two)
+    assert [h["received"] for h in two] == received

@@ -170,3 +170,7 @@ def test_the_planner_counts_a_stacked_parameter_larger_than_a_bucket() -> None:
     assert stacked_expert_bytes(hf_named, hf, 2) == 0  # type: ignore[arg-type]
     assert push_buffer_bytes(1024**3, "owners", stacked) == 3 * 1024**3
     assert push_buffer_bytes(512 * 1024**2, "owners", stacked) == 3 * stacked
+    # Colocated: each GPU sends its own engine rank's part only (the home path), 1/TP of it.
+    launch = SimpleNamespace(colocated=True, tp_size=2)
+    home = SimpleNamespace(weights=cfg.weights, rollout=SimpleNamespace(launch=launch))
+    assert stacked_expert_bytes(home, hf, 2) == stacked / 2  # type: ignore[arg-type]
