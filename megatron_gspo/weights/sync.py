@@ -41,19 +41,18 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from megatron_gspo import dist, layout
 from megatron_gspo.engines.protocols import NoEnginesLeft, WeightReceiver
 from megatron_gspo.engines.weight_layout import RankChecksums, Sendable, engine_layout
-from megatron_gspo.engines.weight_names import reported_in_sglang_naming
 from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights import fp8 as fp8_lib
 from megatron_gspo.weights import hf_io
 from megatron_gspo.weights import owners as owners_lib
-from megatron_gspo.weights.checksum import WeightIntegrityError, compare_checksums
+from megatron_gspo.weights.checksum import WeightIntegrityError
 from megatron_gspo.weights.config import WeightSyncConfig
 from megatron_gspo.weights.owners_fused import ExpertRoute, engine_eps, owned_fused, route_for
 from megatron_gspo.weights.owners_home import HomePath, home_fused
@@ -73,12 +72,9 @@ from megatron_gspo.weights.transports import (
     Transport,
     _end_session,
 )
+from megatron_gspo.weights.verify import WeightSyncError, verification_due, verify_engines
 
 logger = logging.getLogger(__name__)
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync failed (transport error or wrong engine version)."""
 
 
 @dataclass(slots=True)
@@ -97,107 +93,9 @@ class SyncReport:
         return self.stats.bytes_sent / 1e9 / max(self.seconds, 1e-9)
 
 
-def engine_rank_checksums(info: dict[str, Any], engine_id: str = "") -> list[dict[str, str]]:
-    """Per TP rank (in TP rank order), `{name: checksum}` from one engine's
-    `weights_checksum()` entry: `{"checksums": {...}}` (one rank) or SGLang's `/weights_checker`
-    body `{"ranks": [{"checksums": {...}, "parallelism_info": {"tp_rank": r, ...}}, ...]}`."""
-    if "checksums" in info:
-        return [dict(info["checksums"])]
-    ranks = info.get("ranks") or []
-    if not ranks or any("checksums" not in r for r in ranks):
-        raise WeightSyncError(
-            f"engine {engine_id}: no per-tensor checksums in {sorted(info)}; set "
-            "weights.verify_every=0 for engines that cannot report them"
-        )
-
-    def tp_rank(i: int) -> int:
-        r = ranks[i]
-        info = r.get("parallelism_info") or {}
-        if isinstance(info, list):  # one entry per role (target / draft): the target's
-            info = next((p for p in info if p.get("role", "target") == "target"), {})
-        return int(r.get("tp_rank", info.get("tp_rank", i)))
-
-    order = sorted(range(len(ranks)), key=tp_rank)
-    got = [tp_rank(i) for i in order]
-    if got != list(range(len(ranks))):
-        raise WeightSyncError(f"engine {engine_id}: TP ranks {got} are not 0..{len(ranks) - 1}")
-    return [dict(ranks[i]["checksums"]) for i in order]
-
-
-def engine_tensor_checksums(info: dict[str, Any], engine_id: str = "") -> dict[str, str]:
-    """The checksums of a one-TP-rank engine (HF or SGLang names); see `engine_rank_checksums`."""
-    per_rank = engine_rank_checksums(info, engine_id)
-    if len(per_rank) != 1:
-        raise WeightSyncError(f"engine {engine_id}: {len(per_rank)} TP ranks, expected 1")
-    return per_rank[0]
-
-
 def engine_tp_sizes(engines: Sequence[WeightReceiver]) -> list[int]:
     """The distinct TP sizes of the engines a sync reaches (`WeightReceiver.engine_tp_sizes`)."""
     return sorted({tp for engine in engines for tp in engine.engine_tp_sizes()} or {1})
-
-
-def verification_due(version: int, verify_every: int, *, verified_before: bool) -> bool:
-    """Whether push `version` is verified by schedule: never with `verify_every` 0; else the
-    first push of this `WeightSync` (an engine serving another model is refused before step 1)
-    and every push whose version is a multiple of `verify_every`. (`WeightSync.push` also
-    verifies every push that an engine re-joins.)"""
-    if verify_every <= 0:
-        return False
-    return not verified_before or version % verify_every == 0
-
-
-def verify_engines(
-    engines: Sequence[WeightReceiver],
-    sent: EngineChecksums | owners_lib.SentChecksums,
-    *,
-    verify_names: Literal["all", "common"] = "all",
-) -> frozenset[str]:
-    """Raise `WeightIntegrityError` unless every engine (every TP rank of it) holds what was
-    sent. Each engine is compared in the naming it reports: SGLang's fused parameter names
-    over each rank's shard when it reports them (a real server), else HF names (the embedded
-    engine). Returns the namings seen ("sglang", "hf"), so later pushes hash only those."""
-    namings: set[str] = set()
-    for engine in engines:
-        for engine_id, info in engine.weights_checksum().items():
-            per_rank = engine_rank_checksums(info, engine_id)
-            if reported_in_sglang_naming(per_rank[0]):
-                namings.add("sglang")
-                expected_ranks = sent.ranks(len(per_rank))
-            elif len(per_rank) == 1:
-                namings.add("hf")
-                expected_ranks = [sent.hf]
-            else:
-                raise WeightSyncError(
-                    f"engine {engine_id}: {len(per_rank)} TP ranks report HF names; only "
-                    "SGLang's fused per-rank naming can be verified"
-                )
-            for r, (expected, held) in enumerate(zip(expected_ranks, per_rank, strict=True)):
-                where = engine_id if len(per_rank) == 1 else f"{engine_id} TP rank {r}"
-                if verify_names == "common":
-                    expected = {n: c for n, c in expected.items() if n in held}
-                    if not expected:
-                        raise WeightIntegrityError(
-                            f"engine {where} reports no checksum under any sent name"
-                        )
-                else:
-                    unwritten_parameters(expected, held, where)
-                compare_checksums(expected, held, where)
-    return frozenset(namings)
-
-
-def unwritten_parameters(sent: dict[str, str], held: dict[str, str], engine_id: str) -> None:
-    """Raise `WeightIntegrityError` when the engine holds parameters the push did not write
-    (another model: an extra layer, expert or head keeps its own weights while every sent
-    tensor matches). Only weights count: a real server also reports buffers (rotary caches),
-    which no checkpoint holds."""
-    extra = sorted(n for n in held if n not in sent and n.endswith((".weight", ".bias")))
-    if extra:
-        more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
-        raise WeightIntegrityError(
-            f"engine {engine_id} holds {len(extra)} parameters the push did not write: "
-            f"{', '.join(extra[:3])}{more}; it serves another model than the trainer"
-        )
 
 
 def _num_experts(bridge: Any) -> int:

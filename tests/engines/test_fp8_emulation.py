@@ -268,7 +268,7 @@ def test_fp8_push_is_held_bitwise(client_fp8, engine_fp8, ckpt_b, weights_a, wei
     from megatron_gspo.weights import fp8
     from megatron_gspo.weights.fp8_checkpoint import write_fp8_checkpoint
     from megatron_gspo.weights.stream import iter_buckets
-    from megatron_gspo.weights.sync import verify_engines
+    from megatron_gspo.weights.verify import verify_engines
 
     def push(named, version: str, **kw) -> tuple[dict[str, torch.Tensor], EngineChecksums]:
         sent: dict[str, torch.Tensor] = {}

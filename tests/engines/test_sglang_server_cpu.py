@@ -40,8 +40,8 @@ from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.testing import sglang_server
 from megatron_gspo.weights.checksum import WeightIntegrityError
 from megatron_gspo.weights.stream import Bucket
-from megatron_gspo.weights.sync import verify_engines
 from megatron_gspo.weights.transports import DiskTransport, DistributedTransport, TensorTransport
+from megatron_gspo.weights.verify import verify_engines
 from tests.engines.helpers import rescore
 
 pytestmark = pytest.mark.timeout(600)  # a hung server must fail, not stall CI

@@ -17,7 +17,7 @@ from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.engines.wire import tensor_checksum
 from megatron_gspo.weights import fp8
 from megatron_gspo.weights.checksum import WeightIntegrityError
-from megatron_gspo.weights.sync import verify_engines
+from megatron_gspo.weights.verify import verify_engines
 
 H, HQ, HKV, D, FF, E, V = 256, 4, 2, 128, 256, 4, 200  # FP8: every shard 128-aligned
 P = "model.layers.0"

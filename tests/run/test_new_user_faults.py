@@ -31,7 +31,8 @@ from megatron_gspo.engines.weight_names import sglang_checksums
 from megatron_gspo.run.preflight import preflight
 from megatron_gspo.run.user_errors import EngineModelMismatch, build_policy, exit_code, first_push
 from megatron_gspo.weights.checksum import WeightIntegrityError
-from megatron_gspo.weights.sync import WeightSyncError, verify_engines
+from megatron_gspo.weights.sync import WeightSyncError
+from megatron_gspo.weights.verify import verify_engines
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = {

@@ -13,7 +13,8 @@ import torch
 from megatron_gspo.engines.pool import EnginePool
 from megatron_gspo.weights.checksum import WeightIntegrityError
 from megatron_gspo.weights.config import WeightSyncConfig
-from megatron_gspo.weights.sync import WeightSync, verification_due
+from megatron_gspo.weights.sync import WeightSync
+from megatron_gspo.weights.verify import verification_due
 from tests.engines.helpers import HFBridge
 from tests.weights.fake_engine import FakeEngine
 
