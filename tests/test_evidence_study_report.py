@@ -195,3 +195,21 @@ def test_sources_reproduction_counts_equal_values(tmp_path: Path) -> None:
     assert "| stages.json | hf | abc1234 | 2 of 3 |" in text
     assert "| lengths_sglang.json | sglang | none | 4 of 5 |" in text
     assert "| step0 | 32 | 8 / 10 | 0.250 / 0.250 | 1 / 1 | 0.125 / 0.125 |" in text
+
+
+def test_stop_at_is_the_next_occurrence_of_that_clock_time() -> None:
+    """`--stop-at 02:05` given at 23:36 UTC stops 2.5 h later (it once stopped at once: the
+    clock string "23:36" sorts after "02:05")."""
+    import calendar
+
+    import pytest
+
+    from tools.evidence_study import stop_deadline
+
+    t = calendar.timegm((2026, 12, 3, 23, 36, 0, 0, 0, 0))
+    assert stop_deadline("02:05", t) - t == (2 * 60 + 29) * 60
+    assert stop_deadline("23:59", t) - t == 23 * 60
+    assert stop_deadline("23:36", t) == t  # now: no run starts
+    for bad in ("2:5x", "24:00", "12"):
+        with pytest.raises(ValueError, match="HH:MM"):
+            stop_deadline(bad, t)

@@ -462,10 +462,26 @@ def study_order(
     return out
 
 
+def stop_deadline(stop_at: str, now: float) -> float:
+    """The first moment at or after `now` (epoch seconds) whose UTC clock reads `stop_at`
+    (HH:MM): a stop time earlier in the day than `now` means tomorrow (started at 23:36,
+    `--stop-at 02:05` stops in 2.5 hours, not at once)."""
+    try:
+        hh, mm = (int(x) for x in stop_at.split(":"))
+    except ValueError:
+        raise ValueError(f"--stop-at {stop_at!r}: expected HH:MM (UTC)") from None
+    if not (0 <= hh < 24 and 0 <= mm < 60):
+        raise ValueError(f"--stop-at {stop_at!r}: expected HH:MM (UTC)")
+    day = now - now % 86400
+    at = day + hh * 3600 + mm * 60
+    return at if at > now - 60 else at + 86400
+
+
 def run_study(dry_run: bool, stop_at: str | None, timeout_s: float) -> int:
     """Run the pre-registered order, skipping runs that are done; stop starting runs at
-    `stop_at` (UTC HH:MM). Returns the number of failed runs."""
+    `stop_at` (UTC HH:MM, its next occurrence). Returns the number of failed runs."""
     failed, order = 0, study_order()
+    deadline = stop_deadline(stop_at, time.time()) if stop_at else None
     unrunnable: dict[str, str | None] = {}
     for i, (name, seed) in enumerate(order):
         plan = Plan(ARMS[name], seed, STUDY_DIR, STUDY_WORK_DIR, nice=STUDY_NICE)
@@ -475,7 +491,7 @@ def run_study(dry_run: bool, stop_at: str | None, timeout_s: float) -> int:
             continue
         if done:
             continue
-        if stop_at and time.strftime("%H:%M", time.gmtime()) >= stop_at:
+        if deadline is not None and time.time() >= deadline:
             print(f"[evidence] {stop_at} UTC reached: stopping before {plan.stem} ({i + 1}/"
                   f"{len(order)}); the same command resumes here")  # fmt: skip
             break
@@ -509,6 +525,11 @@ def main(argv: list[str] | None = None) -> int:
     from tools.evidence_report import write_report
 
     if a.study:
+        if a.stop_at:
+            try:
+                stop_deadline(a.stop_at, time.time())
+            except ValueError as e:
+                p.error(str(e))
         if not a.dry_run and _dirty():
             p.error("the study runs from a clean checkout of the study commit (plan.md, section 5)")
         return 1 if run_study(a.dry_run, a.stop_at, a.timeout) else 0
