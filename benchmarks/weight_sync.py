@@ -22,6 +22,10 @@ inside `verify`. Rows:
   tensor hf    (real server only) the same in HF names, one sender: the path before issue 36
   owners       (real server only) `weights.senders=owners`: every rank sends its shard
   owners hf    (real server only) the same in HF names
+  tensor brx   tensor with `weights.grouped_export=off`: the experts from the bridge's walk of
+               every expert HF tensor (the path before), not straight from the Megatron
+               parameters
+  owners brx   (real server only) owners with `weights.grouped_export=off`
   tensor seq   the same with `weights.overlap=false` (export, then send, bucket after bucket)
   tensor ptg   tensor with `weights.batch_expert_gathers=false` (the bridge's gather per expert)
   tensor+ver   tensor with verification (sender sha256 per bucket on the send thread, engine
@@ -243,6 +247,7 @@ def rank_main(
         "tensor": dict(transport="tensor", verify_every=0),
         "tensor seq": dict(transport="tensor", verify_every=0, overlap=False),
         "tensor ptg": dict(transport="tensor", verify_every=0, batch_expert_gathers=False),
+        "tensor brx": dict(transport="tensor", verify_every=0, grouped_export="off"),
         "tensor+ver": dict(transport="tensor", verify_every=1),
         "tensor fp8": dict(transport="tensor", fp8=True, verify_every=0),
         "distributed": dict(transport="distributed", verify_every=0),
@@ -257,6 +262,7 @@ def rank_main(
         cases["tensor hf"] = dict(tensor, layout="hf")
         cases["owners"] = dict(tensor, senders="owners")
         cases["owners hf"] = dict(tensor, senders="owners", layout="hf")
+        cases["owners brx"] = dict(tensor, senders="owners", grouped_export="off")
     if only:  # --rows: the sync rows asked for (the export rows always run)
         cases = {k: v for k, v in cases.items() if k in only}
     nbytes_sent = rows["export->r0"]["bytes"]
@@ -308,6 +314,9 @@ def rank_main(
             tensors=report.stats.tensors,
             phases=phases,
             collectives=n_coll,
+            # HF tensors the bridge walked over all ranks (owners: every sender's export)
+            walked=report.stats.tensors_seen - report.stats.direct_experts,
+            direct=report.stats.direct_experts,
         )
     if rank != 0:
         return None
@@ -501,6 +510,9 @@ def main() -> None:
     print(f"{'memcpy':<12} {rows['export->r0']['bytes'] / 1e6:7.1f} {'':>7} {'':>5} {'':>5} "
           f"{'':>{8 * len(PHASES) - 1}} {'':>7} {memcpy:6.2f} {1.0:7.3f}")  # fmt: skip
 
+    walked = [f"{n} {r['walked']} (+{r['direct']})" for n, r in rows.items() if "walked" in r]
+    print("HF tensors the bridge walked per push, all ranks (+ experts taken straight from the "
+          "Megatron parameters): " + "; ".join(walked))  # fmt: skip
     per_tensor_ms = 1e3 * rows["export bat"]["wall"] / rows["export bat"]["tensors"]
     print(
         f"\nexport (batched) per HF tensor: {per_tensor_ms:.2f} ms "
