@@ -17,6 +17,10 @@ inside `verify`. Rows:
   export       drain `bridge.export_hf_weights` (TP/EP all-gathers, PP broadcasts), keep nothing
   export->r0   the same with experts gathered to EP rank 0 only, one gather per expert tensor
   export bat   the same with the expert gathers batched per bucket (what the sync uses)
+  export own   each rank's own tensors, no expert gathered (what an owners sender walks): the
+               bridge's walk of every HF tensor (rank 0's row)
+  export grp   the same with the experts straight from the Megatron parameters
+               (`weights.grouped_export=auto`): the bridge walks only the other tensors
   tensor       export + buckets -> engine, no verification, export and send overlapped
                (`weights.layout` auto: SGLang's own layout with the tensor transport)
   tensor hf    (real server only) the same in HF names, one sender: the path before issue 36
@@ -211,6 +215,8 @@ def rank_main(
     only: list[str] | None = None,
     engine_urls: list[str] | None = None,
 ) -> Any:
+    from megatron_gspo.patches.bridge import ep_local_experts
+    from megatron_gspo.weights.grouped import local_export
     from megatron_gspo.weights.stream import hf_tensors
     from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
 
@@ -220,16 +226,31 @@ def rank_main(
     # Warm-up pass (first-call costs of the bridge, allocator), then the measured export.
     for _ in bridge.export_hf_weights(model, cpu=True, show_progress=False):
         pass
-    exports = (("export", False, 0), ("export->r0", True, 0), ("export bat", True, int(mb * 2**20)))
-    for label, to_first, batch in exports:
+
+    def own(grouped: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's own tensors, no expert gathered (what each owners sender walks): the
+        bridge's walk of every HF tensor, or (grouped) the experts from the parameters."""
+        with ep_local_experts() as local:
+            for name, t in local_export(bridge, model, local, grouped=grouped):
+                local.pop(name, None)
+                yield name, t
+
+    exports = {
+        "export": lambda: hf_tensors(bridge, model, cpu=True, experts_to_first=False),
+        "export->r0": lambda: hf_tensors(bridge, model, cpu=True),
+        "export bat": lambda: hf_tensors(
+            bridge, model, cpu=True, expert_batch_bytes=int(mb * 2**20)
+        ),
+        "export own": lambda: own(False),
+        "export grp": lambda: own(True),
+    }
+    for label, exported in exports.items():
         for _ in range(repeats):  # the fastest of `repeats` (the machine is shared)
             torch.distributed.barrier()
             t = time.perf_counter()
             nbytes = ntensors = 0
             with CountCollectives() as counted:
-                for _, tensor in hf_tensors(
-                    bridge, model, cpu=True, experts_to_first=to_first, expert_batch_bytes=batch
-                ):
+                for _, tensor in exported():
                     nbytes += tensor.numel() * tensor.element_size()
                     ntensors += 1
             wall = time.perf_counter() - t

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -186,6 +187,40 @@ def _agreed(why: str) -> str:
     return next((w for w in every if w), "")
 
 
+@dataclass(frozen=True, slots=True)
+class _Decided:
+    """One model's agreed decision, kept across pushes (`_decided`)."""
+
+    models: tuple[int, ...]
+    """`id` of the bridge and of every model chunk it was taken for."""
+    plan: GroupedPlan | None
+    why: str
+
+
+_decided: weakref.WeakKeyDictionary[torch.nn.Module, _Decided] = weakref.WeakKeyDictionary()
+"""Per model (its first chunk, weakly: a new model decides again), the agreed plan. Listing the
+bridge's tasks walks every Megatron parameter (measured on CPU: ~0.18 ms each, most of a walk
+without gathers, docs/performance.md), so it is done once per model, not per push: the tasks
+hold the parameter objects, which the trainer updates in place (offloading keeps them too:
+`megatron.offload`), and the members are views taken at each push."""
+
+
+def _decide(
+    bridge: AutoBridge, model: list[torch.nn.Module]
+) -> tuple[GroupedPlan | None, list[WeightConversionTask] | None, str]:
+    """The agreed (plan, tasks listed now or None, why not), from `_decided` after the first
+    push of a model (collective the first time, on every rank alike: every rank first sees a
+    model at the same push)."""
+    key = (id(bridge), *map(id, model))
+    cached = _decided.get(model[0])
+    if cached is not None and cached.models == key:
+        return cached.plan, None, cached.why
+    plan, tasks, why = GroupedPlan.of(bridge, model)
+    why = _agreed(why)
+    _decided[model[0]] = _Decided(key, None if why else plan, why)
+    return (None if why else plan), tasks, why
+
+
 def local_export(
     bridge: AutoBridge,
     model: list[torch.nn.Module],
@@ -197,15 +232,15 @@ def local_export(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The bridge's HF export inside `patches.bridge.ep_local_experts()` (whose registry is
     `local`), with `grouped` the experts taken straight from the Megatron parameters where
-    `GroupedPlan.of` allows (on every rank, or on none: collective). Counts those in
-    `stats.direct_experts`."""
-    plan, tasks, why = GroupedPlan.of(bridge, model) if grouped else (None, None, "")
-    why = _agreed(why) if grouped else ""
-    if plan is None or why:
+    `GroupedPlan.of` allows (on every rank, or on none: collective on a model's first push).
+    Counts those in `stats.direct_experts`."""
+    plan, tasks, why = _decide(bridge, model) if grouped else (None, None, "")
+    if plan is None:
         if why and why not in _told and dist.rank() == 0:
             _told.add(why)
             logger.warning("weights.grouped_export: the bridge exports the experts: %s", why)
-        # The tasks already built are the bridge's own (`get_conversion_tasks`).
+        # The tasks just listed are the bridge's own (`get_conversion_tasks`); on later pushes
+        # the bridge lists its own, as it always does.
         kw = {} if tasks is None else {"conversion_tasks": tasks}
         yield from bridge.export_hf_weights(model, cpu=False, show_progress=show_progress, **kw)
         return

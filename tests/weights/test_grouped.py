@@ -75,7 +75,9 @@ class Bridge:
 
 
 def _model(num_experts: int = 4) -> list[Any]:
-    return [SimpleNamespace(config=SimpleNamespace(num_moe_experts=num_experts))]
+    chunk = torch.nn.Module()
+    chunk.config = SimpleNamespace(num_moe_experts=num_experts)  # type: ignore[assignment]
+    return [chunk]
 
 
 def test_members_are_views_of_the_megatron_parameters() -> None:
@@ -85,8 +87,8 @@ def test_members_are_views_of_the_megatron_parameters() -> None:
     m = _mappings()
     fc1, fc2, norm = torch.randn(2 * INTER, H), torch.randn(H, INTER), torch.randn(H)
     bridge = Bridge([_task(m["norm"], norm), _task(m["fc1"], fc1), _task(m["fc2"], fc2)])
-    stats, local = StreamStats(), {}
-    got = list(local_export(bridge, _model(), local, grouped=True, stats=stats))
+    stats, local, model = StreamStats(), {}, _model()
+    got = list(local_export(bridge, model, local, grouped=True, stats=stats))
     names = [n for n, _ in got]
     assert names == [
         "model.layers.0.mlp.experts.1.gate_proj.weight",
@@ -100,6 +102,13 @@ def test_members_are_views_of_the_megatron_parameters() -> None:
     assert gate.data_ptr() == fc1.data_ptr() and up.data_ptr() == fc1[INTER:].data_ptr()
     assert stats.direct_experts == 3 and local == {}  # EP 1: nothing for the EP step
     assert [len(tasks) for tasks in bridge.exports] == [1]  # the norm's task only
+    # The next push of the same model reuses the plan (tasks listed once per model); the
+    # members are taken again, so an update in place is what the next push sends.
+    bridge.tasks = []
+    fc1.add_(1.0)
+    again = dict(local_export(bridge, model, {}, grouped=True))
+    assert torch.equal(again["model.layers.0.mlp.experts.1.gate_proj.weight"], fc1[:INTER])
+    assert [len(tasks) for tasks in bridge.exports] == [1, 1]
 
 
 @pytest.mark.parametrize(
@@ -138,14 +147,19 @@ def test_what_it_cannot_serve_goes_to_the_bridge_said_once(
     if case == "fp8_export":
         bridge.export_weight_dtype = "fp8"
     grouped._told.clear()
-    for _ in range(2):
-        plan, _, said = GroupedPlan.of(bridge, _model())  # type: ignore[arg-type]
-        assert plan is None and why in said, said
+    plan, _, said = GroupedPlan.of(bridge, _model())  # type: ignore[arg-type]
+    assert plan is None and why in said, said
+    model = _model()
+    for _ in range(2):  # two pushes of one model, then another model
         stats = StreamStats()
         with caplog.at_level(logging.WARNING, logger=grouped.__name__):
-            got = list(local_export(bridge, _model(), {}, grouped=True, stats=stats))
+            got = list(local_export(bridge, model, {}, grouped=True, stats=stats))
         assert len(got) == len(tasks) and stats.direct_experts == 0
-    assert bridge.exports == (["all"] * 2 if case == "fp8_export" else [tasks] * 2)
+    list(local_export(bridge, _model(), {}, grouped=True))
+    # The first push of a model hands the bridge the tasks just listed; later pushes let it
+    # list its own, as the path without `weights.grouped` does.
+    listed = "all" if case == "fp8_export" else tasks
+    assert bridge.exports == [listed, "all", listed]
     told = [r.getMessage() for r in caplog.records if r.name == grouped.__name__]
     assert len(told) == 1 and why in told[0], told
 
