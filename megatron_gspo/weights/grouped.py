@@ -33,14 +33,13 @@ other stages' experts to every stage, which the owners' routes count on), expert
 bridge's TP gather and shard interleave), non-gated MLPs, expert biases, legacy `GroupedMLP`
 (`weight1` / `weight2`: no per-expert task), LoRA / export hooks / FP8 or FSDP parameters.
 The decision is taken on every rank alike (one `all_gather_object`, so no rank walks a path
-its peers do not).
+its peers do not), once per model: the plan is kept on the model (`_DECIDED`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -189,7 +188,7 @@ def _agreed(why: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Decided:
-    """One model's agreed decision, kept across pushes (`_decided`)."""
+    """One model's agreed decision, kept across pushes (`_DECIDED`)."""
 
     models: tuple[int, ...]
     """`id` of the bridge and of every model chunk it was taken for."""
@@ -197,27 +196,28 @@ class _Decided:
     why: str
 
 
-_decided: weakref.WeakKeyDictionary[torch.nn.Module, _Decided] = weakref.WeakKeyDictionary()
-"""Per model (its first chunk, weakly: a new model decides again), the agreed plan. Listing the
-bridge's tasks walks every Megatron parameter (measured on CPU: ~0.18 ms each, most of a walk
-without gathers, docs/performance.md), so it is done once per model, not per push: the tasks
-hold the parameter objects, which the trainer updates in place (offloading keeps them too:
-`megatron.offload`), and the members are views taken at each push."""
+_DECIDED = "_mgspo_grouped_export"
+"""The attribute of a model's first chunk that keeps its agreed plan (`_Decided`). Listing the
+bridge's tasks walks every Megatron parameter (measured on CPU: most of a walk without gathers,
+docs/performance.md), so it is done once per model, not per push: the tasks hold the parameter
+objects, which the trainer updates in place (offloading keeps them too: `megatron.offload`),
+and the members are views taken at each push. Kept on the model, not in a global map, since
+the tasks reference the model: it lives and dies with it."""
 
 
 def _decide(
     bridge: AutoBridge, model: list[torch.nn.Module]
 ) -> tuple[GroupedPlan | None, list[WeightConversionTask] | None, str]:
-    """The agreed (plan, tasks listed now or None, why not), from `_decided` after the first
+    """The agreed (plan, tasks listed now or None, why not), from `_DECIDED` after the first
     push of a model (collective the first time, on every rank alike: every rank first sees a
     model at the same push)."""
     key = (id(bridge), *map(id, model))
-    cached = _decided.get(model[0])
-    if cached is not None and cached.models == key:
+    cached = getattr(model[0], _DECIDED, None)
+    if isinstance(cached, _Decided) and cached.models == key:
         return cached.plan, None, cached.why
     plan, tasks, why = GroupedPlan.of(bridge, model)
     why = _agreed(why)
-    _decided[model[0]] = _Decided(key, None if why else plan, why)
+    setattr(model[0], _DECIDED, _Decided(key, None if why else plan, why))
     return (None if why else plan), tasks, why
 
 
