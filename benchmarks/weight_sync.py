@@ -17,11 +17,19 @@ inside `verify`. Rows:
   export       drain `bridge.export_hf_weights` (TP/EP all-gathers, PP broadcasts), keep nothing
   export->r0   the same with experts gathered to EP rank 0 only, one gather per expert tensor
   export bat   the same with the expert gathers batched per bucket (what the sync uses)
+  export own   each rank's own tensors, no expert gathered (what an owners sender walks): the
+               bridge's walk of every HF tensor (rank 0's row)
+  export grp   the same with the experts straight from the Megatron parameters
+               (`weights.grouped_export=auto`): the bridge walks only the other tensors
   tensor       export + buckets -> engine, no verification, export and send overlapped
                (`weights.layout` auto: SGLang's own layout with the tensor transport)
   tensor hf    (real server only) the same in HF names, one sender: the path before issue 36
   owners       (real server only) `weights.senders=owners`: every rank sends its shard
   owners hf    (real server only) the same in HF names
+  tensor brx   tensor with `weights.grouped_export=off`: the experts from the bridge's walk of
+               every expert HF tensor (the path before), not straight from the Megatron
+               parameters
+  owners brx   (real server only) owners with `weights.grouped_export=off`
   tensor seq   the same with `weights.overlap=false` (export, then send, bucket after bucket)
   tensor ptg   tensor with `weights.batch_expert_gathers=false` (the bridge's gather per expert)
   tensor+ver   tensor with verification (sender sha256 per bucket on the send thread, engine
@@ -207,6 +215,8 @@ def rank_main(
     only: list[str] | None = None,
     engine_urls: list[str] | None = None,
 ) -> Any:
+    from megatron_gspo.patches.bridge import ep_local_experts
+    from megatron_gspo.weights.grouped import local_export
     from megatron_gspo.weights.stream import hf_tensors
     from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
 
@@ -216,16 +226,31 @@ def rank_main(
     # Warm-up pass (first-call costs of the bridge, allocator), then the measured export.
     for _ in bridge.export_hf_weights(model, cpu=True, show_progress=False):
         pass
-    exports = (("export", False, 0), ("export->r0", True, 0), ("export bat", True, int(mb * 2**20)))
-    for label, to_first, batch in exports:
+
+    def own(grouped: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's own tensors, no expert gathered (what each owners sender walks): the
+        bridge's walk of every HF tensor, or (grouped) the experts from the parameters."""
+        with ep_local_experts() as local:
+            for name, t in local_export(bridge, model, local, grouped=grouped):
+                local.pop(name, None)
+                yield name, t
+
+    exports = {
+        "export": lambda: hf_tensors(bridge, model, cpu=True, experts_to_first=False),
+        "export->r0": lambda: hf_tensors(bridge, model, cpu=True),
+        "export bat": lambda: hf_tensors(
+            bridge, model, cpu=True, expert_batch_bytes=int(mb * 2**20)
+        ),
+        "export own": lambda: own(False),
+        "export grp": lambda: own(True),
+    }
+    for label, exported in exports.items():
         for _ in range(repeats):  # the fastest of `repeats` (the machine is shared)
             torch.distributed.barrier()
             t = time.perf_counter()
             nbytes = ntensors = 0
             with CountCollectives() as counted:
-                for _, tensor in hf_tensors(
-                    bridge, model, cpu=True, experts_to_first=to_first, expert_batch_bytes=batch
-                ):
+                for _, tensor in exported():
                     nbytes += tensor.numel() * tensor.element_size()
                     ntensors += 1
             wall = time.perf_counter() - t
@@ -243,6 +268,7 @@ def rank_main(
         "tensor": dict(transport="tensor", verify_every=0),
         "tensor seq": dict(transport="tensor", verify_every=0, overlap=False),
         "tensor ptg": dict(transport="tensor", verify_every=0, batch_expert_gathers=False),
+        "tensor brx": dict(transport="tensor", verify_every=0, grouped_export="off"),
         "tensor+ver": dict(transport="tensor", verify_every=1),
         "tensor fp8": dict(transport="tensor", fp8=True, verify_every=0),
         "distributed": dict(transport="distributed", verify_every=0),
@@ -257,6 +283,7 @@ def rank_main(
         cases["tensor hf"] = dict(tensor, layout="hf")
         cases["owners"] = dict(tensor, senders="owners")
         cases["owners hf"] = dict(tensor, senders="owners", layout="hf")
+        cases["owners brx"] = dict(tensor, senders="owners", grouped_export="off")
     if only:  # --rows: the sync rows asked for (the export rows always run)
         cases = {k: v for k, v in cases.items() if k in only}
     nbytes_sent = rows["export->r0"]["bytes"]
@@ -308,6 +335,9 @@ def rank_main(
             tensors=report.stats.tensors,
             phases=phases,
             collectives=n_coll,
+            # HF tensors the bridge walked over all ranks (owners: every sender's export)
+            walked=report.stats.tensors_seen - report.stats.direct_experts,
+            direct=report.stats.direct_experts,
         )
     if rank != 0:
         return None
@@ -501,6 +531,9 @@ def main() -> None:
     print(f"{'memcpy':<12} {rows['export->r0']['bytes'] / 1e6:7.1f} {'':>7} {'':>5} {'':>5} "
           f"{'':>{8 * len(PHASES) - 1}} {'':>7} {memcpy:6.2f} {1.0:7.3f}")  # fmt: skip
 
+    walked = [f"{n} {r['walked']} (+{r['direct']})" for n, r in rows.items() if "walked" in r]
+    print("HF tensors the bridge walked per push, all ranks (+ experts taken straight from the "
+          "Megatron parameters): " + "; ".join(walked))  # fmt: skip
     per_tensor_ms = 1e3 * rows["export bat"]["wall"] / rows["export bat"]["tensors"]
     print(
         f"\nexport (batched) per HF tensor: {per_tensor_ms:.2f} ms "

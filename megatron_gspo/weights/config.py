@@ -83,6 +83,15 @@ class WeightSyncConfig:
     """With experts_to_first: gather experts to EP rank 0 in batches of about one bucket, one
     collective per batch, instead of the bridge's one per expert tensor (`weights.ep_batch`;
     the bytes received are the same). False: the bridge's per-tensor gathers."""
+    grouped_export: Literal["auto", "off"] = "auto"
+    """Where a push in SGLang's own layout takes the experts from. auto: each rank's local
+    experts straight from its Megatron expert parameters (per layer, `linear_fc1` = [gate; up]
+    and `linear_fc2` = down, the same bytes as the bridge's export), so the bridge walks only
+    the other tensors (`weights.grouped`); the bridge's per-HF-tensor export of the experts
+    where that cannot serve (expert TP or PP above 1, non-gated or legacy grouped MLPs, FP8
+    export, a bridge without conversion tasks; said once in the log), and always for HF-named
+    and FP8 pushes. off: the bridge's export of every expert tensor (the path before;
+    benchmarks compare the two in one run)."""
     disk_dir: str | None = None
     """Root directory of the disk transport (must be visible to the engines); None in a run
     config: `<logging.dir>/weights`."""
@@ -152,6 +161,8 @@ class WeightSyncConfig:
             raise ConfigError("weights.verify_every must be >= 0")
         if self.engine_ep_size < 1:
             raise ConfigError(f"weights.engine_ep_size={self.engine_ep_size} must be >= 1")
+        if self.grouped_export not in ("auto", "off"):
+            raise ConfigError(f"weights.grouped_export={self.grouped_export!r}: auto|off")
         if self.engine_device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"weights.engine_device={self.engine_device!r}: auto|cpu|cuda")
         if not 0 <= self.master_port < 65536:

@@ -357,6 +357,7 @@ def merged_stats(every: list[StreamStats]) -> StreamStats:
         out.bytes_sent += s.bytes_sent
         out.bytes_exported += s.bytes_exported
         out.tensors_seen += s.tensors_seen
+        out.direct_experts += s.direct_experts
         out.fp8_tensors += s.fp8_tensors
         out.fp8_worst_error_ratio = max(out.fp8_worst_error_ratio, s.fp8_worst_error_ratio)
         out.error = out.error or s.error

@@ -224,12 +224,16 @@ def owned_fused(
     *,
     cpu: bool,
     stats: StreamStats,
+    grouped: bool = False,
 ) -> Iterator[tuple[str, Sendable]]:
     """The fused parameters (and unfused tensors) this rank sends, SGLang-named, as members
     (collective: every rank exhausts it). Counts every HF tensor exported to this rank in
-    `stats.tensors_seen` (iterate the result with `count_seen=False`)."""
+    `stats.tensors_seen` (iterate the result with `count_seen=False`). grouped: the local
+    experts straight from the Megatron parameters where `weights.grouped` allows, not from the
+    bridge's walk."""
     from megatron_gspo.patches.bridge import ep_local_experts
     from megatron_gspo.patches.cpu_runtime import without_cuda_mode
+    from megatron_gspo.weights.grouped import local_export
 
     replicated = grid.replicated_senders()
     fuser = Fuser(lazy=True)  # the replicated stream: no expert enters it
@@ -244,7 +248,7 @@ def owned_fused(
                 yield name, _host(item) if cpu else item
 
     with ep_local_experts() as local:
-        exported = bridge.export_hf_weights(model, cpu=False, show_progress=False)
+        exported = local_export(bridge, model, local, grouped=grouped, stats=stats)
         for name, tensor in without_cuda_mode(exported):
             stats.tensors_seen += 1
             t = tensor.detach()

@@ -372,12 +372,15 @@ def home_fused(
     *,
     cpu: bool,
     stats: StreamStats,
+    grouped: bool = False,
 ) -> Iterator[tuple[str, Sendable]]:
     """This rank's engine rank's parts (`RankCut`), SGLang-named (collective: every rank
     exhausts it; the expert transfers run inside). Counts every exported HF tensor in
-    `stats.tensors_seen` (iterate the result with `count_seen=False`)."""
+    `stats.tensors_seen` (iterate the result with `count_seen=False`). grouped: the local
+    experts straight from the Megatron parameters where `weights.grouped` allows."""
     from megatron_gspo.patches.bridge import ep_local_experts
     from megatron_gspo.patches.cpu_runtime import without_cuda_mode
+    from megatron_gspo.weights.grouped import local_export
 
     fuser = Fuser(lazy=True)
     loads = _Loads(grid.scope())
@@ -389,7 +392,7 @@ def home_fused(
             yield cut.name, cut.to_host() if cpu else cut
 
     with ep_local_experts() as local:
-        exported = bridge.export_hf_weights(model, cpu=False, show_progress=False)
+        exported = local_export(bridge, model, local, grouped=grouped, stats=stats)
         for name, tensor in without_cuda_mode(exported):
             stats.tensors_seen += 1
             t = tensor.detach()

@@ -72,6 +72,9 @@ class StreamStats:
     bytes_exported: int = 0
     tensors_seen: int = 0
     """Exported tensors this rank received (non-senders included: the gather traffic)."""
+    direct_experts: int = 0
+    """Of those, expert tensors taken straight from this rank's Megatron parameters, not
+    walked by the bridge (`weights.grouped`, `weights.grouped_export`)."""
     fp8_tensors: int = 0
     fp8_worst_error_ratio: float = 0.0
     """max over blocks of |deq - x| / e4m3 bound (<= 1 by construction; checked if asked)."""
@@ -115,6 +118,8 @@ def hf_tensors(
     experts_to_first: bool = True,
     show_progress: bool = False,
     expert_batch_bytes: int = 0,
+    grouped: bool = False,
+    stats: StreamStats | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors, one at a time (collective: all ranks iterate).
 
@@ -123,16 +128,21 @@ def hf_tensors(
     expert_batch_bytes: with experts_to_first, gather experts to EP rank 0 in batches of which
     it receives this many bytes, one collective per batch (`weights.ep_batch`); 0: one
     collective per expert tensor (the bridge's).
+    grouped: with batched gathers, the experts straight from the Megatron parameters where
+    `weights.grouped` allows (counted in `stats.direct_experts`), not from the bridge's walk.
     """
     if experts_to_first and expert_batch_bytes > 0:
         from megatron_gspo.patches.bridge import ep_local_experts
         from megatron_gspo.patches.cpu_runtime import without_cuda_mode
         from megatron_gspo.weights.ep_batch import batched_expert_gather
+        from megatron_gspo.weights.grouped import local_export
 
         with ep_local_experts() as local:
             # The gathers run on the tensors' device (nccl needs device tensors); the host
             # copy, when asked for, comes after them.
-            exported = bridge.export_hf_weights(model, cpu=False, show_progress=show_progress)
+            exported = local_export(
+                bridge, model, local, grouped=grouped, stats=stats, show_progress=show_progress
+            )
             pairs = ((n, t.detach()) for n, t in exported)
             gathered = batched_expert_gather(pairs, local, batch_bytes=expert_batch_bytes)
             # On the CPU runtime, the export runs without the mode that maps CUDA placements to
@@ -290,13 +300,15 @@ def model_buckets(
     expert_batch_bytes: int = 0,
     layout: str = "hf",
     num_experts: int = 0,
+    grouped: bool = False,
     **kwargs: Any,
 ) -> Iterator[Bucket]:
     """`iter_buckets(hf_tensors(...))`: buckets on the sender rank, nothing elsewhere.
 
     layout: "hf" (HF-named tensors) or "engine": SGLang's fused parameters, one item per fused
     parameter, its members unassembled (`engines.weight_layout.FusedParts`; `num_experts` per
-    MoE layer lets a layer's stacked experts leave as soon as the last arrives).
+    MoE layer lets a layer's stacked experts leave as soon as the last arrives); grouped: in
+    that layout, the experts straight from the Megatron parameters (`hf_tensors`).
     Every rank must exhaust this iterator (the bridge's gathers are collectives).
     """
     if experts_to_first and sender_rank != 0:
@@ -309,6 +321,8 @@ def model_buckets(
         cpu=cpu,
         experts_to_first=experts_to_first,
         expert_batch_bytes=expert_batch_bytes,
+        grouped=grouped and layout == "engine",
+        stats=kwargs.get("stats"),
     )
     tensors: Iterator[tuple[str, Sendable]] = exported
     if layout == "engine" and keep:  # the other ranks only drain the collectives

@@ -254,6 +254,7 @@ class WeightSync:
             expert_batch_bytes=self._expert_batch_bytes(),
             layout=self.layout,
             num_experts=_num_experts(self.bridge),
+            grouped=cfg.grouped_export == "auto",
             stats=stats,
         )
         # Checksums and sends run on a worker thread while the next bucket is exported here.
@@ -346,11 +347,12 @@ class WeightSync:
                 namings=self._namings or frozenset({"hf", "sglang"}),
                 device=cfg.resolved_engine_device(),
             )
+            g = cfg.grouped_export == "auto"  # experts straight from the Megatron parameters
             tensors = owned_fused(
-                self.bridge, model, grid, route, cpu=self._send_on_cpu(), stats=stats
+                self.bridge, model, grid, route, cpu=self._send_on_cpu(), stats=stats, grouped=g
             ) if home is None else home_fused(
                 self.bridge, model, grid, route, home, self.model_layout,
-                cpu=self._send_on_cpu(), stats=stats,
+                cpu=self._send_on_cpu(), stats=stats, grouped=g,
             )  # fmt: skip
         elif spread:
             sums = EngineChecksums([EngineLayout(1, 1, 1, 1, 1, 0)], namings=frozenset({"hf"}))

@@ -40,12 +40,15 @@ from megatron_gspo.megatron.model import (
 from megatron_gspo.testing.weights import hf_state
 from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
 from tests.weights.fake_engine import FakeEngine
+from tests.weights.grouped_ranks import grouped_vs_bridge
 
 BUCKET_MB = 64 / 1024  # 64 KiB: several buckets per sender
 PATHS: dict[str, dict[str, Any]] = {
-    "one": {"senders": "one"},  # today's default: rank 0 sends SGLang's layout
+    # the reference: rank 0 sends SGLang's layout, the experts from the bridge's export
+    "one": {"senders": "one", "grouped_export": "off"},
+    "one_grouped": {"senders": "one"},  # the same, experts from the Megatron parameters
     "owners_hf": {"senders": "owners", "layout": "hf"},  # every rank, HF names (before)
-    "owners": {"senders": "owners"},  # every rank, SGLang's own layout (auto)
+    "owners": {"senders": "owners"},  # every rank, SGLang's own layout (auto: grouped)
 }
 
 
@@ -224,6 +227,7 @@ def scenario(
     every = SGLangClient(ClientConfig(engine_urls=node_urls)) if rank == 0 else None
     mine = RecordingClient(ClientConfig(engine_urls=[node_urls[node]]))
     out: dict[str, Any] = {"model_bytes": total, "node": node}
+    out["grouped"] = grouped_vs_bridge(bridge, model, ref)
     for path, kw in PATHS.items():
         cfg = WeightSyncConfig(
             transport="tensor", bucket_mb=BUCKET_MB, verify_every=1, verify_names="common", **kw
@@ -248,6 +252,7 @@ def scenario(
                 "bytes_by_rank": report.bytes_by_rank,
                 "tensors": report.stats.tensors,
                 "records": [(u, n, names) for u, n, names in mine.sent],
+                "direct": sync.local_stats.direct_experts,
             }
         sync.close()
         if every is not None:
@@ -257,7 +262,7 @@ def scenario(
         out[path] = info
     if server is not None:
         one = out["one"].pop("state")
-        for path in ("owners_hf", "owners"):
+        for path in ("one_grouped", "owners_hf", "owners"):
             got = out[path].pop("state")
             out[path]["engine_vs_today"] = _diff(one, got)
             # Every parameter the engine holds under an exported name equals the export.
@@ -298,6 +303,8 @@ def files_scenario(rank: int, bridge: Any, layout: Layout, tmp: str) -> dict[str
                 bucket_mb=BUCKET_MB,
                 verify_every=1,
                 engine_ep_size=engine_ep,
+                # the reference: the bridge's experts; owners: the Megatron parameters (auto)
+                grouped_export="off" if senders == "one" else "auto",
             )
             sync = WeightSync(bridge, [engine] if rank == 0 else [], cfg, send_engines=[engine])
             with CollectiveBytes() as counted:
@@ -310,6 +317,7 @@ def files_scenario(rank: int, bridge: Any, layout: Layout, tmp: str) -> dict[str
                 "received": counted.received,
                 "sent": sync.local_stats.bytes_sent,
                 "engine_tensors": engine.tensors,
+                "direct": sync.local_stats.direct_experts,
             }
             if rank == 0:
                 held[senders] = engine.held()
@@ -381,6 +389,7 @@ def home_scenario(
         "received": counted.received,
         "sent": sync.local_stats.bytes_sent,
         "writers": [e.writers() for e in engines],
+        "direct": sync.local_stats.direct_experts,
     }
     if rank == 0:
         out["held"] = [e.held() for e in engines]

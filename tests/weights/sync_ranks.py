@@ -26,6 +26,7 @@ from megatron_gspo.weights import fp8
 from megatron_gspo.weights.checksum import WeightIntegrityError
 from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
 from tests.weights.fake_engine import FakeEngine
+from tests.weights.grouped_ranks import grouped_vs_bridge
 
 BUCKET_MB = 64 / 1024  # 64 KiB: the tiny model (~0.36 MB) spans several buckets
 CORRUPT = "model.layers.1.mlp.experts.3.down_proj.weight"
@@ -94,6 +95,7 @@ def _push(sync: WeightSync, model: list, engine: FakeEngine | None) -> dict[str,
         "tensors": report.stats.tensors,
         "layout": sync.layout,
         "seen_here": sync.local_stats.tensors_seen,  # this rank's share of the gather traffic
+        "direct": sync.local_stats.direct_experts,  # experts not walked by the bridge
     }
 
 
@@ -103,7 +105,7 @@ def run_layout(
     init_megatron(layout)
     model = build_model(make_provider(bridge, layout), load_from=bridge)
     ref = hf_state(bridge, model)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"grouped": grouped_vs_bridge(bridge, model, ref)}
     for key, (sync, engine) in syncs.items():
         if key == "corrupt":
             continue

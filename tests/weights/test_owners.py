@@ -35,11 +35,17 @@ def _through(info: dict) -> int:
     return info["received"] + info["sent"]
 
 
-@pytest.mark.parametrize("path", ["owners_hf", "owners"], ids=["hf-names", "sglang-layout"])
+@pytest.mark.parametrize(
+    "path",
+    ["owners_hf", "owners", "one_grouped"],
+    ids=["hf-names", "sglang-layout", "one-sender-grouped"],
+)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_engines_hold_what_todays_path_wrote(results: list[dict], scenario: str, path: str) -> None:
-    """Every parameter of every engine equals today's push and the bridge's export, whether
-    the senders send HF names or SGLang's own layout (the embedded engine unfuses it)."""
+    """Every parameter of every engine equals today's push (one sender, the experts from the
+    bridge's export) and the bridge's export, whether the senders send HF names or SGLang's
+    own layout (the embedded engine unfuses it), and whether the experts come from the
+    bridge or straight from the Megatron parameters (`one_grouped`, `owners`)."""
     engines = [r[scenario] for r in results if "engine_vs_today" in r[scenario][path]]
     assert len(engines) == (1 if scenario == "ep4" else 2)
     for eng in engines:
@@ -49,9 +55,34 @@ def test_engines_hold_what_todays_path_wrote(results: list[dict], scenario: str,
         # checkpoint, so a tensor no sender wrote differs), most also with the export by name.
         assert eng["engine_params"] >= 20 and eng["engine_params_exported"] >= 20
     owners = results[0][scenario][path]
-    assert owners["push"] == 2 and owners["verified"]  # rank 0 checked every sender's hashes
-    assert owners["version"] == 2 and set(owners["engine_version"].values()) == {"2"}
-    assert all(r[scenario][path]["version"] == 2 for r in results)  # one outcome
+    pushes = 1 if path == "one_grouped" else 2
+    assert owners["push"] == pushes and owners["verified"]  # rank 0 checked the senders' hashes
+    assert owners["version"] == pushes
+    assert set(owners["engine_version"].values()) == {str(pushes)}
+    assert all(r[scenario][path]["version"] == pushes for r in results)  # one outcome
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_experts_come_straight_from_the_megatron_parameters(
+    results: list[dict], scenario: str
+) -> None:
+    """`weights.grouped_export` (issue 36): on every rank (EP 4; EP 2 per "node") the expert
+    members taken from the Megatron parameters are bitwise what the bridge's export yields
+    for them (names, bytes, the EP registry: the slot's name on every EP rank) and what its
+    all-gathered export holds, and the bridge's remaining tasks export no expert; the pushes
+    in SGLang's layout took them (the bridge walked none of them), the reference and the
+    HF-named push did not (their engines compared bitwise above)."""
+    ep = 4 if scenario == "ep4" else 2
+    for r in results:
+        g = r[scenario]["grouped"]
+        assert g["why"] == "" and g["members"] == 2 * (4 // ep) * 3  # layers x local x 3
+        assert g["registered"] == g["members"]  # each with its slot's names on every EP rank
+        for key in ("names_differ", "unequal", "unequal_to_export"):
+            assert g[key] == [], (key, g[key][:5])
+        assert g["rest_experts"] == [] and g["covered"] == []
+        paths = r[scenario]
+        assert paths["one"]["direct"] == paths["owners_hf"]["direct"] == 0
+        assert paths["one_grouped"]["direct"] == paths["owners"]["direct"] == g["members"]
 
 
 def test_busiest_rank_carries_at_most_2_over_n(results: list[dict]) -> None:
@@ -108,6 +139,8 @@ def test_every_engine_rank_holds_what_one_sender_wrote(results: list[dict], engi
     for f in files:
         owners = f[f"ep{engine_ep}_owners"]
         assert owners["verified"] and owners["version"] == "1"
+        # the reference walked the bridge's experts, the owners took them from the parameters
+        assert f[f"ep{engine_ep}_one"]["direct"] == 0 and owners["direct"] == 2 * 2 * 3
         assert owners["engine_tensors"] > 0  # every rank sent some engine ranks' parameters
     received = [f[f"ep{engine_ep}_owners"]["received"] for f in files]
     if engine_ep == 2:
@@ -143,6 +176,7 @@ def test_each_engine_rank_is_fed_from_its_own_gpu(results: list[dict], engine_ep
     for h in home:
         assert h["verified"] and h["versions"] == ["1", "1"]
         assert h["sent"] > 0
+        assert h["direct"] == 2 * 2 * 3  # the experts straight from the Megatron parameters
     received = [h["received"] for h in home]
     if engine_ep == 2:
         assert received == [0, 0, 0, 0]

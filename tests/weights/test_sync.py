@@ -133,3 +133,35 @@ def test_vpp_and_distributed_optimizer(results: list[dict]) -> None:
     assert info["diff"] == {"missing": [], "extra": [], "unequal": []}, info["diff"]
     # SGLang's own layout (weights.layout=engine): 4 layers of 9 tensors (HF: 21), 3 outside
     assert info["tensors"] == 4 * 9 + 3 and info["verified"]
+
+
+GROUPED = {"tp2": "expert tensor parallel 2", "ep2": "", "pp2": "pipeline parallel", "tp2ep2": ""}
+"""Per layout, why `weights.grouped` leaves the experts to the bridge ("": it takes them)."""
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_experts_straight_from_the_megatron_parameters(results: list[dict], layout: str) -> None:
+    """`weights.grouped_export=auto` (issue 36): with expert-TP 1 and one pipeline stage each
+    rank's expert members come straight from its Megatron parameters, bitwise what the
+    bridge's export yields for them (names, bytes, EP registry: `grouped_ranks`) and what
+    its all-gathered export holds; the bridge then walks no expert tensor (its remaining
+    tasks yield the 21 others) and the push's engine holds the export bitwise (above).
+    Expert TP 2 and PP 2 fall back to the bridge's experts, naming why."""
+    n_local = 2 * 2 * 3  # layers x local experts x (gate, up, down)
+    for rank in (0, 1):
+        info = results[rank][layout]
+        g = info["grouped"]
+        assert GROUPED[layout] in g["why"] and bool(g["why"]) == bool(GROUPED[layout]), g["why"]
+        direct = 0 if GROUPED[layout] else n_local
+        # The one-sender push in SGLang's layout (batched gathers) took them; the other pushes
+        # (HF names, per-tensor gathers, FP8, the other transports) walked the bridge's.
+        assert info["tensor"]["direct"] == info["tensor_bf16"]["direct"] == direct
+        for other in ("tensor_hf", "tensor_per_tensor_gathers", "distributed", "fp8"):
+            assert info[other]["direct"] == 0, other
+        if GROUPED[layout]:
+            continue
+        assert g["members"] == g["registered"] == n_local  # each with its EP registry entry
+        for key in ("names_differ", "unequal", "unequal_to_export"):
+            assert g[key] == [], (key, g[key][:5])
+        assert g["rest_experts"] == [] and g["rest"] == HF_TENSORS - 2 * 4 * 3
+        assert g["covered"] == []  # every HF tensor: the bridge's rest or some EP rank's
