@@ -237,8 +237,9 @@ memory per GPU (most loaded pipeline stage; P = its parameters, Pd dense + Pe ex
                 batch), 3 x on every GPU with weights.senders=owners (a bucket: at least one
                 layer's stacked experts in SGLang's layout); in the rollout peak
   weight sync = HF bytes of the model (bf16, or FP8: 1 B/elem of *_proj weights + an fp32
-                scale per 128x128 block) / the stated bandwidth: with HF-named loads every
-                engine GPU receives them all, whoever sends (owners: a sender sends 1/n)
+                scale per 128x128 block) / the stated bandwidth into each engine GPU: all
+                of them with HF-named loads, 1/TP in SGLang's own layout (weights.layout
+                auto with the tensor transport); owners: a sender sends 1/n
 assumptions: routing balanced up to imb (--moe-imbalance), packed micro-batches filled to T,
 sequences at their longest, bf16 activations, no CPU offload, fragmentation in the overhead."""
 
@@ -411,18 +412,24 @@ def sync_estimate(
     cfg: Config, hf: HFConfig, gb_per_s: float, *, gpus_per_node: int, trainer_world: int
 ) -> dict[str, float]:
     """Bytes of one weight sync (`weights.dtype`, block FP8 with `weights.fp8`), through the
-    busiest sender, and its time at `gb_per_s`. `weights.senders=owners` splits the bytes over
-    each scope's ranks (a node for tensor, the trainer for distributed); every engine GPU still
-    receives all of them (HF-named loads)."""
+    busiest sender, into each engine GPU, and its time at `gb_per_s`. `weights.senders=owners`
+    splits the bytes over each scope's ranks (a node for tensor, the trainer for distributed).
+    An engine GPU receives all of them with HF names (SGLang loads every tensor on every TP
+    rank); in SGLang's own layout (`weights.layout` resolving to engine) only its rank's part,
+    about 1/TP of them (`rollout.launch.tp_size`; docs/performance.md, "SGLang's own layout")."""
     send_dtype_bytes = 4 if (cfg.weights.dtype == "float32") else 2
     _, sync_bytes = hf_tensor_bytes(hf, dtype_bytes=send_dtype_bytes, fp8=cfg.weights.fp8)
     senders = 1
     if cfg.weights.senders == "owners":
         senders = gpus_per_node if cfg.weights.transport == "tensor" else trainer_world
+    launch = cfg.rollout.launch
+    tp = launch.tp_size if launch is not None else 1
+    engine_gpu_bytes = sync_bytes / tp if cfg.weights.resolved_layout == "engine" else sync_bytes
     return dict(
         bytes=float(sync_bytes),
         sender_bytes=sync_bytes / senders,
+        engine_gpu_bytes=float(engine_gpu_bytes),
         gb_per_s=gb_per_s,
-        seconds=sync_bytes / 1e9 / gb_per_s,
+        seconds=engine_gpu_bytes / 1e9 / gb_per_s,
         fp8=float(cfg.weights.fp8),
     )

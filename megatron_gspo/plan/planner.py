@@ -367,8 +367,9 @@ def format_plan(plan: Plan) -> str:
         (
             "weight sync/step",
             f"{plan.sync['bytes'] / 1e9:.1f} GB "
-            f"({'FP8' if plan.sync['fp8'] else 'bf16'}) = {plan.sync['seconds']:.1f} s at "
-            f"{plan.sync['gb_per_s']:g} GB/s into each engine GPU; busiest sender "
+            f"({'FP8' if plan.sync['fp8'] else 'bf16'}), "
+            f"{plan.sync['engine_gpu_bytes'] / 1e9:.1f} GB into each engine GPU = "
+            f"{plan.sync['seconds']:.1f} s at {plan.sync['gb_per_s']:g} GB/s; busiest sender "
             f"{plan.sync['sender_bytes'] / 1e9:.1f} GB, {m.send_buffers / GiB:.1f} GiB buffers",
         ),
     ]

@@ -202,3 +202,22 @@ def _stage_fields(n: int) -> dict[str, int]:
     from megatron_gspo.plan.memory import StageParams
 
     return {f.name: n for f in dataclasses.fields(StageParams)}
+
+
+def test_sync_estimate_counts_one_tp_rank_per_engine_gpu_in_sglang_layout() -> None:
+    """In SGLang's own layout an engine GPU receives its rank's part (1/TP of the bytes); with
+    HF names every TP rank loads every tensor. The 30B BF16 recipe: TP-2 engines, tensor."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.plan.memory import sync_estimate
+    from megatron_gspo.plan.planner import _hf_config
+
+    recipe = "examples/recipes/qwen3_30b_a3b_bf16.yaml"
+    hf = _hf_config("examples/recipes/qwen3-30b-a3b")
+    got = {}
+    for layout in ("auto", "hf"):
+        cfg = load_config(recipe, [f"weights.layout={layout}"])
+        got[layout] = sync_estimate(cfg, hf, 25.0, gpus_per_node=8, trainer_world=8)
+    assert cfg.rollout.launch is not None and cfg.rollout.launch.tp_size == 2
+    assert got["hf"]["engine_gpu_bytes"] == got["hf"]["bytes"] > 60e9  # 61.1 GB in bf16
+    assert got["auto"]["engine_gpu_bytes"] == got["auto"]["bytes"] / 2
+    assert got["auto"]["seconds"] == got["hf"]["seconds"] / 2
