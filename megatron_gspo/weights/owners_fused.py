@@ -50,7 +50,15 @@ if TYPE_CHECKING:
 
     from megatron_gspo.weights.owners import SenderGrid
 
-__all__ = ["ExpertRoute", "engine_eps", "expert_route", "owned_fused", "route_for"]
+__all__ = [
+    "ExpertRoute",
+    "collect_expert",
+    "engine_eps",
+    "expert_route",
+    "local_stream",
+    "owned_fused",
+    "route_for",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +134,46 @@ class _Loads:
         self.by_rank[rank] += nbytes
 
 
+def collect_expert(
+    parts: dict[str, dict[tuple[int, int], torch.Tensor]],
+    name: str,
+    t: torch.Tensor,
+    n_local: int,
+) -> str | None:
+    """File local expert tensor `name` under its SGLang stacked parameter in `parts`; the
+    parameter's name once all `n_local` experts of it (gate and up for `w13_weight`) are in."""
+    slot = sglang_slot(name)
+    if slot is None:  # an expert tensor SGLang does not stack
+        raise ValueError(f"{name}: a local expert tensor outside w13_weight / w2_weight")
+    group, key = slot
+    held = parts.setdefault(group, {})
+    if key in held:
+        raise ValueError(f"{name}: exported twice into {group}")
+    held[key] = t
+    if not n_local:
+        raise ValueError(f"{name}: an expert of a model whose expert count is unknown")
+    per = 1 if group.endswith(".w2_weight") else 2
+    return group if len(held) == n_local * per else None
+
+
+def local_stream(
+    bridge: AutoBridge, model: list[torch.nn.Module], *, grouped: bool, stats: StreamStats
+) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """Every HF tensor this rank exports with the bridge's EP step off (`ep_local_experts`:
+    each EP rank its own experts), detached, and whether it is one of this rank's local
+    experts (collective: every rank exhausts it). Counts each in `stats.tensors_seen`.
+    grouped: the local experts straight from the Megatron parameters (`weights.grouped`)."""
+    from megatron_gspo.patches.bridge import ep_local_experts
+    from megatron_gspo.patches.cpu_runtime import without_cuda_mode
+    from megatron_gspo.weights.grouped import local_export
+
+    with ep_local_experts() as local:
+        exported = local_export(bridge, model, local, grouped=grouped, stats=stats)
+        for name, tensor in without_cuda_mode(exported):
+            stats.tensors_seen += 1
+            yield name, tensor.detach(), local.pop(name, None) is not None
+
+
 class _Experts:
     """This rank's local experts, grouped per engine fused parameter (collective: the
     gathers); `add` returns a fused parameter this rank sends once it is complete."""
@@ -141,20 +189,8 @@ class _Experts:
         self.parts: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
 
     def add(self, name: str, t: torch.Tensor) -> tuple[str, FusedParts] | None:
-        slot = sglang_slot(name)
-        if slot is None:  # an expert tensor SGLang does not stack: sent as it is
-            raise ValueError(f"{name}: a local expert tensor outside w13_weight / w2_weight")
-        group, key = slot
-        parts = self.parts.setdefault(group, {})
-        if key in parts:
-            raise ValueError(f"{name}: exported twice into {group}")
-        parts[key] = t
-        if not self.n_local:
-            raise ValueError(f"{name}: an expert of a model whose expert count is unknown")
-        per = 1 if group.endswith(".w2_weight") else 2
-        if len(parts) < self.n_local * per:
-            return None
-        return self._close(group)
+        group = collect_expert(self.parts, name, t, self.n_local)
+        return None if group is None else self._close(group)
 
     def _assign(self, share: int) -> tuple[int, list[int]]:
         """(receiver, peers in EP order) of this rank's unit, deciding every unit's in turn
@@ -231,10 +267,6 @@ def owned_fused(
     `stats.tensors_seen` (iterate the result with `count_seen=False`). grouped: the local
     experts straight from the Megatron parameters where `weights.grouped` allows, not from the
     bridge's walk."""
-    from megatron_gspo.patches.bridge import ep_local_experts
-    from megatron_gspo.patches.cpu_runtime import without_cuda_mode
-    from megatron_gspo.weights.grouped import local_export
-
     replicated = grid.replicated_senders()
     fuser = Fuser(lazy=True)  # the replicated stream: no expert enters it
     loads = _Loads(grid.scope())
@@ -247,17 +279,13 @@ def owned_fused(
             if owner == grid.rank:
                 yield name, _host(item) if cpu else item
 
-    with ep_local_experts() as local:
-        exported = local_export(bridge, model, local, grouped=grouped, stats=stats)
-        for name, tensor in without_cuda_mode(exported):
-            stats.tensors_seen += 1
-            t = tensor.detach()
-            if local.pop(name, None) is None:
-                yield from mine(fuser.add(name, t))
-                continue
-            done = experts.add(name, t)  # the gathers run on the tensors' device
-            if done is not None:
-                yield done[0], _host(done[1]) if cpu else done[1]
+    for name, t, expert in local_stream(bridge, model, grouped=grouped, stats=stats):
+        if not expert:
+            yield from mine(fuser.add(name, t))
+            continue
+        done = experts.add(name, t)  # the gathers run on the tensors' device
+        if done is not None:
+            yield done[0], _host(done[1]) if cpu else done[1]
     if experts.parts:
         raise ValueError(f"expert parameters left incomplete: {sorted(experts.parts)[:3]}")
     yield from mine(fuser.close())

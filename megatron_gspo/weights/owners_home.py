@@ -47,9 +47,13 @@ from megatron_gspo.engines.weight_layout import (
     member_names,
     rank_piece,
 )
-from megatron_gspo.engines.weight_names import sglang_slot
 from megatron_gspo.engines.weight_shards import EngineLayout, engine_shard
-from megatron_gspo.weights.owners_fused import ExpertRoute, _Loads
+from megatron_gspo.weights.owners_fused import (
+    ExpertRoute,
+    _Loads,
+    collect_expert,
+    local_stream,
+)
 from megatron_gspo.weights.stream import StreamStats
 
 if TYPE_CHECKING:
@@ -378,10 +382,6 @@ def home_fused(
     exhausts it; the expert transfers run inside). Counts every exported HF tensor in
     `stats.tensors_seen` (iterate the result with `count_seen=False`). grouped: the local
     experts straight from the Megatron parameters where `weights.grouped` allows."""
-    from megatron_gspo.patches.bridge import ep_local_experts
-    from megatron_gspo.patches.cpu_runtime import without_cuda_mode
-    from megatron_gspo.weights.grouped import local_export
-
     fuser = Fuser(lazy=True)
     loads = _Loads(grid.scope())
     n_local = route.num_experts // route.trainer_ep if route.num_experts else 0
@@ -391,25 +391,16 @@ def home_fused(
         if cut is not None:
             yield cut.name, cut.to_host() if cpu else cut
 
-    with ep_local_experts() as local:
-        exported = local_export(bridge, model, local, grouped=grouped, stats=stats)
-        for name, tensor in without_cuda_mode(exported):
-            stats.tensors_seen += 1
-            t = tensor.detach()
-            if local.pop(name, None) is None:
-                for fused, item in fuser.add(name, t):
-                    if plan.mine is not None:
-                        yield from out(_cut(fused, item, plan.mine, layout))
-                continue
-            slot = sglang_slot(name)
-            if slot is None or not n_local:
-                raise ValueError(f"{name}: a local expert outside w13_weight / w2_weight")
-            group, key = slot
-            held = parts.setdefault(group, {})
-            held[key] = t
-            if len(held) == n_local * (1 if group.endswith(".w2_weight") else 2):
-                cut = _exchange(group, parts.pop(group), grid, plan, layout, route, loads)
-                yield from out(cut)
+    for name, t, expert in local_stream(bridge, model, grouped=grouped, stats=stats):
+        if not expert:
+            for fused, item in fuser.add(name, t):
+                if plan.mine is not None:
+                    yield from out(_cut(fused, item, plan.mine, layout))
+            continue
+        group = collect_expert(parts, name, t, n_local)
+        if group is not None:
+            cut = _exchange(group, parts.pop(group), grid, plan, layout, route, loads)
+            yield from out(cut)
     if parts:
         raise ValueError(f"expert parameters left incomplete: {sorted(parts)[:3]}")
     for fused, item in fuser.close():
