@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from megatron_gspo.patches.bridge import ep_local_experts
-from megatron_gspo.weights.grouped import GroupedPlan
+from megatron_gspo.weights.grouped import GroupedPlan, local_export
 
 Entry = tuple[list[str], list[int]] | None
 
@@ -68,5 +68,27 @@ def grouped_vs_bridge(bridge: Any, model: list, ref: dict[str, torch.Tensor]) ->
         rest=len(rest),
         tasks=len(tasks or []),
         covered=sorted(set(ref) - set(rest) - every_rank),
+        stale=_stale(bridge, model, plan),
     )
     return out
+
+
+def _stale(bridge: Any, model: list, plan: GroupedPlan) -> list[str]:
+    """Expert members that `local_export` (its plan kept on the model across pushes) does not
+    take from the parameters' current values: the experts' signs are flipped in place between
+    two exports (exactly undone after), as a training step updates the parameters in place."""
+
+    def experts() -> dict[str, torch.Tensor]:
+        with ep_local_experts() as local:
+            got = local_export(bridge, model, local, grouped=True)
+            return {n: t.detach().clone() for n, t in got if ".mlp.experts." in n}
+
+    first = experts()
+    for p in plan.experts:
+        p.weight.data.neg_()
+    try:
+        again = experts()
+    finally:
+        for p in plan.experts:
+            p.weight.data.neg_()
+    return sorted(n for n, t in first.items() if n not in again or not torch.equal(again[n], -t))

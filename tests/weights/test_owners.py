@@ -77,7 +77,7 @@ def test_experts_come_straight_from_the_megatron_parameters(
         g = r[scenario]["grouped"]
         assert g["why"] == "" and g["members"] == 2 * (4 // ep) * 3  # layers x local x 3
         assert g["registered"] == g["members"]  # each with its slot's names on every EP rank
-        for key in ("names_differ", "unequal", "unequal_to_export"):
+        for key in ("names_differ", "unequal", "unequal_to_export", "stale"):
             assert g[key] == [], (key, g[key][:5])
         assert g["rest_experts"] == [] and g["covered"] == []
         paths = r[scenario]

@@ -161,7 +161,7 @@ def test_experts_straight_from_the_megatron_parameters(results: list[dict], layo
         if GROUPED[layout]:
             continue
         assert g["members"] == g["registered"] == n_local  # each with its EP registry entry
-        for key in ("names_differ", "unequal", "unequal_to_export"):
+        for key in ("names_differ", "unequal", "unequal_to_export", "stale"):
             assert g[key] == [], (key, g[key][:5])
         assert g["rest_experts"] == [] and g["rest"] == HF_TENSORS - 2 * 4 * 3
         assert g["covered"] == []  # every HF tensor: the bridge's rest or some EP rank's
