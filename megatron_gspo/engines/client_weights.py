@@ -17,6 +17,7 @@ import torch
 from megatron_gspo.engines import wire as proto
 from megatron_gspo.engines.client_control import ControlPlane
 from megatron_gspo.engines.protocols import WeightReceiver, weight_update_session
+from megatron_gspo.engines.sglang_loader import LOADER, is_slice_name
 from megatron_gspo.engines.weight_layout import (
     Sendable,
     engine_layout,
@@ -127,10 +128,12 @@ class WeightCalls(ControlPlane):
                 per_rank, len(urls), held.setdefault(tp, {})
             )
             keep.append(bufs)
+            # Expert slices (several senders per engine rank) need our loader; else SGLang's.
+            sliced = any(is_slice_name(p.name) for pieces in per_rank for p in pieces)
             for url, payload in zip(urls, payloads, strict=True):
                 bodies[url] = {
                     "serialized_named_tensors": payload,
-                    "load_format": "direct",
+                    "load_format": LOADER if sliced else "direct",
                     "flush_cache": flush_cache,
                     "weight_version": weight_version,
                 }
@@ -169,6 +172,18 @@ class WeightCalls(ControlPlane):
     def engine_tp_sizes(self) -> list[int]:
         """TP size of each engine (`rollout.client.engine_tp_sizes`), in `engine_urls` order."""
         return list(self.config.engine_tp_sizes or [1] * len(self.config.engine_urls))
+
+    def takes_expert_slices(self) -> bool:
+        """Whether every engine loads expert slices: its `/server_info` lists our loader in
+        `custom_weight_loader` (`engines.sglang_loader`; the launcher passes it). Asked once
+        per engine URL."""
+        known: dict[str, bool] = self.__dict__.setdefault("_slices", {})
+        urls = [u for u in self.config.engine_urls if u not in known]
+        if urls:
+            res = self._control("/server_info", method="GET", retries=2)
+            for url, (_, raw) in res.items():
+                known[url] = LOADER in (json.loads(raw).get("custom_weight_loader") or [])
+        return all(known.get(u, False) for u in self.config.engine_urls)
 
     def weight_update_session(
         self, weight_version: str | None = None

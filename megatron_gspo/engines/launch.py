@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_gspo.config_io import port, positive, require
+from megatron_gspo.engines.sglang_loader import LOADER
 from megatron_gspo.run.stop import popen_from_lasting_thread
 
 
@@ -232,7 +233,18 @@ def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list
         cmd += ["--enable-deterministic-inference"]
     if cfg.api_key:
         cmd += ["--api-key", cfg.api_key]
-    return cmd + list(cfg.extra_args)
+    return cmd + _with_our_loader(list(cfg.extra_args))
+
+
+def _with_our_loader(extra: list[str]) -> list[str]:
+    """`extra` with our expert-slice loader (`engines.sglang_loader`) among SGLang's
+    `--custom-weight-loader` paths: added to the user's own list when there is one (the flag
+    takes several paths, and a second flag would replace the first)."""
+    flag = "--custom-weight-loader"
+    if flag not in extra:
+        return [flag, LOADER, *extra]
+    at = extra.index(flag) + 1
+    return [*extra[:at], LOADER, *extra[at:]]
 
 
 # What torchrun gives each trainer rank. The job launches engines from rank 0, and an engine

@@ -199,6 +199,12 @@ class WeightReceiver(Protocol):
         """After a sync that was verified on every engine: engines that joined it serve again."""
         ...
 
+    def takes_expert_slices(self) -> bool:
+        """Whether every engine loads one stacked expert parameter in slices from several
+        senders (`<param>@experts=<i>`: SGLang started with our `--custom-weight-loader`,
+        `engines.sglang_loader`); False: whole parameters only (`load_format="direct"`)."""
+        ...
+
     def engine_tp_sizes(self) -> list[int]:
         """TP size of each engine, in engine order: over how many ranks each reports its
         checksums (SGLang's `/weights_checker`: one entry per TP rank); 1 for an engine that

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_gspo.engines.sglang_loader import split_slice_name
+
 if TYPE_CHECKING:
     from megatron_gspo.engines.weight_layout import Sendable
     from megatron_gspo.engines.weight_shards import EngineLayout
@@ -29,7 +31,13 @@ def is_fused_name(name: str) -> bool:
 
 def unfuse(name: str, t: torch.Tensor, lay: EngineLayout) -> list[tuple[str, torch.Tensor]]:
     """The HF-named members of a whole (unsharded) SGLang tensor, as views in its byte order;
-    `[(name, t)]` for a name SGLang does not fuse. `lay` gives the head counts."""
+    `[(name, t)]` for a name SGLang does not fuse. `lay` gives the head counts. An expert
+    slice (`sglang_loader.slice_name`: experts `first`, `first + 1`, ...) names its members
+    by their expert index in the whole parameter."""
+    name, first = split_slice_name(name)
+    if first is not None and not (_W13.match(name) or _W2.match(name)):
+        raise ValueError(f"{name}: only stacked expert parameters are sent in slices")
+    first = first or 0
     if m := _QKV.match(name):
         q, kv = lay.num_heads * lay.head_dim, lay.num_kv_heads * lay.head_dim
         if t.shape[0] != q + 2 * kv:
@@ -48,11 +56,11 @@ def unfuse(name: str, t: torch.Tensor, lay: EngineLayout) -> list[tuple[str, tor
         half = _half(name, t, 1)
         out = []
         for e in range(t.shape[0]):
-            out.append((f"{m['p']}.{e}.gate_proj.weight", t[e, :half]))
-            out.append((f"{m['p']}.{e}.up_proj.weight", t[e, half:]))
+            out.append((f"{m['p']}.{first + e}.gate_proj.weight", t[e, :half]))
+            out.append((f"{m['p']}.{first + e}.up_proj.weight", t[e, half:]))
         return out
     if m := _W2.match(name):
-        return [(f"{m['p']}.{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+        return [(f"{m['p']}.{first + e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
     return [(name, t)]
 
 

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from megatron_gspo.engines.sglang_loader import is_slice_name, slice_name
 from megatron_gspo.engines.weight_fused import is_fused_name, tensors_only, unfuse
 from megatron_gspo.engines.weight_group import host_views
 from megatron_gspo.engines.weight_names import SGLangChecksums, sglang_slot
@@ -47,6 +48,7 @@ from megatron_gspo.engines.wire import fused_checksum
 LAYOUTS: tuple[str, ...] = ("hf", "engine")
 """How a push names its tensors: HF checkpoint names (every transport, SGLang's per-name
 `load_weights`) or SGLang's own fused parameters (`load_format="direct"`, tensor transport)."""
+
 
 def unfuse_all(
     named: Iterable[tuple[str, torch.Tensor]], lay: EngineLayout
@@ -236,13 +238,30 @@ def rank_piece(
         one = engine_shard(name, members[0][1], rank, lay)
         return None if one is None else RankPiece(name, tuple(one[1].shape), dtype, [one[1]])
     if lay.tp_size == 1 and lay.ep_size == 1:
-        shards = [t for _, t in members]
+        kept = members
     else:
         cut = (engine_shard(n, m, rank, lay) for n, m in members)
-        shards = [p[1] for p in cut if p is not None]
-    if not shards:
+        kept = [p for p in cut if p is not None]
+    if not kept:
         return None
-    return RankPiece(name, _fused_shape(name, [s.shape for s in shards]), dtype, shards)
+    shards = [t for _, t in kept]
+    shape = _fused_shape(name, [s.shape for s in shards])
+    return RankPiece(_expert_slice_name(name, kept, lay), shape, dtype, shards)
+
+
+def _expert_slice_name(name: str, kept: list[tuple[str, torch.Tensor]], lay: EngineLayout) -> str:
+    """`name`, or its slice name (`sglang_loader.slice_name`) when `kept` (an engine rank's
+    members of stacked expert parameter `name`, named by the rank's local expert index) are
+    some of the rank's experts only: one sender's share, when several send one rank's experts
+    (`weights.expert_slices`)."""
+    if not name.endswith((".w13_weight", ".w2_weight")) or not lay.num_experts:
+        return name
+    experts = sorted({slot[1][0] for n, _ in kept if (slot := sglang_slot(n)) is not None})
+    if len(experts) == lay.num_experts // lay.ep_size:
+        return name
+    if experts != list(range(experts[0], experts[0] + len(experts))):
+        raise ValueError(f"{name}: experts {experts} are not one contiguous slice")
+    return slice_name(name, experts[0])
 
 
 def rank_pieces(
@@ -420,6 +439,11 @@ class RankChecksums:
         for tp, lay in self.layouts.items():
             for r in range(tp):
                 for piece in rank_pieces(named, r, lay):
+                    if is_slice_name(piece.name):  # the engine hashes whole parameters only
+                        raise ValueError(
+                            f"{piece.name}: an expert slice cannot be verified on its own "
+                            "(verified pushes send whole parameters: weights.expert_slices)"
+                        )
                     parts = [s.to(piece.dtype) for s in piece.sources]
                     self._ranks[tp][r][piece.name] = fused_checksum(parts, self.device)
 

@@ -27,6 +27,7 @@ ROUTES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "/health": (("GET",), None),
     "/health_generate": (("GET",), None),
     "/model_info": (("GET",), None),
+    "/server_info": (("GET",), None),
     "/flush_cache": (("POST",), None),
     "/abort_request": (("POST",), "AbortReq"),
     "/pause_generation": (("POST",), "PauseGenerationReqInput"),

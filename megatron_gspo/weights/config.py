@@ -92,6 +92,14 @@ class WeightSyncConfig:
     export, a bridge without conversion tasks; said once in the log), and always for HF-named
     and FP8 pushes. off: the bridge's export of every expert tensor (the path before;
     benchmarks compare the two in one run)."""
+    expert_slices: Literal["auto", "off"] = "auto"
+    """How `weights.senders=owners` sends an engine rank's stacked experts (`w13_weight` /
+    `w2_weight`) that several trainer EP ranks hold. auto: each sends its own experts as a
+    slice of the parameter, straight into place (no gather between trainer ranks), when every
+    engine loads slices (SGLang started with our `--custom-weight-loader`, which the launcher
+    passes: `engines.sglang_loader`; the embedded engine) and the push is not verified (the
+    engine hashes whole parameters); otherwise, or off: the holders first send theirs to one of
+    them, which sends the whole parameter (`load_format="direct"`)."""
     disk_dir: str | None = None
     """Root directory of the disk transport (must be visible to the engines); None in a run
     config: `<logging.dir>/weights`."""
@@ -161,6 +169,8 @@ class WeightSyncConfig:
             raise ConfigError("weights.verify_every must be >= 0")
         if self.engine_ep_size < 1:
             raise ConfigError(f"weights.engine_ep_size={self.engine_ep_size} must be >= 1")
+        if self.expert_slices not in ("auto", "off"):
+            raise ConfigError(f"weights.expert_slices={self.expert_slices!r}: auto|off")
         if self.grouped_export not in ("auto", "off"):
             raise ConfigError(f"weights.grouped_export={self.grouped_export!r}: auto|off")
         if self.engine_device not in ("auto", "cpu", "cuda"):

@@ -111,13 +111,20 @@ class SenderGrid:
     """Whether each global rank has engines to send to."""
     engine_eps: tuple[frozenset[int], ...] = ()
     """The expert-parallel sizes of each global rank's engines (SGLang's layout)."""
+    slices: tuple[bool, ...] = ()
+    """Whether each global rank's engines load expert slices (`takes_expert_slices`)."""
 
     @classmethod
     def gather(
-        cls, *, per_node: bool, sending: bool = True, engine_eps: frozenset[int] = frozenset()
+        cls,
+        *,
+        per_node: bool,
+        sending: bool = True,
+        engine_eps: frozenset[int] = frozenset(),
+        slices: bool = False,
     ) -> SenderGrid:
         """Collective: every rank calls it (one small all_gather_object)."""
-        mine = (node_index(), expert_rank(), sending, engine_eps)
+        mine = (node_index(), expert_rank(), sending, engine_eps, slices)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             every: list[Any] = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(every, mine)
@@ -126,12 +133,19 @@ class SenderGrid:
             every, rank = [mine], 0
         return cls(
             rank=rank,
-            nodes=tuple(n for n, _, _, _ in every),
-            ep_ranks=tuple(e for _, e, _, _ in every),
+            nodes=tuple(one[0] for one in every),
+            ep_ranks=tuple(one[1] for one in every),
             per_node=per_node,
-            sending=tuple(bool(s) for _, _, s, _ in every),
-            engine_eps=tuple(frozenset(x) for _, _, _, x in every),
+            sending=tuple(bool(one[2]) for one in every),
+            engine_eps=tuple(frozenset(one[3]) for one in every),
+            slices=tuple(bool(one[4]) for one in every),
         )
+
+    def all_take_slices(self) -> bool:
+        """Whether every sending rank's engines load expert slices (the same on every rank)."""
+        if len(self.slices) != len(self.sending):
+            return False
+        return all(t for t, s in zip(self.slices, self.sending, strict=True) if s)
 
     def scope(self) -> list[int]:
         """Global ranks that share this rank's send scope, in rank order."""

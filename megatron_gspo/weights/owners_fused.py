@@ -71,6 +71,9 @@ class ExpertRoute:
     """Engine EP size (E) of every engine the senders feed."""
     num_experts: int
     """Routed experts per MoE layer (0: a dense model)."""
+    slices: bool = False
+    """Each holder sends its own experts as a slice of the engine rank's parameter (the
+    engines load slices: `engines.sglang_loader`), instead of to one of them first."""
 
     @property
     def peers(self) -> int:
@@ -178,8 +181,10 @@ class _Experts:
     """This rank's local experts, grouped per engine fused parameter (collective: the
     gathers); `add` returns a fused parameter this rank sends once it is complete."""
 
-    def __init__(self, grid: SenderGrid, route: ExpertRoute, loads: _Loads) -> None:
-        self.grid, self.route, self.loads = grid, route, loads
+    def __init__(
+        self, grid: SenderGrid, route: ExpertRoute, loads: _Loads, dtype: torch.dtype | None = None
+    ) -> None:
+        self.grid, self.route, self.loads, self.dtype = grid, route, loads, dtype
         self.me = grid.ep_ranks[grid.rank]
         self.n_local = route.num_experts // route.trainer_ep if route.num_experts else 0
         scope = grid.scope()
@@ -211,11 +216,31 @@ class _Experts:
         assert mine is not None
         return mine
 
+    def _assign_slices(self, share: int) -> int:
+        """Who sends this rank's experts of the parameter as a slice: the least loaded replica
+        of its EP rank, deciding every EP rank's in turn (the same on every rank)."""
+        mine = -1
+        for ep in range(self.route.trainer_ep):
+            sender = self.loads.pick(self.holders[ep])
+            self.loads.add(sender, share)
+            if ep == self.me:
+                mine = sender
+        return mine
+
     def _close(self, group: str) -> tuple[str, FusedParts] | None:
         parts = self.parts.pop(group)
         keys = sorted(parts)
         mine = [parts[k] for k in keys]
-        receiver, peers = self._assign(sum(m.numel() * m.element_size() for m in mine))
+        share = sum(m.numel() * m.element_size() for m in mine)
+        if self.route.slices and self.route.peers > 1:
+            if self._assign_slices(share) != self.grid.rank:
+                return None  # another replica sends this one
+            # A slice of the engine rank's parameter (`rank_piece` names it by its experts).
+            members = list(zip(member_names(group, keys), mine, strict=True))
+            return group, FusedParts(group, members)
+        if self.dtype is not None and self.route.peers > 1:
+            mine = [m.to(self.dtype) for m in mine]  # the gather moves what the engine takes
+        receiver, peers = self._assign(share)
         if self.grid.rank not in peers:
             return None  # another replica sends this one
         if self.grid.rank != receiver:
@@ -261,16 +286,18 @@ def owned_fused(
     cpu: bool,
     stats: StreamStats,
     grouped: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, Sendable]]:
     """The fused parameters (and unfused tensors) this rank sends, SGLang-named, as members
     (collective: every rank exhausts it). Counts every HF tensor exported to this rank in
     `stats.tensors_seen` (iterate the result with `count_seen=False`). grouped: the local
     experts straight from the Megatron parameters where `weights.grouped` allows, not from the
-    bridge's walk."""
+    bridge's walk. dtype: what the engines take (the experts gathered to one holder are cast
+    before they move; None: as exported)."""
     replicated = grid.replicated_senders()
     fuser = Fuser(lazy=True)  # the replicated stream: no expert enters it
     loads = _Loads(grid.scope())
-    experts = _Experts(grid, route, loads)
+    experts = _Experts(grid, route, loads, dtype)
 
     def mine(items: list[tuple[str, Sendable]]) -> Iterator[tuple[str, Sendable]]:
         for name, item in items:

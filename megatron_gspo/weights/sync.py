@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -305,6 +305,7 @@ class WeightSync:
             engine_eps=engine_eps(self.model_layout, engine_tp_sizes(self.send_engines))
             if self.send_engines
             else frozenset(),
+            slices=self._send_slices(verify),
         )
         problem = owners_lib.grid_problem(grid)  # the same on every rank: all stop here
         if problem is not None:
@@ -349,7 +350,8 @@ class WeightSync:
             )
             g = cfg.grouped_export == "auto"  # experts straight from the Megatron parameters
             tensors = owned_fused(
-                self.bridge, model, grid, route, cpu=self._send_on_cpu(), stats=stats, grouped=g
+                self.bridge, model, grid, route, cpu=self._send_on_cpu(), stats=stats, grouped=g,
+                dtype=cfg.torch_dtype,
             ) if home is None else home_fused(
                 self.bridge, model, grid, route, home, self.model_layout,
                 cpu=self._send_on_cpu(), stats=stats, grouped=g,
@@ -433,7 +435,16 @@ class WeightSync:
         if route is None and why and self.sender and not self._told_fallback:
             self._told_fallback = True
             logger.warning("weights.senders=owners sends HF names, not SGLang's layout: %s", why)
+        if route is not None and grid.all_take_slices():
+            route = replace(route, slices=True)
         return route
+
+    def _send_slices(self, verify: bool) -> bool:
+        """Whether this rank's engines may get expert slices in this push
+        (`weights.expert_slices`: auto, an unverified push, engines that load them)."""
+        if self.config.expert_slices != "auto" or verify or not self.send_engines:
+            return False
+        return all(e.takes_expert_slices() for e in self.send_engines)
 
     def _expert_batch_bytes(self) -> int:
         """Bytes EP rank 0 receives per batched expert gather (about one bucket; 0: the

@@ -74,6 +74,7 @@ class FakeEngine:
         self.in_session = False
         self.calls: list[str] = []
         self.direct_calls = 0  # update_weights_from_tensor calls in SGLang's own layout
+        self.slices = False  # loads expert slices (`takes_expert_slices`), as our loader does
         self.disk_config: dict | None = None
         self.corrupt_name: str | None = None
         self._pool = ThreadPoolExecutor(1)
@@ -205,6 +206,9 @@ class FakeEngine:
 
     def prepare_sync(self) -> list[str]:
         return []
+
+    def takes_expert_slices(self) -> bool:
+        return self.slices
 
     def engine_tp_sizes(self) -> list[int]:
         # It stores and hashes whole HF tensors (one checksum set), whatever `tp_size`

@@ -49,6 +49,8 @@ PATHS: dict[str, dict[str, Any]] = {
     "one_grouped": {"senders": "one"},  # the same, experts from the Megatron parameters
     "owners_hf": {"senders": "owners", "layout": "hf"},  # every rank, HF names (before)
     "owners": {"senders": "owners"},  # every rank, SGLang's own layout (auto: grouped)
+    # the same unverified: each EP rank sends its experts as slices (weights.expert_slices)
+    "owners_slices": {"senders": "owners", "verify_every": 0},
 }
 
 
@@ -61,8 +63,12 @@ class RecordingClient(SGLangClient):
 
     def update_weights_from_tensor(self, named_tensors: Any, **kw: Any) -> None:
         nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
+        names = [n for n, _ in named_tensors]
+        if kw.get("layout") is not None:  # the names a one-rank engine loads (slices named)
+            pieces = rank_pieces(named_tensors, 0, engine_layout(kw["layout"], 1))
+            names = [p.name for p in pieces]
         for url in self.config.engine_urls:
-            self.sent.append((url, nbytes, [n for n, _ in named_tensors]))
+            self.sent.append((url, nbytes, names))
         super().update_weights_from_tensor(named_tensors, **kw)
 
 
@@ -229,9 +235,8 @@ def scenario(
     out: dict[str, Any] = {"model_bytes": total, "node": node}
     out["grouped"] = grouped_vs_bridge(bridge, model, ref)
     for path, kw in PATHS.items():
-        cfg = WeightSyncConfig(
-            transport="tensor", bucket_mb=BUCKET_MB, verify_every=1, verify_names="common", **kw
-        )
+        base = dict(transport="tensor", bucket_mb=BUCKET_MB, verify_every=1, verify_names="common")
+        cfg = WeightSyncConfig(**{**base, **kw})
         sync = WeightSync(bridge, [every] if every else [], cfg, send_engines=[mine])
         info: dict[str, Any] = {}
         # owners in HF names: the first verified push learns the engines' naming through one
@@ -262,7 +267,7 @@ def scenario(
         out[path] = info
     if server is not None:
         one = out["one"].pop("state")
-        for path in ("one_grouped", "owners_hf", "owners"):
+        for path in ("one_grouped", "owners_hf", "owners", "owners_slices"):
             got = out[path].pop("state")
             out[path]["engine_vs_today"] = _diff(one, got)
             # Every parameter the engine holds under an exported name equals the export.
@@ -411,6 +416,7 @@ def main(rank: int, world: int, hf_dir: str, tmp: str) -> dict[str, Any]:
         save_tiny_hf_checkpoint(Path(other), seed=7)
     torch.distributed.barrier()
     return {
+        "rank": rank,
         "ep4": scenario(rank, bridge, other, Layout(ep=4), ranks_per_node=4),
         "ep2_2nodes": scenario(rank, bridge, other, Layout(ep=2), ranks_per_node=2),
         "files_ep2": files_scenario(rank, bridge, Layout(ep=2), tmp),

@@ -85,6 +85,38 @@ def test_experts_come_straight_from_the_megatron_parameters(
         assert paths["one_grouped"]["direct"] == paths["owners"]["direct"] == g["members"]
 
 
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_unverified_pushes_send_each_ranks_experts_as_slices(
+    results: list[dict], scenario: str
+) -> None:
+    """`weights.expert_slices` (auto): an unverified owners push into engines that load
+    slices (the embedded engine, as SGLang with our `--custom-weight-loader`) moves no expert
+    between trainer ranks: each EP rank sends its own experts as a slice of the one-rank
+    engine's stacked parameters (`<param>@experts=<i>`, at its first expert), and the engine
+    holds bitwise what today's path wrote. The verified owners push sends whole parameters
+    (the engine hashes whole ones), so its experts were gathered first."""
+    ep = 4 if scenario == "ep4" else 2
+    local = 4 // ep
+    layers = results[0][scenario]["grouped"]["members"] // (3 * local)
+    for r in results:
+        s = r[scenario]
+        ep_rank = r["rank"] % ep
+        sliced = [n for _, _, names in s["owners_slices"]["records"] for n in names]
+        sliced = [n for n in sliced if "@experts=" in n]
+        assert len(sliced) == 2 * layers, sliced  # w13 and w2 of every MoE layer
+        assert {n.rsplit("=", 1)[1] for n in sliced} == {str(ep_rank * local)}
+        assert s["owners_slices"]["received"] == 0  # no expert crossed between ranks
+        whole = [n for _, _, names in s["owners"]["records"] for n in names]
+        assert not any("@experts=" in n for n in whole)
+        assert s["owners_slices"]["version"] == 2 and not s["owners_slices"]["verified"]
+    assert sum(r[scenario]["owners"]["received"] for r in results) > 0  # the gather's bytes
+    engines = [r[scenario]["owners_slices"] for r in results]
+    engines = [e for e in engines if "engine_vs_today" in e]
+    assert len(engines) == (1 if scenario == "ep4" else 2)
+    for eng in engines:
+        assert eng["engine_vs_today"] == [] and eng["engine_vs_export"] == []
+
+
 def test_busiest_rank_carries_at_most_2_over_n(results: list[dict]) -> None:
     """One node, n = 4 senders: the busiest rank moves <= 2/n of the model (today: rank 0
     receives the other ranks' experts and sends the whole model), in HF names and in SGLang's

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_gspo.dist import free_port
 from megatron_gspo.engines.embedded.model import HFPolicy
 from megatron_gspo.engines.embedded.tokenizer_manager import EmbeddedTokenizerManager
+from megatron_gspo.engines.sglang_loader import LOADER
 
 if TYPE_CHECKING:
     import uvicorn
@@ -61,7 +62,13 @@ def _install_sglang_app(model_path: str) -> FastAPI:
         from sglang.srt.runtime_context import publish
         from sglang.srt.server_args import ServerArgs
 
-        args = ServerArgs(model_path=model_path, device="cpu", skip_tokenizer_init=True)
+        # custom_weight_loader: this engine loads expert slices, as SGLang with our loader.
+        args = ServerArgs(
+            model_path=model_path,
+            device="cpu",
+            skip_tokenizer_init=True,
+            custom_weight_loader=[LOADER],
+        )
         args.resolve_once()
         publish(args, role="tokenizer")
         http_server.set_global_state(

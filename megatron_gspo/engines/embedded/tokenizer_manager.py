@@ -22,6 +22,7 @@ import torch
 
 from megatron_gspo.engines.embedded.model import HFPolicy
 from megatron_gspo.engines.routed_experts import RoutedExperts
+from megatron_gspo.engines.sglang_loader import LOADER
 from megatron_gspo.engines.weight_layout import unfuse_all
 from megatron_gspo.engines.weight_shards import EngineLayout
 from megatron_gspo.engines.wire import deserialize_named_tensors
@@ -323,9 +324,11 @@ class EmbeddedTokenizerManager:
     ):
         if (refused := self._outside_session(obj, "update_weights_from_tensor")) is not None:
             return refused
-        if obj.load_format not in (None, "direct", "flattened_bucket"):
+        # Our expert-slice loader (engines.sglang_loader) takes what `direct` takes and more.
+        direct = obj.load_format in ("direct", LOADER)
+        if not direct and obj.load_format not in (None, "flattened_bucket"):
             return False, f"embedded engine does not support load_format={obj.load_format!r}"
-        if obj.load_format == "direct" and len(obj.serialized_named_tensors) > 1:
+        if direct and len(obj.serialized_named_tensors) > 1:
             # Entry 0 of a per-rank cut is rank 0's shard only; this engine holds whole tensors.
             return False, (
                 f"embedded engine got {len(obj.serialized_named_tensors)} per-rank payloads in "
@@ -335,8 +338,8 @@ class EmbeddedTokenizerManager:
         payload = obj.serialized_named_tensors[0]
 
         def load() -> int:
-            named = deserialize_named_tensors(payload, obj.load_format)
-            if obj.load_format == "direct":  # SGLang's fused names: this engine holds HF names
+            named = deserialize_named_tensors(payload, "direct" if direct else obj.load_format)
+            if direct:  # SGLang's fused names (or slices): this engine holds HF names
                 named = list(unfuse_all(named, EngineLayout.of(self.policy.model.config, 1)))
             return self.policy.load_weights(named)
 
