@@ -284,6 +284,8 @@ def rank_main(
         cases["owners"] = dict(tensor, senders="owners")
         cases["owners hf"] = dict(tensor, senders="owners", layout="hf")
         cases["owners brx"] = dict(tensor, senders="owners", grouped_export="off")
+        # the experts gathered to one holder per engine rank first (verified pushes do this)
+        cases["owners gth"] = dict(tensor, senders="owners", expert_slices="off")
     if only:  # --rows: the sync rows asked for (the export rows always run)
         cases = {k: v for k, v in cases.items() if k in only}
     nbytes_sent = rows["export->r0"]["bytes"]
@@ -339,9 +341,36 @@ def rank_main(
             walked=report.stats.tensors_seen - report.stats.direct_experts,
             direct=report.stats.direct_experts,
         )
+    if engine_urls and (not only or "floor" in only):
+        norm = [  # the export is collective: every rank walks all of it
+            t.to(torch.bfloat16).clone()
+            for n, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)
+            if n == "model.norm.weight"
+        ][0]
+        if rank == 0:
+            rows["floor"] = _floor(bridge, norm, engine_urls, repeats)
     if rank != 0:
         return None
     return {"rows": rows, "memcpy": max(memcpy, _memcpy_gbps(nbytes_sent))}
+
+
+def _floor(bridge: Any, norm: torch.Tensor, engine_urls: list[str], repeats: int) -> dict:
+    """What every push into the real server pays whatever it sends: a weight-update session
+    (begin, one `direct` request of one small tensor, end, the version stamp), one sender."""
+    from megatron_gspo.engines.weight_shards import EngineLayout
+    from megatron_gspo.weights import hf_io
+
+    lay = EngineLayout.of(hf_io.hf_config_of(bridge), 1)
+    client = _sglang_client(engine_urls)
+    best = float("inf")
+    for i in range(repeats + 1):  # the first: warm-up
+        t = time.perf_counter()
+        with client.weight_update_session(f"floor-{i}"):
+            client.update_weights_from_tensor([("model.norm.weight", norm)], layout=lay)
+        best = min(best, time.perf_counter() - t) if i else best
+    client.close()
+    nbytes = norm.numel() * norm.element_size()
+    return dict(wall=best, bytes=nbytes, buckets=1, tensors=1, phases={}, collectives=0)
 
 
 def qwen3_moe_hf_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:

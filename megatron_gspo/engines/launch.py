@@ -184,8 +184,12 @@ def engine_gpu_ids(launch: LaunchConfig, per_node: list[int]) -> list[list[int]]
     return [[g + r for r in range(launch.tp_size)] for g in first]
 
 
-def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list[str]:
-    """The command line of engine `i` (interpreter: `python`, else `cfg.python`, else ours)."""
+def engine_command(
+    cfg: LaunchConfig, i: int, python: str | None = None, *, our_loader: bool = True
+) -> list[str]:
+    """The command line of engine `i` (interpreter: `python`, else `cfg.python`, else ours).
+    our_loader: SGLang gets our expert-slice loader (`--custom-weight-loader`); False where
+    its interpreter cannot import this package (the planner probes it)."""
     python = python or (cfg.python if cfg.backend == "sglang" else None) or sys.executable
     port = str(cfg.base_port + i)
     if cfg.backend == "embedded":
@@ -233,7 +237,10 @@ def engine_command(cfg: LaunchConfig, i: int, python: str | None = None) -> list
         cmd += ["--enable-deterministic-inference"]
     if cfg.api_key:
         cmd += ["--api-key", cfg.api_key]
-    return cmd + _with_our_loader(list(cfg.extra_args))
+    extra = list(cfg.extra_args)
+    # Expert slices from several senders (`engines.sglang_loader`); only where the engine's
+    # interpreter can import this package (the launcher puts it on PYTHONPATH).
+    return cmd + (_with_our_loader(extra) if our_loader else extra)
 
 
 def _with_our_loader(extra: list[str]) -> list[str]:

@@ -30,6 +30,9 @@ from megatron_gspo.plan.model_files import model_files_problem
 
 __all__ = ["LaunchCheck", "launch_check"]
 
+PACKAGE = "megatron_gspo"
+"""What the engines import our SGLang loader from (`engines.sglang_loader`)."""
+
 
 @dataclass
 class LaunchCheck:
@@ -39,6 +42,12 @@ class LaunchCheck:
     """One line each; empty: the launch files may be written."""
     router_python: str | None = None
     """The interpreter to start sglang-router with (disaggregated jobs)."""
+    engine_loader: bool = True
+    """Whether the engines' interpreter finds this package, so the engines get our expert
+    slice loader (`engines.sglang_loader`, `--custom-weight-loader`); without it they are
+    started without it and pushes send whole parameters (`weights.expert_slices`)."""
+    notes: list[str] = field(default_factory=list)
+    """Lines the planner prints that change nothing it refuses."""
 
 
 def launch_check(
@@ -66,7 +75,7 @@ def launch_check(
         )
         return out
     try:
-        engine = probe(engine_python, (*ENGINE_MODULES, ROUTER_MODULE))
+        engine = probe(engine_python, (*ENGINE_MODULES, ROUTER_MODULE, PACKAGE))
         trainer = (
             engine if trainer_python == engine_python else probe(trainer_python, (ROUTER_MODULE,))
         )
@@ -75,6 +84,13 @@ def launch_check(
         return out
     if p := engine_interpreter_problem(engine_python, engine["modules"]):
         out.problems.append(p)
+    out.engine_loader = bool(engine["modules"].get(PACKAGE))
+    if not out.engine_loader:
+        out.notes.append(
+            f"the engines' interpreter {engine_python} cannot import {PACKAGE}: the engines "
+            "start without our expert-slice loader and owners pushes gather each engine "
+            f"rank's experts first (export PYTHONPATH=<this checkout> in the job to use it)"
+        )
     if rollout_nodes:
         found = {
             engine_python: engine["modules"][ROUTER_MODULE],

@@ -392,11 +392,14 @@ def emit_launch(
     *,
     engine_python: str | None = None,
     router_python: str | None = None,
+    engine_loader: bool = True,
 ) -> list[str]:
     """Write what the Slurm scripts start: `engine<i>.argv` + `engine<i>.host` (NUL-separated
     argv from `engines.launch.engine_command`), `router.argv` (disaggregated), and
     `trainer.sets` (the trainer's `--set` overrides, NUL-separated), for `hosts` (the job's
-    nodes in Slurm order: trainer nodes first, then rollout nodes). Returns the `--set`s."""
+    nodes in Slurm order: trainer nodes first, then rollout nodes). Returns the `--set`s.
+    engine_loader: the engines can import this package (`LaunchCheck.engine_loader`), so
+    their command lines name our expert-slice loader."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     require(
@@ -416,7 +419,8 @@ def emit_launch(
         node.host = host
         node.num_engines = per_node
         for j in range(per_node):
-            argv = engine_command(node, j, python=engine_python or launch.python or "python3")
+            python = engine_python or launch.python or "python3"
+            argv = engine_command(node, j, python=python, our_loader=engine_loader)
             (out / f"engine{i}.argv").write_bytes(_nul(argv))
             (out / f"engine{i}.host").write_text(host)
             urls.append(node.engine_url(j))
@@ -534,8 +538,10 @@ def main(argv: list[str] | None = None) -> int:
             hosts = [h for h in (args.hosts or "").split(",") if h]
             sets = emit_launch(
                 cfg, plan, hosts, args.emit_launch, engine_python=args.engine_python,
-                router_python=check.router_python,
+                router_python=check.router_python, engine_loader=check.engine_loader,
             )  # fmt: skip
+            for note in check.notes:
+                print(f"plan: {note}", file=sys.stderr)
             # the topology of the trainer's config as the job runs it (the emitted overrides on
             # top), with the engines as the launch files start them
             final = load_config(args.config, args.overrides + sets)

@@ -398,6 +398,44 @@ def test_several_senders_in_sglang_layout(server, client, ckpt_a, weights_b, hom
         _restore(client, ckpt_a)
 
 
+def test_expert_slices_from_two_senders(server, client, ckpt_a, weights_b):
+    """`weights.expert_slices`: the launcher starts SGLang with our `--custom-weight-loader`
+    (its `/server_info` lists it), and two senders that each hold half of every layer's
+    experts (two trainer EP ranks) send their halves as slices of the stacked `w13_weight` /
+    `w2_weight` (`<param>@experts=<i>`, named by `rank_pieces`), with no gather: the server
+    then holds `weights_b` exactly, by SGLang's own checksum of every parameter."""
+    from transformers import AutoConfig
+
+    from megatron_gspo.engines.weight_layout import FusedParts, rank_pieces
+
+    assert client.takes_expert_slices()
+    named = _bf16(weights_b)
+    lay = EngineLayout.of(AutoConfig.from_pretrained(ckpt_a), 1)
+    shares: list[list] = [[], []]
+    sliced = []
+    for i, (n, x) in enumerate(fused_stream(named, lazy=True)):
+        if isinstance(x, FusedParts) and n.endswith(("w13_weight", "w2_weight")):
+            half = len(x.parts) // 2  # the first half of the experts (gate and up together)
+            shares[0].append((n, FusedParts(n, x.parts[:half])))
+            shares[1].append((n, FusedParts(n, x.parts[half:])))
+            sliced += [p.name for s in shares for p in rank_pieces([s[-1]], 0, lay)]
+        else:
+            shares[i % 2].append((n, x))
+    assert sliced and all("@experts=" in s for s in sliced)
+    assert {s.rsplit("=", 1)[1] for s in sliced} == {"0", str(lay.num_experts // 2)}
+    try:
+        client.begin_weight_update()
+        for share in shares:
+            transport = TensorTransport([client], layout=lay)
+            transport.stamps_last_bucket = False
+            for b in _buckets(share, per=4):
+                transport.send(b, version="slices-1", last=False)
+        client.end_weight_update()
+        assert sglang_checksums(named) == _engine_sums(client)  # every parameter, none extra
+    finally:
+        _restore(client, ckpt_a)
+
+
 def test_tensor_update_outside_a_session_is_refused(server, client, weights_b):
     with pytest.raises(EngineError) as e:
         client.update_weights_from_tensor(_bf16(weights_b)[:2])

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_gspo.engines.sglang_loader import LOADER
 from tests.plan.slurm_kit import ROOT, STANDINS, engine_venv, fake_nvidia_smi, workdir
 
 SCRIPTS = sorted((ROOT / "examples/slurm").glob("*.sbatch"))
@@ -131,6 +132,8 @@ def test_documented_job_passes_the_planner(
     run = steps(tmp_path)
     engines = [s for s in run if "sglang.launch_server" in s]
     assert engines and all(engine in s for s in engines)  # the engine venv's interpreter
+    # it finds the package (PYTHONPATH): the engines get our expert-slice loader
+    assert all(s[s.index("--custom-weight-loader") + 1] == LOADER for s in engines)
     routers = [s for s in run if "sglang_router.launch_router" in s]
     assert len(routers) == (1 if rollout else 0)
     for r in routers:  # from an interpreter that has it: not the engine venv
