@@ -22,8 +22,10 @@ Shape legend: E_l experts local to an engine rank, k experts in one slice.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the planner imports this module (engines.launch) without torch
+    import torch
 
 LOADER = "megatron_gspo.engines.sglang_loader.load_direct_or_slices"
 """The import path SGLang gets (`--custom-weight-loader`) and requests name (`load_format`)."""
