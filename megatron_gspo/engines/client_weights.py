@@ -4,6 +4,7 @@ client's control plane (`client_control.ControlPlane`: `_control`, `_in_thread`,
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -30,6 +31,14 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
 __all__ = ["WeightCalls"]
+
+
+def _lists_our_loader(raw: bytes) -> bool:
+    try:
+        loaders = json.loads(raw).get("custom_weight_loader") or []
+    except (ValueError, AttributeError):
+        return False
+    return LOADER in loaders
 
 
 class WeightCalls(ControlPlane):
@@ -180,9 +189,13 @@ class WeightCalls(ControlPlane):
         known: dict[str, bool] = self.__dict__.setdefault("_slices", {})
         urls = [u for u in self.config.engine_urls if u not in known]
         if urls:
-            res = self._control("/server_info", method="GET", retries=2)
-            for url, (_, raw) in res.items():
-                known[url] = LOADER in (json.loads(raw).get("custom_weight_loader") or [])
+            # Not `_control`: an engine without the route (another server, an older SGLang)
+            # takes whole parameters, it is not a failed engine; one that did not answer is
+            # asked again next push.
+            got = asyncio.run(self._acall("/server_info", dict.fromkeys(urls), method="GET"))
+            for url, (status, raw) in got.items():
+                if status < 500:
+                    known[url] = status == 200 and _lists_our_loader(raw)
         return all(known.get(u, False) for u in self.config.engine_urls)
 
     def weight_update_session(

@@ -47,6 +47,7 @@ import torch
 
 from megatron_gspo import dist, layout
 from megatron_gspo.engines.protocols import NoEnginesLeft, WeightReceiver
+from megatron_gspo.engines.sglang_loader import LOADER
 from megatron_gspo.engines.weight_layout import RankChecksums, Sendable, engine_layout
 from megatron_gspo.engines.weight_shards import EngineChecksums, EngineLayout
 from megatron_gspo.weights import fp8 as fp8_lib
@@ -164,6 +165,7 @@ class WeightSync:
         """This rank's transport as one of several senders (`weights.senders=owners`)."""
         self._owner_ready = False
         self._told_fallback = False
+        self._told_slices = False
         self._home = HomePath()  # colocated: each engine rank fed from its own GPU
 
     @property
@@ -310,7 +312,7 @@ class WeightSync:
         problem = owners_lib.grid_problem(grid)  # the same on every rank: all stop here
         if problem is not None:
             return self._agree(report, error or WeightSyncError(problem))
-        route = self._owner_route(grid)  # SGLang's own layout from every sender, or None
+        route = self._owner_route(grid, verify)  # SGLang's own layout from every sender
         home = self._home.plan(grid, route, self.send_engines, log=self.sender)
         if self.sender and error is None:
             try:
@@ -428,7 +430,7 @@ class WeightSync:
         self._verified = self._verified or outcome.verified
         return outcome
 
-    def _owner_route(self, grid: owners_lib.SenderGrid) -> ExpertRoute | None:
+    def _owner_route(self, grid: owners_lib.SenderGrid, verify: bool) -> ExpertRoute | None:
         """How every sender sends SGLang's own layout, or None: HF names, said once in the
         log (rank 0) when it is not for want of asking (`weights.layout=hf`)."""
         route, why = route_for(self.layout, self.model_layout, grid)
@@ -437,6 +439,22 @@ class WeightSync:
             logger.warning("weights.senders=owners sends HF names, not SGLang's layout: %s", why)
         if route is not None and grid.all_take_slices():
             route = replace(route, slices=True)
+        elif (
+            route is not None
+            and route.peers > 1
+            and not verify
+            and self.config.expert_slices == "auto"
+            and self.sender
+            and not self._told_slices
+        ):  # the engines that hold the push back (a gather per expert parameter), once
+            slow = [r for r, (s, t) in enumerate(zip(grid.sending, grid.slices)) if s and not t]
+            if slow:
+                self._told_slices = True
+                logger.warning(
+                    "weights.expert_slices=auto: the engines of rank(s) %s do not load expert "
+                    "slices (SGLang started without --custom-weight-loader %s); every rank's "
+                    "experts are gathered first", slow, LOADER,
+                )  # fmt: skip
         return route
 
     def _send_slices(self, verify: bool) -> bool:

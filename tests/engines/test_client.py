@@ -50,6 +50,7 @@ def test_every_request_the_client_sends_passes_sglang_validation(
         ).result()
     client.update_weights_from_disk(ckpt_a, weight_version="default")
     client.weight_version()
+    assert client.takes_expert_slices()  # /server_info lists our loader (engines.sglang_loader)
     client.weights_checksum()
     client.get_weights_by_name("lm_head.weight", 1)
     client.release_memory(["kv_cache"])
@@ -143,6 +144,20 @@ def test_4xx_is_not_retried_and_carries_sglang_message(refusing_engine, engine_a
     # Control calls report SGLang's message per engine, too.
     with pytest.raises(EngineError, match="no weight-update session is open"):
         _fast([engine_a.url]).end_weight_update()
+
+
+def test_expert_slices_are_asked_once_and_never_drop_an_engine(engine_a, refusing_engine):
+    """`takes_expert_slices` reads each engine's `/server_info` once: an engine without the
+    route (404) takes whole parameters; one that does not answer is asked again next time;
+    neither is dropped from the pool (it is a question, not a failed call)."""
+    assert _fast([engine_a.url]).takes_expert_slices()
+    client = _fast([engine_a.url, refusing_engine.url])  # it serves /generate only
+    assert not client.takes_expert_slices()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    client = _fast([engine_a.url, dead])
+    assert not client.takes_expert_slices()
+    assert client.__dict__["_slices"] == {engine_a.url: True}  # the dead one: asked again
+    assert set(client.pool.require_targets()) == {engine_a.url, dead}
 
 
 def test_inconsistent_sample_is_regenerated_nan_logprob_masked(engine_a, monkeypatch):

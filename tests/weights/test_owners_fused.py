@@ -143,13 +143,52 @@ def test_layouts_that_do_not_nest_send_hf_names_and_say_so_once(
     odd = SenderGrid(**{**{f: getattr(nested, f) for f in nested.__slots__},
                         "engine_eps": (frozenset({3}),) * 4})  # fmt: skip
     with caplog.at_level("WARNING", logger="megatron_gspo.weights.sync"):
-        route = sync._owner_route(nested)
+        route = sync._owner_route(nested, True)
         assert route is not None and route.peers == 4
-        assert sync._owner_route(odd) is None and sync._owner_route(odd) is None
+        assert sync._owner_route(odd, True) is None and sync._owner_route(odd, True) is None
     said = [r.getMessage() for r in caplog.records if "HF names" in r.getMessage()]
     assert len(said) == 1 and "do not nest" in said[0], said
     hf_sync = WeightSync(bridge, [FakeEngine()], WeightSyncConfig(senders="owners", layout="hf"))
-    assert hf_sync._owner_route(nested) is None
+    assert hf_sync._owner_route(nested, True) is None
+
+
+def test_slices_only_where_every_senders_engines_load_them_and_say_who_does_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each holder sends its experts as slices only when every sending rank's engines load
+    them (the same decision on every rank, from the gathered grid); otherwise the experts are
+    gathered, and an unverified push says once which ranks' engines hold it back."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
+    from tests.weights.fake_engine import FakeEngine
+
+    hf = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8}
+    bridge = SimpleNamespace(hf_pretrained=SimpleNamespace(config=hf))
+    sync = WeightSync(bridge, [FakeEngine()], WeightSyncConfig(senders="owners"))
+    base = _grid(0, (0, 1, 2, 3))
+    fields = {f: getattr(base, f) for f in base.__slots__}
+    every = SenderGrid(**{**fields, "slices": (True,) * 4})
+    one_not = SenderGrid(**{**fields, "slices": (True, True, False, True)})
+    idle = SenderGrid(**{**fields, "slices": (True, True, False, True),
+                         "sending": (True, True, False, True)})  # fmt: skip
+    with caplog.at_level("WARNING", logger="megatron_gspo.weights.sync"):
+        assert sync._owner_route(every, False).slices
+        assert sync._owner_route(idle, False).slices  # a rank that sends nothing: no vote
+        assert not sync._owner_route(one_not, True).slices  # verified: nothing said
+        assert not sync._owner_route(one_not, False).slices
+        assert not sync._owner_route(one_not, False).slices
+    said = [r.getMessage() for r in caplog.records if "expert slices" in r.getMessage()]
+    assert len(said) == 1 and "rank(s) [2]" in said[0], said
+    engine = FakeEngine()
+    cfg = WeightSyncConfig(senders="owners", expert_slices="off")
+    off = WeightSync(bridge, [engine], cfg, send_engines=[engine])
+    engine.slices = True
+    assert not off._send_slices(False)
+    auto = WeightSync(bridge, [engine], WeightSyncConfig(senders="owners"), send_engines=[engine])
+    assert auto._send_slices(False) and not auto._send_slices(True)
+    engine.slices = False
+    assert not auto._send_slices(False)
 
 
 def test_the_planner_counts_a_stacked_parameter_larger_than_a_bucket() -> None:
