@@ -236,8 +236,8 @@ class _Experts:
             if self._assign_slices(share) != self.grid.rank:
                 return None  # another replica sends this one
             # A slice of the engine rank's parameter (`rank_piece` names it by its experts).
-            members = list(zip(member_names(group, keys), mine, strict=True))
-            return group, FusedParts(group, members)
+            named = list(zip(member_names(group, keys), mine, strict=True))
+            return group, FusedParts(group, named)
         if self.dtype is not None and self.route.peers > 1:
             mine = [m.to(self.dtype) for m in mine]  # the gather moves what the engine takes
         receiver, peers = self._assign(share)
