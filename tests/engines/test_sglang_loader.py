@@ -52,17 +52,22 @@ def _share(group: str, experts: range, weights: dict[str, torch.Tensor]) -> Fuse
 
 
 class _Model(torch.nn.Module):
-    def __init__(self, n: int) -> None:
+    """An engine rank's two stacked expert parameters (zeros), of the rank's shapes."""
+
+    def __init__(self, n: int, w13: tuple[int, ...] = (), w2: tuple[int, ...] = ()) -> None:
         super().__init__()
-        self.w13 = torch.nn.Parameter(torch.zeros(n, 2 * INTER, H), requires_grad=False)
-        self.w2 = torch.nn.Parameter(torch.zeros(n, H, INTER), requires_grad=False)
+        w13, w2 = w13 or (n, 2 * INTER, H), w2 or (n, H, INTER)
+        self.w13 = torch.nn.Parameter(torch.zeros(w13), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.zeros(w2), requires_grad=False)
 
     def named_parameters(self, *a, **k):  # SGLang's names
         yield W13, self.w13
         yield W2, self.w2
 
 
-@pytest.mark.parametrize(("trainer_ep", "tp", "ep"), [(2, 1, 1), (4, 1, 1), (4, 2, 2), (8, 2, 2)])
+@pytest.mark.parametrize(
+    ("trainer_ep", "tp", "ep"), [(2, 1, 1), (4, 1, 1), (4, 2, 1), (4, 2, 2), (8, 2, 2)]
+)
 def test_slices_from_every_holder_load_the_whole_parameter(trainer_ep: int, tp: int, ep: int):
     """k = trainer EP / engine EP holders per engine rank each send their experts (no gather):
     each piece is named a slice at its first local expert, and loading every holder's pieces
@@ -74,7 +79,8 @@ def test_slices_from_every_holder_load_the_whole_parameter(trainer_ep: int, tp: 
     per = E // trainer_ep
     for r in range(tp):
         n_local = E // lay.ep_size
-        model = _Model(n_local)
+        shapes = [tuple(_rank_whole(g, whole[g], r, lay).shape) for g in (W13, W2)]
+        model = _Model(n_local, *shapes)
         names = []
         for holder in range(trainer_ep):
             held = range(holder * per, (holder + 1) * per)
