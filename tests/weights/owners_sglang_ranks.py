@@ -46,6 +46,7 @@ from megatron_gspo.megatron.model import (
 from megatron_gspo.testing.weights import hf_state
 from megatron_gspo.weights.sync import WeightSync, WeightSyncConfig
 from megatron_gspo.weights.verify import verify_engines
+from tests.weights.owners_ranks import CollectiveBytes
 
 BUCKET_MB = 64 / 1024  # 64 KiB: several requests per sender
 PATHS: dict[str, dict[str, Any]] = {
@@ -162,11 +163,12 @@ def one_server(
             hits: list[int] = []
             report: list[Any] = []
             try:
-                if corrupt:
-                    with corrupt_wire(CORRUPT) as hits:
+                with CollectiveBytes() as counted:
+                    if corrupt:
+                        with corrupt_wire(CORRUPT) as hits:
+                            err = _error(partial(_push, sync, model, report))
+                    else:
                         err = _error(partial(_push, sync, model, report))
-                else:
-                    err = _error(partial(_push, sync, model, report))
             finally:
                 sync.close()
             torch.distributed.barrier()
@@ -177,6 +179,9 @@ def one_server(
                 "ranks_written": sorted(RecordingClient.ranks_written),
                 "corrupted_pieces": len(hits),
                 "direct": sync.local_stats.direct_experts,
+                "received": counted.received,  # bytes over collectives and point to point
+                "sent": sync.local_stats.bytes_sent,  # bytes this rank sent to the server
+                "tensors": report[0].stats.tensors if report else 0,
             }
             if every is not None:
                 info["sums"] = _rank_sums(every)

@@ -133,6 +133,34 @@ def test_home_path_feeds_each_engine_rank_from_its_own_trainer_rank(
     assert [r["owners"]["ranks_written"] for r in results[ep]] == [[0, 1], [0, 1]]
 
 
+@pytest.mark.parametrize("ep", EPS, ids=["engine-ep1", "engine-ep2"])
+def test_bytes_each_rank_moves(servers: dict, results: dict, ep: int) -> None:
+    """Into the real server, as into the stand-in (tests/weights/test_owners.py): the one
+    sender gathers rank 1's experts and sends everything (rank 1 nothing); the owners send
+    the same bytes between them; the homes send each engine rank's part once, so the tensors
+    every TP rank holds whole (norms, router) twice. With engine EP = trainer EP (2) neither
+    moves a byte between trainer ranks; with engine EP 1 each home receives its engine rank's
+    half of the other EP rank's experts."""
+    from megatron_gspo.testing.weights import load_hf_state
+
+    rows = {p: [(r[p]["received"], r[p]["sent"]) for r in results[ep]] for p in PUSHES}
+    for p, per_rank in rows.items():
+        tensors = results[ep][0][p]["tensors"]
+        print(f"[tp2] engine EP {ep} {p:6s} tensors {tensors:3d} (received, sent) {per_rank}")
+    whole = sum(  # bf16 bytes of the parameters SGLang does not shard over TP
+        t.numel() * 2
+        for n, t in load_hf_state(servers["hf"]).items()
+        if n.endswith(("norm.weight", ".mlp.gate.weight"))
+    )
+    total = sum(s for _, s in rows["one"])
+    gathered = rows["one"][0][0]  # rank 1's experts, into rank 0
+    assert rows["one"][1] == (0, 0) and total > 0 and gathered > 0
+    assert sum(s for _, s in rows["owners"]) == total, rows
+    assert [s for _, s in rows["home"]] == [(total + whole) // 2] * 2, (rows, whole)
+    received = [r for r, _ in rows["owners"]] + [r for r, _ in rows["home"]]
+    assert received == ([0] * 4 if ep == 2 else [gathered // 2] * 4), rows
+
+
 @pytest.mark.parametrize("path", PUSHES)
 @pytest.mark.parametrize("ep", EPS, ids=["engine-ep1", "engine-ep2"])
 def test_a_corrupted_expert_slice_fails_every_check(results: dict, ep: int, path: str) -> None:
