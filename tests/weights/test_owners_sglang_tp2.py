@@ -40,7 +40,9 @@ from megatron_gspo.testing.harness import spawn_ranks
 from tests.engines.helpers import rescore
 from tests.weights import owners_sglang_ranks
 
-pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.timeout(900)]
+# the first test also starts both servers (8 processes importing SGLang on 2 cores: ~70 s at
+# load 4-5, allowed 600 s under the full suite's load) and the trainer launch
+pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.timeout(1200)]
 EPS = (1, 2)
 PUSHES = ("one", "owners", "home")
 MOE_INTERMEDIATE = 64
@@ -63,7 +65,7 @@ def servers(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         for ep in EPS:
             cfg = sglang_server.cpu_launch_config(
                 hf, python=engine_python, base_port=free_port(), tp_size=2, ep_size=ep,
-                log_dir=str(root / f"logs_ep{ep}"),
+                log_dir=str(root / f"logs_ep{ep}"), startup_timeout_s=600.0,
                 # EP 2 cannot generate on CPU (test_ep2_server_generates): no warm-up request
                 extra_args=["--skip-server-warmup"] if ep > 1 else [],
             )  # fmt: skip
