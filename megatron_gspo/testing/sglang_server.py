@@ -56,3 +56,30 @@ def cpu_launch_config(model_path: str, *, python: str, **overrides: object) -> L
     )
     fields.update(overrides)
     return LaunchConfig(**fields)
+
+
+def cpu_tp_env(env: dict[str, str], tp_size: int) -> dict[str, str]:
+    """`env` for a real SGLang 0.5.23 server on CPU with `--tp-size` > 1 (measured: without
+    these it does not start on a 1-NUMA-node host with PyPI's CUDA build of torch):
+
+    - `SGLANG_CPU_OMP_THREADS_BIND`: SGLang asserts TP ranks <= NUMA nodes unless each rank's
+      cores are given (`srt/utils/numa_utils.py` `init_threads_binding`); this host's cores
+      are split into `tp_size` contiguous groups (shared round-robin when fewer cores).
+    - `SGLANG_NCCL_SO_PATH` pointing nowhere: the engine venv's torch is the CUDA build, so
+      SGLang finds `libnccl.so.2` and builds a `PyNcclCommunicator` for the TP group, which
+      asks `torch.cuda.device(cpu)` ("Expected a cuda device"); without the library it is
+      disabled (`available = False`), as on a CPU build of torch, and the TP all-reduces run
+      on the gloo group.
+    """
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= tp_size:
+        per = len(cores) // tp_size
+        groups = [cores[r * per : (r + 1) * per] for r in range(tp_size)]
+    else:
+        groups = [[cores[r % len(cores)]] for r in range(tp_size)]
+    out = dict(env)
+    out["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+    out["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so.2"
+    return out

@@ -168,6 +168,17 @@ def test_cpu_command_line(ckpt_a):
     assert env["PYTHONPATH"].split(os.pathsep) == [str(STUB_DIR), "/x"]
 
 
+def test_cpu_tp_env(monkeypatch):
+    """A TP-2 CPU server's env (tests/weights/test_owners_sglang_tp2.py starts them): each TP
+    rank its own cores, SGLang's NCCL lookup pointed at no file; what is there stays."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
+    env = sglang_server.cpu_tp_env({"A": "1"}, 2)
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0,1|2,3" and env["A"] == "1"
+    assert not os.path.exists(env["SGLANG_NCCL_SO_PATH"])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {5})
+    assert sglang_server.cpu_tp_env({}, 2)["SGLANG_CPU_OMP_THREADS_BIND"] == "5|5"
+
+
 def test_stub_check_can_fail(tmp_path):
     log = tmp_path / "stub.log"
     log.write_text("1 imported rmsnorm\n1 op initialize 1 0\n")
