@@ -270,14 +270,41 @@ def server_env(env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-def cpu_engine_env(env: dict[str, str]) -> dict[str, str]:
+def cpu_engine_env(env: dict[str, str], tp_size: int = 1) -> dict[str, str]:
     """`env` for a real SGLang server on CPU: its CPU engine switched on and our test-only
-    `sgl_kernel` stand-in first on PYTHONPATH (see megatron_gspo/engines/sgl_kernel_cpu)."""
+    `sgl_kernel` stand-in first on PYTHONPATH (see megatron_gspo/engines/sgl_kernel_cpu);
+    with `tp_size` > 1, what SGLang 0.5.23 needs to start its ranks (`cpu_tp_env`)."""
     from megatron_gspo.engines.sgl_kernel_cpu import STUB_DIR
 
     out = dict(env)
     out["SGLANG_USE_CPU_ENGINE"] = "1"
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUB_DIR), env.get("PYTHONPATH")) if p)
+    return cpu_tp_env(out, tp_size) if tp_size > 1 else out
+
+
+def cpu_tp_env(env: dict[str, str], tp_size: int) -> dict[str, str]:
+    """`env` for a real SGLang 0.5.23 server on CPU with `--tp-size` > 1 (measured: without
+    these it does not start on a 1-NUMA-node host with PyPI's CUDA build of torch); values
+    already in `env` are kept:
+
+    - `SGLANG_CPU_OMP_THREADS_BIND`: SGLang asserts TP ranks <= NUMA nodes unless each rank's
+      cores are given (`srt/utils/numa_utils.py` `init_threads_binding`); this host's cores
+      are split into `tp_size` contiguous groups (shared round-robin when fewer cores).
+    - `SGLANG_NCCL_SO_PATH` pointing nowhere: the engine venv's torch is the CUDA build, so
+      SGLang finds `libnccl.so.2` and builds a `PyNcclCommunicator` for the TP group, which
+      asks `torch.cuda.device(cpu)` ("Expected a cuda device"); without the library it is
+      disabled (`available = False`), as on a CPU build of torch, and the TP all-reduces run
+      on the gloo group.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= tp_size:
+        per = len(cores) // tp_size
+        groups = [cores[r * per : (r + 1) * per] for r in range(tp_size)]
+    else:
+        groups = [[cores[r % len(cores)]] for r in range(tp_size)]
+    out = dict(env)
+    out.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, g)) for g in groups))
+    out.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2")
     return out
 
 
@@ -332,7 +359,7 @@ class ServerGroup:
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if cpu_engine:
-            env = cpu_engine_env(env)
+            env = cpu_engine_env(env, self.cfg.tp_size)
         out = None
         if self.cfg.log_dir:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)

@@ -59,27 +59,8 @@ def cpu_launch_config(model_path: str, *, python: str, **overrides: object) -> L
 
 
 def cpu_tp_env(env: dict[str, str], tp_size: int) -> dict[str, str]:
-    """`env` for a real SGLang 0.5.23 server on CPU with `--tp-size` > 1 (measured: without
-    these it does not start on a 1-NUMA-node host with PyPI's CUDA build of torch):
+    """`engines.launch.cpu_tp_env`: what a real SGLang server on CPU with `--tp-size` > 1
+    needs (the launcher applies it to the CPU servers it starts)."""
+    from megatron_gspo.engines.launch import cpu_tp_env as launcher_env
 
-    - `SGLANG_CPU_OMP_THREADS_BIND`: SGLang asserts TP ranks <= NUMA nodes unless each rank's
-      cores are given (`srt/utils/numa_utils.py` `init_threads_binding`); this host's cores
-      are split into `tp_size` contiguous groups (shared round-robin when fewer cores).
-    - `SGLANG_NCCL_SO_PATH` pointing nowhere: the engine venv's torch is the CUDA build, so
-      SGLang finds `libnccl.so.2` and builds a `PyNcclCommunicator` for the TP group, which
-      asks `torch.cuda.device(cpu)` ("Expected a cuda device"); without the library it is
-      disabled (`available = False`), as on a CPU build of torch, and the TP all-reduces run
-      on the gloo group.
-    """
-    import os
-
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= tp_size:
-        per = len(cores) // tp_size
-        groups = [cores[r * per : (r + 1) * per] for r in range(tp_size)]
-    else:
-        groups = [[cores[r % len(cores)]] for r in range(tp_size)]
-    out = dict(env)
-    out["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
-    out["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so.2"
-    return out
+    return launcher_env(env, tp_size)

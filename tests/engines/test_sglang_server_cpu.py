@@ -177,6 +177,10 @@ def test_cpu_tp_env(monkeypatch):
     assert not os.path.exists(env["SGLANG_NCCL_SO_PATH"])
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {5})
     assert sglang_server.cpu_tp_env({}, 2)["SGLANG_CPU_OMP_THREADS_BIND"] == "5|5"
+    # the launcher's CPU env: only for TP > 1, and a binding the user set is kept
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in cpu_engine_env({}, 1)
+    mine = cpu_engine_env({"SGLANG_CPU_OMP_THREADS_BIND": "0|0"}, 2)
+    assert mine["SGLANG_CPU_OMP_THREADS_BIND"] == "0|0" and "SGLANG_NCCL_SO_PATH" in mine
 
 
 def test_stub_check_can_fail(tmp_path):

@@ -53,6 +53,8 @@ PATHS: dict[str, dict[str, Any]] = {
     "ref": {"senders": "one", "layout": "hf"},
     "one": {"senders": "one"},
     "owners": {"senders": "owners"},
+    # unverified: each rank's experts as slices where an engine rank's span both trainer ranks
+    "slices": {"senders": "owners", "verify_every": 0},
     "home": {"senders": "owners"},  # with engine_gpu_ids: the colocated home path
 }
 CORRUPT = (1, "model.layers.1.mlp.experts.w2_weight")
@@ -64,6 +66,7 @@ class RecordingClient(SGLangClient):
     ranks got a non-empty entry (the home path fills only its own rank's)."""
 
     ranks_written: set[int] = set()  # class-level: `one_engine` builds new instances
+    names: set[str] = set()  # the pieces' names (expert slices: `<param>@experts=<i>`)
 
     def update_weights_from_tensor(self, named_tensors: Any, **kw: Any) -> None:
         layout = kw.get("layout")
@@ -71,8 +74,9 @@ class RecordingClient(SGLangClient):
             (tp,) = self.engine_tp_sizes()
             lay = engine_layout(layout, tp)
             for r in range(tp):
-                if rank_pieces(named_tensors, r, lay):
+                if pieces := rank_pieces(named_tensors, r, lay):
                     RecordingClient.ranks_written.add(r)
+                    RecordingClient.names.update(p.name for p in pieces)
         super().update_weights_from_tensor(named_tensors, **kw)
 
 
@@ -148,17 +152,18 @@ def one_server(
         every = SGLangClient(cfg) if rank == 0 else None
         mine = RecordingClient(cfg)
         # The corrupted push first: the clean one leaves the trainer's weights on the server.
-        for corrupt in (True, False) if path != "ref" else (False,):
+        for corrupt in (True, False) if path not in ("ref", "slices") else (False,):
             if every is not None:
                 every.update_weights_from_disk(server["other"], weight_version="reset")
                 if path == "ref":
                     out["reset_sums"] = _rank_sums(every)  # what a push that wrote nothing leaves
             torch.distributed.barrier()
-            RecordingClient.ranks_written = set()
-            sync_cfg = WeightSyncConfig(
+            RecordingClient.ranks_written, RecordingClient.names = set(), set()
+            base = dict(
                 transport="tensor", bucket_mb=BUCKET_MB, verify_every=1, dtype="bfloat16",
-                engine_ep_size=ep, **kw,
+                engine_ep_size=ep,
             )  # fmt: skip
+            sync_cfg = WeightSyncConfig(**{**base, **kw})
             sync = WeightSync(bridge, [every] if every else [], sync_cfg, send_engines=[mine])
             hits: list[int] = []
             report: list[Any] = []
@@ -177,6 +182,7 @@ def one_server(
                 "push_error": err,
                 "verified": bool(report and report[0].verified),
                 "ranks_written": sorted(RecordingClient.ranks_written),
+                "slice_names": sorted(n for n in RecordingClient.names if "@experts=" in n),
                 "corrupted_pieces": len(hits),
                 "direct": sync.local_stats.direct_experts,
                 "received": counted.received,  # bytes over collectives and point to point

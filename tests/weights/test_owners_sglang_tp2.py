@@ -12,16 +12,16 @@ checksums read back against those after the HF-named push, where SGLang itself m
 tensor. A push with one engine rank's expert slice corrupted on the sender (after hashing)
 must fail all three.
 
-What a TP-2 server on CPU needs (measured, `sglang_server.cpu_tp_env`): per-rank core binding
-and no NCCL library; MoE intermediate sizes that are a multiple of TP x 32 (SGLang pads them on
-CPU: `adjust_config_with_unaligned_cpu_tp`, so the checkpoint here uses 64); with `--ep-size 2`
-it cannot generate (last test), so that server starts without its warm-up generation.
+What a TP-2 server on CPU needs (measured; the launcher applies the first two:
+`engines.launch.cpu_tp_env`): per-rank core binding and no NCCL library; MoE intermediate sizes
+that are a multiple of TP x 32 (SGLang pads them on CPU: `adjust_config_with_unaligned_cpu_tp`,
+so the checkpoint here uses 64); with `--ep-size 2` it cannot generate (last test), so that
+server starts without its warm-up generation.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -69,8 +69,8 @@ def servers(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 # EP 2 cannot generate on CPU (test_ep2_server_generates): no warm-up request
                 extra_args=["--skip-server-warmup"] if ep > 1 else [],
             )  # fmt: skip
-            env = sglang_server.cpu_tp_env(dict(os.environ), 2)
-            groups[ep] = ServerGroup(cfg, env=env).start(wait=False)
+            # the launcher gives a CPU server of TP 2 its env (engines.launch.cpu_tp_env)
+            groups[ep] = ServerGroup(cfg).start(wait=False)
         for ep, group in groups.items():
             # /model_info answers once the scheduler has loaded the model; /health_generate
             # would generate, which the EP-2 server cannot
@@ -125,6 +125,29 @@ def test_sglang_layout_push_equals_the_hf_named_push(results: dict, ep: int, pat
 
 
 @pytest.mark.parametrize("ep", EPS, ids=["engine-ep1", "engine-ep2"])
+def test_unverified_owners_push_sends_experts_as_slices(results: dict, ep: int) -> None:
+    """`weights.expert_slices`: the servers our launcher starts load slices, so an unverified
+    owners push into the TP-2 / EP-1 server (each engine rank's experts spread over both
+    trainer EP ranks) sends each trainer rank's experts as slices at its first expert and
+    moves no byte between trainer ranks (the verified owners push gathered them: the
+    reference that can fail); into the TP-2 / EP-2 server (each engine rank's experts on one
+    trainer rank) whole parameters. Both read back as after the HF-named push and pass
+    SGLang's checksums of the export."""
+    for ep_rank, r in enumerate(results[ep]):
+        info = r["slices"]
+        assert info["push_error"] == "" and not info["verified"], info["push_error"]
+        assert info["received"] == 0
+        if ep == 1:  # w13 and w2 of 2 layers, at the rank's first expert (2 local experts)
+            assert len(info["slice_names"]) == 4, info["slice_names"]
+            assert {n.rsplit("=", 1)[1] for n in info["slice_names"]} == {str(2 * ep_rank)}
+            assert r["owners"]["received"] > 0
+        else:
+            assert info["slice_names"] == []
+    info = results[ep][0]["slices"]
+    assert info["independent"] == "" and info["vs_ref"] == []
+
+
+@pytest.mark.parametrize("ep", EPS, ids=["engine-ep1", "engine-ep2"])
 def test_home_path_feeds_each_engine_rank_from_its_own_trainer_rank(
     results: dict, ep: int
 ) -> None:
@@ -142,7 +165,8 @@ def test_bytes_each_rank_moves(servers: dict, results: dict, ep: int) -> None:
     the same bytes between them; the homes send each engine rank's part once, so the tensors
     every TP rank holds whole (norms, router) twice. With engine EP = trainer EP (2) neither
     moves a byte between trainer ranks; with engine EP 1 each home receives its engine rank's
-    half of the other EP rank's experts."""
+    half of the other EP rank's experts, and each owner the other EP rank's experts of the
+    parameters it sends, cast to the push dtype first (bf16: a quarter of the fp32 gather)."""
     from megatron_gspo.testing.weights import load_hf_state
 
     rows = {p: [(r[p]["received"], r[p]["sent"]) for r in results[ep]] for p in PUSHES}
@@ -160,7 +184,9 @@ def test_bytes_each_rank_moves(servers: dict, results: dict, ep: int) -> None:
     assert sum(s for _, s in rows["owners"]) == total, rows
     assert [s for _, s in rows["home"]] == [(total + whole) // 2] * 2, (rows, whole)
     received = [r for r, _ in rows["owners"]] + [r for r, _ in rows["home"]]
-    assert received == ([0] * 4 if ep == 2 else [gathered // 2] * 4), rows
+    # engine EP 1: the owners gather moves the push dtype (bf16, half the model's fp32 bytes),
+    # the homes their peers' experts as held (fp32)
+    assert received == ([0] * 4 if ep == 2 else [gathered // 4] * 2 + [gathered // 2] * 2), rows
 
 
 @pytest.mark.parametrize("path", PUSHES)
