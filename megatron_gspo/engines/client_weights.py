@@ -187,7 +187,8 @@ class WeightCalls(ControlPlane):
         `custom_weight_loader` (`engines.sglang_loader`; the launcher passes it). Asked once
         per engine URL."""
         known: dict[str, bool] = self.__dict__.setdefault("_slices", {})
-        urls = [u for u in self.config.engine_urls if u not in known]
+        live = self.pool.control_targets()  # a dropped engine gets no push: not asked
+        urls = [u for u in live if u not in known]
         if urls:
             # Not `_control`: an engine without the route (another server, an older SGLang)
             # takes whole parameters, it is not a failed engine; one that did not answer is
@@ -196,7 +197,7 @@ class WeightCalls(ControlPlane):
             for url, (status, raw) in got.items():
                 if status < 500:
                     known[url] = status == 200 and _lists_our_loader(raw)
-        return all(known.get(u, False) for u in self.config.engine_urls)
+        return bool(live) and all(known.get(u, False) for u in live)
 
     def weight_update_session(
         self, weight_version: str | None = None

@@ -149,7 +149,8 @@ def test_4xx_is_not_retried_and_carries_sglang_message(refusing_engine, engine_a
 def test_expert_slices_are_asked_once_and_never_drop_an_engine(engine_a, refusing_engine):
     """`takes_expert_slices` reads each engine's `/server_info` once: an engine without the
     route (404) takes whole parameters; one that does not answer is asked again next time;
-    neither is dropped from the pool (it is a question, not a failed call)."""
+    neither is dropped from the pool (it is a question, not a failed call); engines the pool
+    dropped are not asked."""
     assert _fast([engine_a.url]).takes_expert_slices()
     client = _fast([engine_a.url, refusing_engine.url])  # it serves /generate only
     assert not client.takes_expert_slices()
@@ -158,6 +159,8 @@ def test_expert_slices_are_asked_once_and_never_drop_an_engine(engine_a, refusin
     assert not client.takes_expert_slices()
     assert client.__dict__["_slices"] == {engine_a.url: True}  # the dead one: asked again
     assert set(client.pool.require_targets()) == {engine_a.url, dead}
+    client.pool.drop(dead, "test")  # a dropped engine gets no push, so it is not asked
+    assert client.takes_expert_slices()
 
 
 def test_inconsistent_sample_is_regenerated_nan_logprob_masked(engine_a, monkeypatch):
