@@ -11,8 +11,9 @@ the rank's `(name, tensor)` list). This one loads what `direct` loads, and also 
 `<param>@experts=<i>`: the tensor's rows are the parameter's local experts i, i + 1, ... (dim
 0), so every trainer rank sends its own experts straight into place.
 
-This module runs inside SGLang's scheduler processes (the engine's interpreter): it imports
-only torch and the standard library. The engine launcher (`launch.engine_command`) passes
+This module runs inside SGLang's scheduler processes (the engine's interpreter): at import it
+needs only the standard library (the trainer's planner imports it too), and in a call SGLang's
+own `default_weight_loader`. The engine launcher (`launch.engine_command`) passes
 `--custom-weight-loader LOADER`; a client sends slices only to engines whose `/server_info`
 lists it (`client_weights.takes_expert_slices`).
 
