@@ -238,11 +238,11 @@ class _Experts:
             # A slice of the engine rank's parameter (`rank_piece` names it by its experts).
             named = list(zip(member_names(group, keys), mine, strict=True))
             return group, FusedParts(group, named)
-        if self.dtype is not None and self.route.peers > 1:
-            mine = [m.to(self.dtype) for m in mine]  # the gather moves what the engine takes
         receiver, peers = self._assign(share)
         if self.grid.rank not in peers:
             return None  # another replica sends this one
+        if self.dtype is not None and self.route.peers > 1:
+            mine = [m.to(self.dtype) for m in mine]  # the gather moves what the engine takes
         if self.grid.rank != receiver:
             # One message per peer: this rank's experts of the parameter back to back. A
             # blocking send cannot deadlock: the receiver posts its recv at this same place of
