@@ -21,6 +21,7 @@ never cross GPUs").
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,12 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.weight_sync import QWEN3, qwen3_moe_hf_shapes  # noqa: E402
 
 
-def simulate(cfg: dict, trainer_ep: int, engine_tp: int, engine_ep: int) -> dict[str, float]:
-    """Every rank's decisions for one push; returns the table's numbers."""
+def simulate(
+    cfg: dict, trainer_ep: int, engine_tp: int, engine_ep: int, slices: bool = False
+) -> dict[str, float]:
+    """Every rank's decisions for one push; returns the table's numbers. slices: the engines
+    load expert slices and the push is unverified (`weights.expert_slices`): each rank sends
+    its own experts, no gather."""
     from megatron_gspo.engines.weight_layout import engine_layout, fused_stream
     from megatron_gspo.engines.weight_shards import EngineLayout
     from megatron_gspo.weights.owners import SenderGrid
@@ -55,6 +60,7 @@ def simulate(cfg: dict, trainer_ep: int, engine_tp: int, engine_ep: int) -> dict
     ]
     route, why = expert_route(grids[0], {lay.ep_size}, cfg["num_experts"])
     assert route is not None, why
+    route = dataclasses.replace(route, slices=slices)
     loads = [_Loads(g.scope()) for g in grids]
     experts = [_Experts(g, route, x) for g, x in zip(grids, loads, strict=True)]
     recv, sent, tensors = [0] * n, [0] * n, [0] * n
@@ -65,6 +71,12 @@ def simulate(cfg: dict, trainer_ep: int, engine_tp: int, engine_ep: int) -> dict
         size = item.numel() * 2
         if name.endswith((".w13_weight", ".w2_weight")):
             share = size // n
+            if route.slices and route.peers > 1:  # every rank its own experts, a slice each
+                for r, x in enumerate(experts):
+                    assert x._assign_slices(share) == r  # one replica per EP rank here
+                    sent[r] += share
+                    tensors[r] += 1
+                continue
             for r, (receiver, peers) in enumerate(x._assign(share) for x in experts):
                 if r == receiver:
                     recv[r] += (len(peers) - 1) * share
@@ -146,10 +158,12 @@ def main() -> None:
         "max GB received | busiest / model | 2/n |"
     )
     print("|---|---:|---:|---|---:|---:|---:|---:|")
-    for tp, ep in ((2, 1), (8, 8), (1, 1)):
-        r = simulate(cfg, 8, tp, ep)
+    for tp, ep, slices in ((2, 1, False), (2, 1, True), (8, 8, False), (1, 1, False),
+                           (1, 1, True)):  # fmt: skip
+        r = simulate(cfg, 8, tp, ep, slices)
         print(
-            f"| {tp} / {ep} | {r['k']} | {r['tensors']} | {r['tensors_min']}-{r['tensors_max']} "
+            f"| {tp} / {ep}{' slices' if slices else ''} | {r['k']} | {r['tensors']} "
+            f"| {r['tensors_min']}-{r['tensors_max']} "
             f"| {r['sent_gb_max']:.2f} | {r['recv_gb_max']:.2f} | {r['busiest']:.3f} "
             f"| {r['bound']:.2f} |"
         )
