@@ -56,11 +56,3 @@ def cpu_launch_config(model_path: str, *, python: str, **overrides: object) -> L
     )
     fields.update(overrides)
     return LaunchConfig(**fields)
-
-
-def cpu_tp_env(env: dict[str, str], tp_size: int) -> dict[str, str]:
-    """`engines.launch.cpu_tp_env`: what a real SGLang server on CPU with `--tp-size` > 1
-    needs (the launcher applies it to the CPU servers it starts)."""
-    from megatron_gspo.engines.launch import cpu_tp_env as launcher_env
-
-    return launcher_env(env, tp_size)

@@ -462,6 +462,8 @@ class WeightSync:
         (`weights.expert_slices`: auto, an unverified push, engines that load them)."""
         if self.config.expert_slices != "auto" or verify or not self.send_engines:
             return False
+        if self.layout != "engine":  # HF names: nothing to slice, no engine asked
+            return False
         return all(e.takes_expert_slices() for e in self.send_engines)
 
     def _expert_batch_bytes(self) -> int:

@@ -23,7 +23,12 @@ import torch
 
 from megatron_gspo.dist import free_port
 from megatron_gspo.engines.client import ClientConfig, SGLangClient
-from megatron_gspo.engines.launch import LaunchConfig, cpu_engine_env, engine_command
+from megatron_gspo.engines.launch import (
+    LaunchConfig,
+    cpu_engine_env,
+    cpu_tp_env,
+    engine_command,
+)
 from megatron_gspo.engines.protocols import EngineError
 from megatron_gspo.engines.sgl_kernel_cpu import (
     LOG_ENV,
@@ -172,11 +177,11 @@ def test_cpu_tp_env(monkeypatch):
     """A TP-2 CPU server's env (tests/weights/test_owners_sglang_tp2.py starts them): each TP
     rank its own cores, SGLang's NCCL lookup pointed at no file; what is there stays."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
-    env = sglang_server.cpu_tp_env({"A": "1"}, 2)
+    env = cpu_tp_env({"A": "1"}, 2)
     assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0,1|2,3" and env["A"] == "1"
     assert not os.path.exists(env["SGLANG_NCCL_SO_PATH"])
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {5})
-    assert sglang_server.cpu_tp_env({}, 2)["SGLANG_CPU_OMP_THREADS_BIND"] == "5|5"
+    assert cpu_tp_env({}, 2)["SGLANG_CPU_OMP_THREADS_BIND"] == "5|5"
     # the launcher's CPU env: only for TP > 1, and a binding the user set is kept
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in cpu_engine_env({}, 1)
     mine = cpu_engine_env({"SGLANG_CPU_OMP_THREADS_BIND": "0|0"}, 2)

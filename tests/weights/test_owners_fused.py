@@ -187,6 +187,8 @@ def test_slices_only_where_every_senders_engines_load_them_and_say_who_does_not(
     assert not off._send_slices(False)
     auto = WeightSync(bridge, [engine], WeightSyncConfig(senders="owners"), send_engines=[engine])
     assert auto._send_slices(False) and not auto._send_slices(True)
+    named = WeightSyncConfig(senders="owners", layout="hf")  # HF names: nothing to slice
+    assert not WeightSync(bridge, [engine], named, send_engines=[engine])._send_slices(False)
     engine.slices = False
     assert not auto._send_slices(False)
 
